@@ -1,0 +1,16 @@
+"""hf_raincheck: deferred multimodal prefill ("Raincheck") for Hugging Face transformers VLMs."""
+
+from .cache import DeferralPlan, DeferredPrefillCache
+from .config import RaincheckConfig
+from .generation import FixedChunkSchedule, complete_deferred, enable_raincheck
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "RaincheckConfig",
+    "enable_raincheck",
+    "DeferredPrefillCache",
+    "DeferralPlan",
+    "complete_deferred",
+    "FixedChunkSchedule",
+]

@@ -1,0 +1,72 @@
+"""Routes a text-attention call either to a Raincheck backend or back to the model's own implementation.
+
+`install(model_attention_modules)` gives each text attention module a private copy of its config whose
+``_attn_implementation`` is ``"raincheck"``; the function registered under that name (in transformers'
+`AttentionInterface`, an additive registration) looks for the ``raincheck_backend`` keyword that only
+Raincheck's own forwards pass. Without it, the call goes to the implementation the model was loaded with,
+unchanged, so plain `forward`/`generate` calls behave exactly as before.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import torch
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .naive import naive_attention
+from .sdpa import sdpa_attention
+
+NAME = "raincheck"
+BACKENDS = {"eager": naive_attention, "sdpa": sdpa_attention}
+
+
+def resolve_backend(name: str) -> str:
+    """``auto`` -> the fastest backend available here (sdpa until the flash backend lands)."""
+    return "sdpa" if name == "auto" else name
+
+
+def _base_attention(module, base_impl: str):
+    if base_impl in (None, "eager"):
+        return getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+    return ALL_ATTENTION_FUNCTIONS[base_impl]
+
+
+def raincheck_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    backend = kwargs.pop("raincheck_backend", None)
+    if backend is None:
+        base_impl = module._raincheck_base_config._attn_implementation
+        return _base_attention(module, base_impl)(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    out = BACKENDS[backend](query, key, value, attention_mask, scaling)
+    return out, None
+
+
+AttentionInterface.register(NAME, raincheck_attention)
+
+
+def install(attention_modules) -> None:
+    """Points these attention modules at the dispatcher (idempotent; instance-level only)."""
+    for module in attention_modules:
+        if getattr(module, "_raincheck_base_config", None) is not None:
+            continue
+        base = module.config
+        private = copy.copy(base)
+        private._attn_implementation_internal = NAME
+        module._raincheck_base_config = base
+        module.config = private
+
+
+def uninstall(attention_modules) -> None:
+    for module in attention_modules:
+        base = getattr(module, "_raincheck_base_config", None)
+        if base is not None:
+            module.config = base
+            del module._raincheck_base_config
+
+

@@ -1,0 +1,7 @@
+"""The Raincheck cache: logical-slot KV layers plus the deferred store and plans."""
+
+from .deferred_cache import DeferredPrefillCache, RestoreStats
+from .plan import DeferralPlan
+from .slot_layer import SlotLayer
+
+__all__ = ["DeferredPrefillCache", "DeferralPlan", "RestoreStats", "SlotLayer"]

@@ -1,0 +1,109 @@
+"""`RaincheckConfig`: every knob of deferred multimodal prefill, validated at construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Union
+
+POLICIES = ("full", "hard", "raincheck")
+COMPLETIONS = ("blocking", "next_turn")
+ATTN_BACKENDS = ("auto", "sdpa", "eager")
+VISIBILITIES = ("boundary", "causal")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"RaincheckConfig.{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"RaincheckConfig.{name} must be one of {list(allowed)}, got {value!r}")
+
+
+@dataclass
+class RaincheckConfig:
+    """How `generate` prefills the visual tokens of a prompt.
+
+    Args:
+        policy: ``"raincheck"`` (prefill the kept tokens first, restore the deferred ones later),
+            ``"hard"`` (prefill the kept tokens, never restore the rest: the pruning baseline) or
+            ``"full"`` (plain prefill of everything).
+        retention: fraction rho in (0, 1] of each image span / video frame kept for the first prefill;
+            span m of N_m tokens keeps ``N_m - floor((1 - rho) * N_m)`` tokens.
+        chunk_size: deferred tokens carried by one fused decode step (>= 1).
+        guard_tokens: decode steps 1..guard_tokens carry no deferred tokens (>= 0).
+        pruning: a registered selector name (see ``hf_raincheck.pruning.available_selectors()``) or a
+            callable ``fn(ctx) -> LongTensor`` of kept indices into ``input_ids[0]``.
+        pruning_options: keyword options passed to a registered selector.
+        completion: what happens to deferred tokens still pending when the answer ends:
+            ``"blocking"`` (prefill them before `generate` returns) or ``"next_turn"`` (fold them into the
+            next `generate` call on the same cache, or run `complete_deferred` yourself).
+        completion_chunk_size: tokens per forward when completing outside decoding (>= 1).
+        attn_backend: attention for Raincheck's forwards: ``"auto"`` (sdpa), ``"sdpa"`` or ``"eager"``
+            (the plain reference).
+        visibility: what a deferred row sees: ``"boundary"`` (the whole prefix before the plan's boundary,
+            as in the paper) or ``"causal"`` (only cached entries at or before its own logical index).
+        schedule: optional callable ``schedule(step, pending) -> int`` asked once per decode step how many
+            deferred tokens to carry (``step`` counts decode steps from 1). Default: ``chunk_size`` once
+            ``step > guard_tokens``.
+        seed: seed of the ``random`` selector.
+    """
+
+    policy: str = "raincheck"
+    retention: float = 0.3
+    chunk_size: int = 31
+    guard_tokens: int = 16
+    pruning: Union[str, Callable[..., Any]] = "uniform"
+    pruning_options: dict = field(default_factory=dict)
+    completion: str = "blocking"
+    completion_chunk_size: int = 256
+    attn_backend: str = "auto"
+    visibility: str = "boundary"
+    schedule: Callable[[int, int], int] | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_choice("policy", self.policy, POLICIES)
+        if isinstance(self.retention, bool) or not isinstance(self.retention, (int, float)):
+            raise ValueError(f"RaincheckConfig.retention must be a float in (0, 1], got {self.retention!r}")
+        if not (0.0 < float(self.retention) <= 1.0) or math.isnan(float(self.retention)):
+            raise ValueError(f"RaincheckConfig.retention must be in (0, 1], got {self.retention!r}")
+        self.retention = float(self.retention)
+        _check_int("chunk_size", self.chunk_size, 1)
+        _check_int("guard_tokens", self.guard_tokens, 0)
+        _check_int("completion_chunk_size", self.completion_chunk_size, 1)
+        _check_int("seed", self.seed, 0)
+        if self.completion == "background":
+            raise ValueError(
+                "RaincheckConfig.completion='background' is not available yet; use one of "
+                f"{list(COMPLETIONS)}"
+            )
+        _check_choice("completion", self.completion, COMPLETIONS)
+        _check_choice("attn_backend", self.attn_backend, ATTN_BACKENDS)
+        _check_choice("visibility", self.visibility, VISIBILITIES)
+        if not (isinstance(self.pruning, str) or callable(self.pruning)):
+            raise ValueError(
+                f"RaincheckConfig.pruning must be a registered selector name or a callable, got {self.pruning!r}"
+            )
+        if isinstance(self.pruning, str):
+            from .pruning import available_selectors
+
+            if self.pruning not in available_selectors():
+                raise ValueError(
+                    f"RaincheckConfig.pruning must be one of {available_selectors()} or a callable, "
+                    f"got {self.pruning!r}"
+                )
+        if not isinstance(self.pruning_options, dict):
+            raise ValueError(f"RaincheckConfig.pruning_options must be a dict, got {self.pruning_options!r}")
+        if self.schedule is not None and not callable(self.schedule):
+            raise ValueError(f"RaincheckConfig.schedule must be callable(step, pending) -> int, got {self.schedule!r}")
+
+    def kept_budget(self, num_tokens: int) -> int:
+        """Tokens kept from a span of `num_tokens`: ``N - floor((1 - rho) N)`` (all of them under ``full``)."""
+        if self.policy == "full":
+            return num_tokens
+        # the epsilon keeps float noise such as (1 - 0.7) * 10 = 3.0000000000000004 on the intended side
+        dropped = math.floor((1.0 - self.retention) * num_tokens + 1e-9)
+        return num_tokens - dropped

@@ -1,0 +1,231 @@
+"""`enable_raincheck(model)`: lets `model.generate` take ``raincheck_config=`` (this instance only)."""
+
+from __future__ import annotations
+
+import copy
+import types
+from dataclasses import dataclass
+
+import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .. import attention
+from ..cache import DeferredPrefillCache
+from ..config import RaincheckConfig
+from ..models import ModelAdapter, get_adapter
+from .completion import complete_deferred
+from .rows import Rows, concat_rows, deferred_rows, run_rows
+from .schedule import FixedChunkSchedule, carried_tokens
+from .turn import Turn, prepare_turn
+
+_STATE_ATTR = "_raincheck_state"
+# processor outputs that Raincheck consumes itself before handing the call to transformers' generate
+_MEDIA_KWARGS = (
+    "pixel_values",
+    "pixel_values_videos",
+    "image_grid_thw",
+    "video_grid_thw",
+    "mm_token_type_ids",
+    "second_per_grid_ts",
+)
+_UNSUPPORTED_KWARGS = {
+    "assistant_model": "assisted decoding",
+    "prompt_lookup_num_tokens": "prompt-lookup decoding",
+    "inputs_embeds": "inputs_embeds (pass input_ids)",
+    "position_ids": "position_ids (Raincheck computes logical positions itself)",
+    "custom_generate": "custom_generate",
+    "synced_gpus": "synced_gpus",
+}
+
+
+@dataclass
+class RaincheckState:
+    adapter: ModelAdapter
+    original_generate: object
+    original_forward: object
+
+    @staticmethod
+    def backend(config: RaincheckConfig) -> str:
+        return attention.resolve_backend(config.attn_backend)
+
+
+def raincheck_state(model, caller: str) -> RaincheckState:
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        raise ValueError(f"{caller}: call enable_raincheck(model) first")
+    return state
+
+
+def enable_raincheck(model):
+    """Makes ``model.generate`` accept ``raincheck_config=RaincheckConfig(...)``.
+
+    Patches this model instance only (its ``generate`` and ``forward`` and the attention function of its text
+    layers, which falls back to the model's own implementation for every call that is not Raincheck's).
+    Idempotent; returns the model. Raises `ValueError` for a model family without an adapter.
+    """
+    if getattr(model, _STATE_ATTR, None) is not None:
+        return model
+    adapter = get_adapter(model)
+    state = RaincheckState(
+        adapter=adapter,
+        original_generate=model.generate,
+        original_forward=model.forward,
+    )
+    attention.install(adapter.text_attention_modules())
+    setattr(model, _STATE_ATTR, state)
+    model.generate = types.MethodType(_generate, model)
+    model.forward = types.MethodType(_forward, model)
+    return model
+
+
+def _generation_config(model, kwargs: dict):
+    config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
+    config.update(**{k: v for k, v in kwargs.items() if k != "generation_config"})
+    return config
+
+
+def _validate(model, input_ids, kwargs: dict, gen_config) -> None:
+    for name, what in _UNSUPPORTED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"generate(raincheck_config=...): {what} is not supported with Raincheck")
+    if input_ids is None:
+        raise ValueError("generate(raincheck_config=...): pass input_ids (the processor's output)")
+    if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+        raise ValueError(
+            f"generate(raincheck_config=...): batch size must be 1, got input_ids of shape {tuple(input_ids.shape)}"
+        )
+    if (gen_config.num_beams or 1) > 1:
+        raise ValueError(f"generate(raincheck_config=...): beam search is not supported (num_beams={gen_config.num_beams})")
+    if (gen_config.num_return_sequences or 1) > 1:
+        raise ValueError(
+            "generate(raincheck_config=...): num_return_sequences must be 1, got "
+            f"{gen_config.num_return_sequences}"
+        )
+    if getattr(gen_config, "prefill_chunk_size", None) is not None:
+        raise ValueError("generate(raincheck_config=...): prefill_chunk_size is not supported")
+    if gen_config.use_cache is False:
+        raise ValueError("generate(raincheck_config=...): use_cache=False is not supported")
+
+
+def _generate(model, *args, raincheck_config: RaincheckConfig | None = None, **kwargs):
+    state = raincheck_state(model, "generate")
+    past = kwargs.get("past_key_values")
+    if raincheck_config is None and not isinstance(past, DeferredPrefillCache):
+        return state.original_generate(*args, **kwargs)
+    if raincheck_config is None:
+        raincheck_config = past.config
+    if not isinstance(raincheck_config, RaincheckConfig):
+        raise ValueError(
+            f"generate: raincheck_config must be a RaincheckConfig, got {type(raincheck_config).__name__}"
+        )
+    if args:
+        if "input_ids" in kwargs or "inputs" in kwargs:
+            raise ValueError("generate: input_ids given twice")
+        kwargs["input_ids"], args = args[0], args[1:]
+    if "inputs" in kwargs:
+        kwargs["input_ids"] = kwargs.pop("inputs")
+    input_ids = kwargs.get("input_ids")
+    cache_implementation = kwargs.pop("cache_implementation", None)
+    gen_config = _generation_config(model, kwargs)
+    _validate(model, input_ids, kwargs, gen_config)
+    if cache_implementation not in (None, "dynamic", "static"):
+        raise ValueError(
+            f"generate(raincheck_config=...): cache_implementation must be 'dynamic' or 'static', "
+            f"got {cache_implementation!r}"
+        )
+
+    if past is None:
+        static = cache_implementation == "static"
+        past = DeferredPrefillCache(state.adapter.num_cache_layers(), static=static)
+    elif not isinstance(past, DeferredPrefillCache):
+        raise ValueError(
+            "generate(raincheck_config=...): past_key_values must be a DeferredPrefillCache returned by an "
+            f"earlier Raincheck generate (or None), got {type(past).__name__}"
+        )
+    kwargs["past_key_values"] = past
+
+    schedule = raincheck_config.schedule or FixedChunkSchedule(raincheck_config.chunk_size, raincheck_config.guard_tokens)
+    backend = state.backend(raincheck_config)
+    with past.lock:
+        past.bind_model(model)
+        with torch.no_grad():
+            turn = prepare_turn(state.adapter, past, raincheck_config, input_ids, kwargs, schedule, backend)
+        if past.static:
+            max_new = gen_config.max_new_tokens
+            if max_new is None:
+                max_new = max(gen_config.max_length - input_ids.shape[1], 1)
+            past.reserve(input_ids.shape[1] + max_new, turn.prefill.embeds.device)
+        for key in _MEDIA_KWARGS:
+            kwargs.pop(key, None)
+        kwargs["attention_mask"] = torch.ones_like(input_ids)
+        past.config = raincheck_config
+        past._turn = turn
+        try:
+            output = state.original_generate(*args, **kwargs)
+        finally:
+            past._turn = None
+        if raincheck_config.completion == "blocking":
+            complete_deferred(model, past)
+    return output
+
+
+def _forward(model, *args, past_key_values=None, **kwargs):
+    state = getattr(model, _STATE_ATTR)
+    turn: Turn | None = getattr(past_key_values, "_turn", None)
+    if not isinstance(past_key_values, DeferredPrefillCache) or turn is None:
+        if isinstance(past_key_values, DeferredPrefillCache):
+            raise ValueError(
+                "a DeferredPrefillCache is filled by generate(raincheck_config=...) only; "
+                "a direct forward on it would break its logical-slot layout"
+            )
+        return state.original_forward(*args, past_key_values=past_key_values, **kwargs)
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    with torch.no_grad():
+        logits = _turn_step(state, past_key_values, turn, input_ids)
+    return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
+
+
+def _turn_step(state: RaincheckState, cache: DeferredPrefillCache, turn: Turn, input_ids) -> torch.Tensor:
+    config = turn.config
+    if not turn.prefill_done:
+        if input_ids is None or input_ids.shape[-1] != turn.new_ids.numel():
+            raise RuntimeError(
+                "Raincheck's prefill expected the uncached part of the prompt "
+                f"({turn.new_ids.numel()} tokens), got {None if input_ids is None else input_ids.shape[-1]}"
+            )
+        logits = run_rows(
+            state.adapter, cache, turn.prefill, turn.prefill_plan, turn.backend, config.visibility, want_logits=True
+        )
+        cache.stats.during_prefill += turn.prefill.restored
+        turn.restored_in_prefill = turn.prefill.restored
+        cache.token_ids = cache.token_ids + turn.prompt_ids[cache.length :].tolist()
+        if turn.plan is not None:
+            cache.plan = turn.plan
+            cache.plans.append(turn.plan)
+        cache.rope_delta = turn.rope_delta
+        turn.prefill_done = True
+        turn.prefill = None  # free the prompt's rows
+        return logits
+
+    # a decode step: feed y_j, carrying deferred tokens after the guard
+    turn.step += 1
+    plan = cache.plan
+    pending = plan.pending if plan is not None else 0
+    count = carried_tokens(turn.schedule, turn.step, pending)
+    slot = cache.length
+    device = turn.positions.device
+    token = input_ids[:, -1:].to(device)
+    live = Rows(
+        slots=torch.tensor([slot], device=device),
+        embeds=state.adapter.embed_tokens(token)[0],
+        positions=torch.full((3, 1), slot + cache.rope_delta, dtype=torch.long, device=device),
+        visual=torch.zeros(1, dtype=torch.bool, device=device),
+        deepstack=None,
+        deferred=torch.zeros(1, dtype=torch.bool, device=device),
+        max_slot=slot,
+    )
+    rows = concat_rows([deferred_rows(plan, count), live]) if count else live
+    logits = run_rows(state.adapter, cache, rows, plan if count else None, turn.backend, config.visibility, True)
+    cache.stats.during_decode += count
+    cache.token_ids.append(int(token.reshape(-1)[0]))
+    return logits

@@ -1,0 +1,116 @@
+"""The rows of one Raincheck forward and the call that runs them through the decoder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..cache import DeferralPlan, DeferredPrefillCache
+from ..models import ModelAdapter
+from .visibility import visibility_mask
+
+
+@dataclass
+class Rows:
+    """Rows fed to one forward, in processing order (deferred rows first, the row whose logits matter last)."""
+
+    slots: torch.Tensor  # [q] long, logical indices
+    embeds: torch.Tensor  # [q, H]
+    positions: torch.Tensor  # [3, q] long
+    visual: torch.Tensor  # [q] bool: rows that receive DeepStack features
+    deepstack: list[torch.Tensor] | None  # per DeepStack layer [n_visual, H], in row order
+    deferred: torch.Tensor  # [q] bool: rows restoring the plan's deferred tokens
+    max_slot: int  # host-side max of `slots`
+    restored: int = 0  # deferred rows carried
+
+    @property
+    def size(self) -> int:
+        return int(self.slots.numel())
+
+
+def concat_rows(parts: list[Rows]) -> Rows:
+    parts = [p for p in parts if p is not None and p.size > 0]
+    if len(parts) == 1:
+        return parts[0]
+    deepstack = None
+    if any(p.deepstack is not None for p in parts):
+        n_layers = next(len(p.deepstack) for p in parts if p.deepstack is not None)
+        deepstack = []
+        for layer in range(n_layers):
+            deepstack.append(torch.cat([p.deepstack[layer] for p in parts if p.deepstack is not None], dim=0))
+    return Rows(
+        slots=torch.cat([p.slots for p in parts]),
+        embeds=torch.cat([p.embeds for p in parts]),
+        positions=torch.cat([p.positions for p in parts], dim=1),
+        visual=torch.cat([p.visual for p in parts]),
+        deepstack=deepstack,
+        deferred=torch.cat([p.deferred for p in parts]),
+        max_slot=max(p.max_slot for p in parts),
+        restored=sum(p.restored for p in parts),
+    )
+
+
+def deferred_rows(plan: DeferralPlan, count: int) -> Rows:
+    """The next `count` deferred tokens of `plan`, in source order (does not mark them restored)."""
+    start, stop = plan.restored, plan.restored + count
+    device = plan.store_embeds.device
+    slots = plan.deferred[start:stop].to(device)
+    deepstack = None if plan.store_deepstack is None else [f[start:stop] for f in plan.store_deepstack]
+    return Rows(
+        slots=slots,
+        embeds=plan.store_embeds[start:stop],
+        positions=plan.store_positions[:, start:stop],
+        visual=torch.ones(count, dtype=torch.bool, device=device),
+        deepstack=deepstack,
+        deferred=torch.ones(count, dtype=torch.bool, device=device),
+        max_slot=int(plan.deferred[stop - 1]),
+        restored=count,
+    )
+
+
+def run_rows(
+    adapter: ModelAdapter,
+    cache: DeferredPrefillCache,
+    rows: Rows,
+    plan: DeferralPlan | None,
+    backend: str,
+    visibility: str,
+    want_logits: bool,
+) -> torch.Tensor | None:
+    """One decoder forward over `rows`; returns the logits of the last row ``[1, 1, V]`` if asked."""
+    kv_len = max(cache.length, rows.max_slot + 1)
+    device = rows.embeds.device
+    cache.reserve(kv_len, device)
+    width = cache.mask_width(kv_len)
+    has_deferred = plan is not None and rows.restored > 0
+    mask = visibility_mask(
+        cache._filled,
+        rows.slots,
+        rows.deferred if has_deferred else None,
+        plan.boundary if has_deferred else 0,
+        plan.deferred_slot_mask if has_deferred else None,
+        visibility,
+        width,
+    )
+    cache._write_slots, cache._kv_len = rows.slots, kv_len
+    try:
+        hidden = adapter.language_forward(
+            rows.embeds[None],
+            rows.positions[:, None, :],
+            mask,
+            cache,
+            rows.visual[None],
+            rows.deepstack,
+            backend,
+        )
+    finally:
+        cache._write_slots = None
+    cache._filled[rows.slots] = True
+    if plan is not None and rows.restored:
+        plan.restored += rows.restored
+        if plan.pending == 0:
+            plan.release_store()
+    if not want_logits:
+        return None
+    return adapter.lm_head(hidden[:, -1:])

@@ -1,0 +1,258 @@
+"""Preparing one `generate` call: check the conversation against the cache, encode new media, build the plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache import DeferralPlan, DeferredPrefillCache
+from ..config import RaincheckConfig
+from ..models import ModelAdapter
+from ..pruning import SelectionContext, select_kept
+from .rows import Rows, concat_rows, deferred_rows
+from .spans import Span, find_spans
+
+
+@dataclass
+class Turn:
+    """State of one `generate` call on a `DeferredPrefillCache`, read by the patched forward."""
+
+    config: RaincheckConfig
+    prompt_ids: torch.Tensor  # [L] whole conversation as passed to generate
+    new_ids: torch.Tensor  # [L - old] the tokens this call prefills
+    prefill: Rows | None  # rows of the prefill forward (folded deferred rows, then I_0)
+    prefill_plan: DeferralPlan | None  # plan whose deferred rows are folded into the prefill
+    plan: DeferralPlan | None  # this call's new plan (None when the prompt has no new media)
+    positions: torch.Tensor  # [3, L] logical positions of the conversation
+    rope_delta: int
+    schedule: object
+    backend: str
+    step: int = 0  # decode steps run so far
+    prefill_done: bool = False
+    restored_in_prefill: int = 0
+    events: list = field(default_factory=list)
+
+
+def _split_runs(runs: list[Span], counts: dict[str, list[int]]) -> list[Span]:
+    """Splits runs of placeholders into one span per image / video frame using the processor's grids."""
+    queues = {m: list(c) for m, c in counts.items()}
+    spans: list[Span] = []
+    for run in runs:
+        start = run.start
+        while start < run.stop:
+            queue = queues[run.modality]
+            if not queue:
+                raise ValueError(
+                    f"input_ids holds more {run.modality} placeholder tokens than "
+                    f"{run.modality}_grid_thw describes; pass the processor outputs of the whole conversation"
+                )
+            size = queue.pop(0)
+            if start + size > run.stop:
+                raise ValueError(
+                    f"a {run.modality} span at {run.start}..{run.stop} does not match {run.modality}_grid_thw; "
+                    "pass the processor outputs of the whole conversation"
+                )
+            spans.append(Span(start, start + size, run.modality))
+            start += size
+    leftover = {m: len(q) for m, q in queues.items() if q}
+    if leftover:
+        raise ValueError(
+            f"image_grid_thw / video_grid_thw describe more media than input_ids holds ({leftover} left over); "
+            "pass input_ids and the processor outputs of the same whole conversation"
+        )
+    return spans
+
+
+def _query_ids(new_ids: list[int], offset: int, spans: list[Span], special: set[int]) -> list[int]:
+    """The current user turn's text: new tokens after the first new span (or all new tokens), minus special ids."""
+    first = spans[0].start - offset if spans else 0
+    return [t for t in new_ids[first:] if t not in special]
+
+
+def prepare_turn(
+    adapter: ModelAdapter,
+    cache: DeferredPrefillCache,
+    config: RaincheckConfig,
+    input_ids: torch.Tensor,
+    model_inputs: dict,
+    schedule,
+    backend: str,
+) -> Turn:
+    device = adapter.text.embed_tokens.weight.device
+    ids = input_ids[0].tolist()
+    old = cache.length
+    cached = cache.token_ids
+    if ids[:old] != cached:
+        mismatch = next((i for i, (a, b) in enumerate(zip(ids, cached)) if a != b), min(len(ids), old))
+        raise ValueError(
+            "past_key_values does not extend this conversation: the cache holds "
+            f"{old} tokens and input_ids differs from them at index {mismatch} (input_ids has {len(ids)} tokens). "
+            "Pass the whole conversation so far (e.g. the previous output's `sequences` plus the new turn), "
+            "or start a new conversation without past_key_values"
+        )
+    if len(ids) <= old:
+        raise ValueError(
+            f"input_ids ({len(ids)} tokens) holds nothing beyond the {old} tokens already in past_key_values"
+        )
+    attention_mask = model_inputs.get("attention_mask")
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise ValueError("attention_mask with padding is not supported by Raincheck (batch size 1, no padding)")
+
+    image_grid_thw = model_inputs.get("image_grid_thw")
+    video_grid_thw = model_inputs.get("video_grid_thw")
+    image_counts, video_frame_counts = adapter.media_token_counts(image_grid_thw, video_grid_thw)
+    runs = find_spans(ids, adapter.image_token_id, adapter.video_token_id)
+    spans = _split_runs(runs, {"image": image_counts, "video": [n for v in video_frame_counts for n in v]})
+    for span in spans:
+        if span.start < old < span.stop:
+            raise ValueError("past_key_values ends inside an image or video span of input_ids")
+    new_spans = [s for s in spans if s.start >= old]
+    if ids[-1] in (adapter.image_token_id, adapter.video_token_id):
+        raise ValueError(
+            "the prompt ends with an image/video placeholder token; Raincheck needs the text after the last "
+            "image (e.g. apply_chat_template(..., add_generation_prompt=True))"
+        )
+
+    # logical positions of the whole conversation, from the model's own M-RoPE code
+    mm_token_type_ids = model_inputs.get("mm_token_type_ids")
+    if mm_token_type_ids is None:
+        mm_token_type_ids = torch.zeros_like(input_ids, dtype=torch.int)
+        mm_token_type_ids[input_ids == adapter.image_token_id] = 1
+        mm_token_type_ids[input_ids == adapter.video_token_id] = 2
+    positions, rope_delta = adapter.logical_positions(
+        input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw, None
+    )
+    positions = positions.to(device)
+
+    new_ids_t = input_ids[0, old:].to(device)
+    new_embeds = adapter.embed_tokens(new_ids_t[None])[0]
+    visual_new = torch.zeros(len(ids) - old, dtype=torch.bool, device=device)
+    deepstack_new = None
+
+    # vision tower, once, on the media that are new in this call
+    placeholder_embeds = []
+    placeholder_deepstack = []
+    for modality, grid, pixel_key, counts in (
+        ("image", image_grid_thw, "pixel_values", image_counts),
+        ("video", video_grid_thw, "pixel_values_videos", video_frame_counts),
+    ):
+        n_old = sum(1 for s in spans if s.modality == modality and s.start < old)
+        if modality == "video":  # frames -> videos
+            frames, n_old_frames = 0, n_old
+            n_old = 0
+            while frames < n_old_frames:
+                frames += len(counts[n_old])
+                n_old += 1
+        n_total = len(counts)
+        if n_total == n_old:
+            continue
+        pixels = model_inputs.get(pixel_key)
+        if pixels is None:
+            raise ValueError(f"input_ids holds new {modality} placeholders but `{pixel_key}` was not passed")
+        patches = grid.prod(-1).tolist()
+        first_row = sum(patches[:n_old])
+        feats = adapter.vision_features(modality, pixels[first_row:].to(device), grid[n_old:])
+        placeholder_embeds.append((modality, feats))
+
+    new_placeholder_mask = torch.tensor([t in (adapter.image_token_id, adapter.video_token_id) for t in ids[old:]])
+    if placeholder_embeds:
+        new_embeds = new_embeds.clone()
+        deepstack_layers = None
+        for modality, feats in placeholder_embeds:
+            token = adapter.image_token_id if modality == "image" else adapter.video_token_id
+            where = (new_ids_t == token).nonzero().squeeze(1)
+            if where.numel() != feats.embeds.shape[0]:
+                raise ValueError(
+                    f"{modality}: {where.numel()} new placeholder tokens but the vision tower returned "
+                    f"{feats.embeds.shape[0]} features"
+                )
+            new_embeds[where] = feats.embeds.to(new_embeds.dtype)
+            visual_new[where] = True
+            if feats.deepstack is not None:
+                if deepstack_layers is None:
+                    deepstack_layers = [
+                        new_embeds.new_zeros(new_embeds.shape) for _ in range(len(feats.deepstack))
+                    ]
+                for layer, feat in zip(deepstack_layers, feats.deepstack):
+                    layer[where] = feat.to(layer.dtype)
+        deepstack_new = deepstack_layers
+    del placeholder_deepstack
+
+    # the plan of this call's new spans
+    plan = None
+    deferred_local = torch.zeros(len(ids) - old, dtype=torch.bool)
+    if new_spans:
+        budgets = [config.kept_budget(s.size) for s in new_spans]
+        if all(b == s.size for b, s in zip(budgets, new_spans)):
+            kept = torch.cat([torch.arange(s.start, s.stop) for s in new_spans])
+        else:
+            special = {adapter.image_token_id, adapter.video_token_id, *adapter.special_token_ids()}
+            query = torch.tensor(_query_ids(ids[old:], old, new_spans, special), dtype=torch.long)
+            span_rows = torch.cat([torch.arange(s.start - old, s.stop - old) for s in new_spans]).to(device)
+            ctx = SelectionContext(
+                input_ids=input_ids[0].cpu(),
+                spans=[(s.start, s.stop) for s in new_spans],
+                budgets=budgets,
+                modalities=[s.modality for s in new_spans],
+                grids=adapter.span_grids(new_spans, image_grid_thw, video_grid_thw, spans),
+                embeddings=new_embeds[span_rows],
+                query_ids=query,
+                query_embeds=adapter.embed_tokens(query.to(device)[None])[0],
+                options=dict(config.pruning_options),
+                seed=config.seed,
+            )
+            with torch.no_grad():
+                kept = select_kept(config.pruning, ctx)
+        all_placeholders = torch.cat([torch.arange(s.start, s.stop) for s in new_spans])
+        is_kept = torch.zeros(len(ids), dtype=torch.bool)
+        is_kept[kept] = True
+        deferred = all_placeholders[~is_kept[all_placeholders]]
+        boundary = new_spans[-1].stop
+        plan = DeferralPlan(
+            spans=[(s.start, s.stop) for s in new_spans],
+            modalities=[s.modality for s in new_spans],
+            budgets=budgets,
+            boundary=boundary,
+            kept=kept,
+            deferred=deferred,
+            policy=config.policy,
+        )
+        deferred_local[deferred - old] = True
+        if deferred.numel() and config.policy == "raincheck":
+            local = (deferred - old).to(device)
+            plan.store_embeds = new_embeds[local].clone()
+            plan.store_deepstack = None if deepstack_new is None else [f[local].clone() for f in deepstack_new]
+            plan.store_positions = positions[:, deferred.to(device)].clone()
+            slot_mask = torch.zeros(boundary, dtype=torch.bool, device=device)
+            slot_mask[deferred.to(device)] = True
+            plan.deferred_slot_mask = slot_mask
+
+    # rows of the prefill: the earlier plan's pending deferred tokens, then I_0 in source order
+    live_local = (~deferred_local).nonzero().squeeze(1).to(device)
+    live_slots = live_local + old
+    visual_live = visual_new[live_local]
+    live = Rows(
+        slots=live_slots,
+        embeds=new_embeds[live_local],
+        positions=positions[:, live_slots],
+        visual=visual_live,
+        deepstack=None if deepstack_new is None else [f[live_local][visual_live] for f in deepstack_new],
+        deferred=torch.zeros(live_local.numel(), dtype=torch.bool, device=device),
+        max_slot=len(ids) - 1,
+    )
+    prefill_plan = cache.plan if cache.plan is not None and cache.plan.pending > 0 else None
+    folded = deferred_rows(prefill_plan, prefill_plan.pending) if prefill_plan is not None else None
+    prefill = concat_rows([folded, live]) if folded is not None else live
+    return Turn(
+        config=config,
+        prompt_ids=input_ids[0],
+        new_ids=new_ids_t,
+        prefill=prefill,
+        prefill_plan=prefill_plan,
+        plan=plan,
+        positions=positions,
+        rope_delta=rope_delta,
+        schedule=schedule,
+        backend=backend,
+    )

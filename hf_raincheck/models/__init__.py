@@ -1,0 +1,26 @@
+"""Per-family adapters. `get_adapter(model)` picks one or raises a clear error."""
+
+from __future__ import annotations
+
+from .base import ModelAdapter, VisionFeatures
+from .qwen3_vl import Qwen3VLAdapter
+
+_ADAPTERS = {"qwen3_vl": Qwen3VLAdapter}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(_ADAPTERS)
+
+
+def get_adapter(model) -> ModelAdapter:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    adapter = _ADAPTERS.get(model_type)
+    if adapter is None:
+        raise ValueError(
+            f"enable_raincheck: model type {model_type!r} ({type(model).__name__}) has no Raincheck adapter; "
+            f"supported: {supported_model_types()}"
+        )
+    return adapter(model)
+
+
+__all__ = ["ModelAdapter", "VisionFeatures", "get_adapter", "supported_model_types"]

@@ -1,0 +1,111 @@
+"""Qwen3-VL adapter: placeholders, M-RoPE positions, vision tower and DeepStack, decoder call."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import ModelAdapter, VisionFeatures
+
+
+class Qwen3VLAdapter(ModelAdapter):
+    family = "qwen3_vl"
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.core = model.model  # Qwen3VLModel
+        self.text = self.core.language_model
+        self.config = model.config
+
+    @property
+    def image_token_id(self) -> int:
+        return int(self.config.image_token_id)
+
+    @property
+    def video_token_id(self) -> int:
+        return int(self.config.video_token_id)
+
+    def special_token_ids(self) -> set[int]:
+        """Template/special ids that are never part of a question's text."""
+        ids = set()
+        for owner in (self.config, self.config.text_config, getattr(self.model, "generation_config", None)):
+            for name in ("vision_start_token_id", "vision_end_token_id", "eos_token_id", "pad_token_id", "bos_token_id"):
+                value = getattr(owner, name, None)
+                if isinstance(value, int):
+                    ids.add(value)
+                elif isinstance(value, (list, tuple)):
+                    ids.update(int(v) for v in value)
+        return ids
+
+    def span_grids(self, new_spans, image_grid_thw, video_grid_thw, all_spans):
+        """Merged-token grid ``(1, h, w)`` of each new span (an image or one video frame)."""
+        merge = self.config.vision_config.spatial_merge_size
+        grids = {"image": [], "video": []}
+        if image_grid_thw is not None:
+            grids["image"] = [(1, h // merge, w // merge) for t, h, w in image_grid_thw.tolist() for _ in range(1)]
+        if video_grid_thw is not None:
+            grids["video"] = [(1, h // merge, w // merge) for t, h, w in video_grid_thw.tolist() for _ in range(t)]
+        seen = {"image": 0, "video": 0}
+        by_start = {}
+        for span in all_spans:
+            by_start[span.start] = grids[span.modality][seen[span.modality]]
+            seen[span.modality] += 1
+        return [by_start[s.start] for s in new_spans]
+
+    def text_attention_modules(self):
+        return [layer.self_attn for layer in self.text.layers]
+
+    def num_cache_layers(self) -> int:
+        return len(self.text.layers)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.text.embed_tokens(input_ids)
+
+    def logical_positions(self, input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw, attention_mask):
+        if image_grid_thw is None and video_grid_thw is None:
+            length = input_ids.shape[1]
+            return torch.arange(length).view(1, -1).expand(3, -1).clone(), 0
+        positions, deltas = self.core.get_rope_index(
+            input_ids,
+            mm_token_type_ids=mm_token_type_ids,
+            image_grid_thw=image_grid_thw,
+            video_grid_thw=None if video_grid_thw is None else video_grid_thw.clone(),
+            attention_mask=attention_mask,
+        )
+        return positions[:, 0].cpu(), int(deltas.reshape(-1)[0])
+
+    def media_token_counts(self, image_grid_thw, video_grid_thw):
+        merge = self.config.vision_config.spatial_merge_size ** 2
+        images = [] if image_grid_thw is None else [int(t * h * w) // merge for t, h, w in image_grid_thw.tolist()]
+        videos = []
+        if video_grid_thw is not None:
+            for t, h, w in video_grid_thw.tolist():
+                videos.append([int(h * w) // merge] * int(t))
+        return images, videos
+
+    def vision_features(self, modality, pixel_values, grid_thw) -> VisionFeatures:
+        if modality == "image":
+            out = self.core.get_image_features(pixel_values, grid_thw, return_dict=True)
+        else:
+            out = self.core.get_video_features(pixel_values, grid_thw, return_dict=True)
+        embeds = torch.cat(list(out.pooler_output), dim=0)
+        deepstack = None
+        if getattr(out, "deepstack_features", None):
+            deepstack = [torch.cat(list(feat), dim=0) for feat in out.deepstack_features]
+        return VisionFeatures(embeds=embeds, deepstack=deepstack)
+
+    def language_forward(self, embeds, positions, mask, cache, visual_rows, deepstack, backend):
+        has_visual = deepstack is not None and visual_rows is not None and bool(visual_rows.any())
+        out = self.text(
+            inputs_embeds=embeds,
+            position_ids=positions,
+            attention_mask=mask,
+            past_key_values=cache,
+            use_cache=True,
+            visual_pos_masks=visual_rows if has_visual else None,
+            deepstack_visual_embeds=deepstack if has_visual else None,
+            raincheck_backend=backend,
+        )
+        return out.last_hidden_state
+
+    def lm_head(self, hidden):
+        return self.model.lm_head(hidden)
