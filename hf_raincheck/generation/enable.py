@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-import types
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -73,9 +73,20 @@ def enable_raincheck(model):
     )
     attention.install(adapter.text_attention_modules())
     setattr(model, _STATE_ATTR, state)
-    model.generate = types.MethodType(_generate, model)
-    model.forward = types.MethodType(_forward, model)
+    # functools.wraps keeps the original signatures visible (generate validates kwargs against forward's)
+    model.generate = _bind(_generate, model, state.original_generate)
+    model.forward = _bind(_forward, model, state.original_forward)
     return model
+
+
+def _bind(fn, model, original):
+    """`fn` bound to `model`, showing `original`'s signature (transformers validates kwargs against it)."""
+
+    @functools.wraps(original)
+    def bound(*args, **kwargs):
+        return fn(model, *args, **kwargs)
+
+    return bound
 
 
 def _generation_config(model, kwargs: dict):

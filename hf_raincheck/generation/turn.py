@@ -121,7 +121,7 @@ def prepare_turn(
         mm_token_type_ids[input_ids == adapter.image_token_id] = 1
         mm_token_type_ids[input_ids == adapter.video_token_id] = 2
     positions, rope_delta = adapter.logical_positions(
-        input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw, None
+        input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw, None, model_inputs=model_inputs
     )
     positions = positions.to(device)
 

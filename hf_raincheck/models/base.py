@@ -43,8 +43,14 @@ class ModelAdapter:
         raise NotImplementedError
 
     # --- inputs
-    def logical_positions(self, input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw, attention_mask):
-        """``([3, L] positions, rope_delta)`` for a whole conversation, from the model's own M-RoPE code."""
+    def logical_positions(
+        self, input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw, attention_mask, model_inputs=None
+    ):
+        """``([3, L] positions, rope_delta)`` for a whole conversation, from the model's own M-RoPE code.
+
+        ``model_inputs`` is the whole dict of keyword inputs of the `generate` call (processor outputs), for
+        family-specific inputs of the position code (e.g. Qwen2.5-VL's ``second_per_grid_ts``); may be None.
+        """
         raise NotImplementedError
 
     def media_token_counts(self, image_grid_thw, video_grid_thw) -> tuple[list[int], list[list[int]]]:

@@ -60,7 +60,9 @@ class Qwen3VLAdapter(ModelAdapter):
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.text.embed_tokens(input_ids)
 
-    def logical_positions(self, input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw, attention_mask):
+    def logical_positions(
+        self, input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw, attention_mask, model_inputs=None
+    ):
         if image_grid_thw is None and video_grid_thw is None:
             length = input_ids.shape[1]
             return torch.arange(length).view(1, -1).expand(3, -1).clone(), 0

@@ -1,0 +1,39 @@
+"""Test helpers: tiny random Qwen3-VL checkpoints that load through the real ``from_pretrained`` paths.
+
+Importing this package calls :func:`enable_torchvision_free_processing` (a no-op when torchvision is installed),
+so that ``AutoProcessor.from_pretrained`` can build a ``Qwen3VLProcessor`` on a CPU-only machine.
+"""
+
+from .tiny_models import (
+    BUILDER_VERSION,
+    CHAT_TEMPLATE,
+    IMAGE_SIZE,
+    SPECIAL_TOKENS,
+    build_processor,
+    build_tiny_qwen3_vl,
+    build_tokenizer,
+    chat_inputs,
+    enable_torchvision_free_processing,
+    make_image,
+    make_video,
+    tiny_qwen3_vl,
+    tiny_qwen3_vl_config,
+)
+
+enable_torchvision_free_processing()
+
+__all__ = [
+    "BUILDER_VERSION",
+    "CHAT_TEMPLATE",
+    "IMAGE_SIZE",
+    "SPECIAL_TOKENS",
+    "build_processor",
+    "build_tiny_qwen3_vl",
+    "build_tokenizer",
+    "chat_inputs",
+    "enable_torchvision_free_processing",
+    "make_image",
+    "make_video",
+    "tiny_qwen3_vl",
+    "tiny_qwen3_vl_config",
+]
