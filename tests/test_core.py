@@ -291,3 +291,19 @@ def test_plain_generate_still_works_after_enable(model):
     assert a.sequences.tolist() == b.sequences.tolist()
     assert enable_raincheck(model) is model  # idempotent
     assert not hasattr(ref, "_raincheck_state")  # instance-level patching only
+
+
+def test_later_turn_may_pass_only_its_new_media(model):
+    cfg = RaincheckConfig(retention=0.3, chunk_size=2, guard_tokens=1, completion="next_turn")
+    inputs = _conv([(1, 8, 8)], [3, 4], seed=1)
+    img2 = _conv([(1, 4, 8)], [2, 3], seed=5)
+    logits = []
+    for whole in (True, False):
+        out = generate(model, inputs, 4, cfg)
+        ids2 = torch.cat([out.sequences, img2["input_ids"]], 1)
+        conv2 = dict(input_ids=ids2, pixel_values=img2["pixel_values"], image_grid_thw=img2["image_grid_thw"])
+        if whole:
+            conv2["pixel_values"] = torch.cat([inputs["pixel_values"], img2["pixel_values"]])
+            conv2["image_grid_thw"] = torch.cat([inputs["image_grid_thw"], img2["image_grid_thw"]])
+        logits.append(torch.stack(generate(model, conv2, 4, cfg, past=out.past_key_values).logits))
+    torch.testing.assert_close(logits[0], logits[1], **TOL)

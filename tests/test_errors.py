@@ -175,7 +175,7 @@ def test_bad_schedule_answer(model, inputs):
 def test_grids_that_do_not_match_input_ids(model, inputs):
     bad = dict(inputs)
     bad["image_grid_thw"] = torch.tensor([[1, 8, 8], [1, 8, 8]])
-    with pytest.raises(ValueError, match="describe more media than input_ids holds"):
+    with pytest.raises(ValueError, match="image_grid_thw describes 32 image placeholder tokens but input_ids holds 16"):
         _gen(model, bad)
 
 

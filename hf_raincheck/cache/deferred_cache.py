@@ -56,7 +56,8 @@ class DeferredPrefillCache(DynamicCache):
         self.token_ids: list[int] = []
         self.positions: torch.Tensor | None = None  # [3, length] logical positions of the covered slots
         self.rope_delta: int = 0
-        self.media_counts = {"image": 0, "video": 0}
+        self.media_grids: dict[str, torch.Tensor] = {}  # grids of the cached conversation's media, by modality
+        self.pending_media_grids: dict[str, torch.Tensor] = {}  # set by a turn, committed by its prefill
         self.stats = RestoreStats()
         self._filled: torch.Tensor | None = None  # bool [capacity] on the model device
         self._model_ref = None

@@ -214,6 +214,7 @@ def _turn_step(state: RaincheckState, cache: DeferredPrefillCache, turn: Turn, i
             cache.plan = turn.plan
             cache.plans.append(turn.plan)
         cache.rope_delta = turn.rope_delta
+        cache.media_grids = dict(cache.pending_media_grids)
         turn.prefill_done = True
         turn.prefill = None  # free the prompt's rows
         return logits

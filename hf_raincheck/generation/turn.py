@@ -64,6 +64,43 @@ def _split_runs(runs: list[Span], counts: dict[str, list[int]]) -> list[Span]:
     return spans
 
 
+def _conversation_grids(adapter: ModelAdapter, cache: DeferredPrefillCache, ids: list[int], old: int, inputs: dict):
+    """The grids of every image / video of the conversation, and whether the pixels cover it all or the new part.
+
+    A later turn may pass the processor outputs of the whole conversation, or only of its new part (then the
+    grids of the media already cached come from the cache).
+    """
+    grids, cover = {}, {}
+    for modality, key, token in (
+        ("image", "image_grid_thw", adapter.image_token_id),
+        ("video", "video_grid_thw", adapter.video_token_id),
+    ):
+        given = inputs.get(key)
+        cached = cache.media_grids.get(modality)
+        total = sum(1 for t in ids if t == token)
+        new = sum(1 for t in ids[old:] if t == token)
+        counts = adapter.media_token_counts(
+            given if modality == "image" else None, given if modality == "video" else None
+        )
+        given_tokens = sum(counts[0]) if modality == "image" else sum(sum(v) for v in counts[1])
+        if given is not None and given_tokens == total:
+            grids[modality], cover[modality] = given.cpu(), "conversation"
+        elif given is not None and given_tokens == new and cached is not None:
+            grids[modality], cover[modality] = torch.cat([cached, given.cpu()]), "new"
+        elif given is None and total == 0:
+            grids[modality], cover[modality] = None, "conversation"
+        elif given is None and new == 0 and cached is not None:
+            grids[modality], cover[modality] = cached, "conversation"
+        else:
+            raise ValueError(
+                f"{key} describes {given_tokens if given is not None else 0} {modality} placeholder tokens but "
+                f"input_ids holds {total} ({new} of them new); pass the processor outputs of the whole "
+                "conversation, or of its new part only"
+            )
+    cache.pending_media_grids = {m: g for m, g in grids.items() if g is not None}
+    return grids["image"], grids["video"], cover
+
+
 def _query_ids(new_ids: list[int], offset: int, spans: list[Span], special: set[int]) -> list[int]:
     """The current user turn's text: new tokens after the first new span (or all new tokens), minus special ids."""
     first = spans[0].start - offset if spans else 0
@@ -99,8 +136,7 @@ def prepare_turn(
     if attention_mask is not None and not bool(attention_mask.bool().all()):
         raise ValueError("attention_mask with padding is not supported by Raincheck (batch size 1, no padding)")
 
-    image_grid_thw = model_inputs.get("image_grid_thw")
-    video_grid_thw = model_inputs.get("video_grid_thw")
+    image_grid_thw, video_grid_thw, pixels_cover = _conversation_grids(adapter, cache, ids, old, model_inputs)
     image_counts, video_frame_counts = adapter.media_token_counts(image_grid_thw, video_grid_thw)
     runs = find_spans(ids, adapter.image_token_id, adapter.video_token_id)
     spans = _split_runs(runs, {"image": image_counts, "video": [n for v in video_frame_counts for n in v]})
@@ -151,7 +187,7 @@ def prepare_turn(
         if pixels is None:
             raise ValueError(f"input_ids holds new {modality} placeholders but `{pixel_key}` was not passed")
         patches = grid.prod(-1).tolist()
-        first_row = sum(patches[:n_old])
+        first_row = sum(patches[:n_old]) if pixels_cover[modality] == "conversation" else 0
         feats = adapter.vision_features(modality, pixels[first_row:].to(device), grid[n_old:])
         placeholder_embeds.append((modality, feats))
 
