@@ -206,3 +206,10 @@ def test_user_schedule_and_callable_selector_are_used(model, inputs):
     assert cache.plan.kept.tolist() == list(range(start, start + 8))
     assert [s for s, _ in seen] == [1, 2, 3, 4, 5]
     assert cache.stats.during_decode == 6 and cache.pending == 2
+
+
+def test_mm_token_type_ids_that_do_not_match_input_ids(model, inputs):
+    bad = dict(inputs)
+    bad["mm_token_type_ids"] = torch.zeros_like(inputs["input_ids"])
+    with pytest.raises(ValueError, match="mm_token_type_ids does not match input_ids"):
+        _gen(model, bad)

@@ -151,11 +151,15 @@ def prepare_turn(
         )
 
     # logical positions of the whole conversation, from the model's own M-RoPE code
-    mm_token_type_ids = model_inputs.get("mm_token_type_ids")
-    if mm_token_type_ids is None:
-        mm_token_type_ids = torch.zeros_like(input_ids, dtype=torch.int)
-        mm_token_type_ids[input_ids == adapter.image_token_id] = 1
-        mm_token_type_ids[input_ids == adapter.video_token_id] = 2
+    mm_token_type_ids = torch.zeros_like(input_ids, dtype=torch.int)
+    mm_token_type_ids[input_ids == adapter.image_token_id] = 1
+    mm_token_type_ids[input_ids == adapter.video_token_id] = 2
+    given = model_inputs.get("mm_token_type_ids")
+    if given is not None and not torch.equal(given.to(mm_token_type_ids), mm_token_type_ids):
+        raise ValueError(
+            "mm_token_type_ids does not match input_ids (1 at image placeholders, 2 at video placeholders, "
+            "0 elsewhere); pass the processor's outputs for the same conversation"
+        )
     positions, rope_delta = adapter.logical_positions(
         input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw, None, model_inputs=model_inputs
     )

@@ -1,0 +1,66 @@
+"""Building the next turn's inputs from the exact tokens a cache holds, with the processor's chat template."""
+
+from __future__ import annotations
+
+import torch
+
+_ANSWER = "RAINCHECK_PREVIOUS_ANSWER"
+
+
+def next_turn_inputs(processor, sequences: torch.Tensor, new_messages: list[dict], end_of_turn: str | None = None):
+    """Model inputs for the next turn of a chat: ``sequences`` (the previous output, prompt + answer) + new messages.
+
+    Re-rendering the whole history through the chat template can tokenize the previous answer differently from
+    the tokens that were generated (and cached). This keeps those tokens and renders only what the template
+    adds after an assistant answer: the end of the answer's turn, the new messages and the generation prompt.
+    Only the new messages' images / videos are processed (a `DeferredPrefillCache` keeps the grids of the media
+    it already holds).
+
+    Args:
+        processor: the model's processor (its chat template must render an assistant answer verbatim).
+        sequences: ``[1, L]`` the previous `generate` output's ``sequences``.
+        new_messages: the new chat messages (usually one user message, content as for `apply_chat_template`).
+        end_of_turn: the token that closes an assistant turn (default: the tokenizer's ``<|im_end|>``); added
+            when the answer stopped without it (e.g. at ``max_new_tokens``).
+    """
+    tokenizer = processor.tokenizer
+    end_of_turn = end_of_turn or "<|im_end|>"
+    probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _ANSWER}]
+    before = processor.apply_chat_template(probe, tokenize=False)
+    after = processor.apply_chat_template(probe + list(new_messages), tokenize=False, add_generation_prompt=True)
+    anchor = _ANSWER + end_of_turn
+    if anchor not in before or not after.startswith(before[: before.index(anchor) + len(anchor)]):
+        raise ValueError(
+            "next_turn_inputs: the chat template does not render an assistant answer followed by "
+            f"{end_of_turn!r}; pass end_of_turn= for this template"
+        )
+    suffix = after[before.index(anchor) + len(anchor) :]
+    images, videos = [], []
+    for message in new_messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            for part in content:
+                if part.get("type") == "image":
+                    images.append(part.get("image") or part.get("url") or part.get("path"))
+                elif part.get("type") == "video":
+                    videos.append(part.get("video") or part.get("url") or part.get("path"))
+    kwargs = {"text": [suffix], "return_tensors": "pt"}
+    if images:
+        kwargs["images"] = images
+    if videos:
+        kwargs["videos"] = videos
+    suffix_inputs = processor(**kwargs)
+    end_id = tokenizer.convert_tokens_to_ids(end_of_turn)
+    history = sequences.to("cpu")
+    if int(history[0, -1]) != end_id:
+        history = torch.cat([history, torch.tensor([[end_id]], dtype=history.dtype)], 1)
+    inputs = dict(suffix_inputs)
+    inputs["input_ids"] = torch.cat([history, suffix_inputs["input_ids"]], 1)
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    if "mm_token_type_ids" in suffix_inputs:
+        ids = inputs["input_ids"]
+        types = torch.zeros_like(ids)
+        types[ids == processor.image_token_id] = 1
+        types[ids == getattr(processor, "video_token_id", -1)] = 2
+        inputs["mm_token_type_ids"] = types
+    return inputs

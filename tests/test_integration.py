@@ -1,0 +1,104 @@
+"""Raincheck through the real processor, from_pretrained, streamers, the pipeline and the next-turn helper."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import TextIteratorStreamer, pipeline
+
+from hf_raincheck import RaincheckConfig, complete_deferred, enable_raincheck
+from hf_raincheck.conversation import next_turn_inputs
+from hf_raincheck.testing import make_image, tiny_qwen3_vl
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    model, processor = tiny_qwen3_vl(tmp_path_factory.mktemp("tiny"), seed=0)
+    return enable_raincheck(model), processor
+
+
+def _messages(image, text="What is in the picture?"):
+    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}]
+
+
+def _inputs(processor, messages):
+    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                         return_tensors="pt")
+
+
+CFG = RaincheckConfig(retention=0.3, chunk_size=4, guard_tokens=2)
+
+
+def test_pipeline_accepts_raincheck_config(vl):
+    model, processor = vl
+    pipe = pipeline("image-text-to-text", model=model, processor=processor)
+    messages = _messages(make_image(1, (256, 256)))
+    plain = pipe(text=messages, generate_kwargs={"max_new_tokens": 8, "do_sample": False})
+    same = pipe(text=messages, generate_kwargs={"max_new_tokens": 8, "raincheck_config": RaincheckConfig(retention=1.0)})
+    pruned = pipe(text=messages, generate_kwargs={"max_new_tokens": 8, "raincheck_config": CFG})
+    assert same[0]["generated_text"][-1] == plain[0]["generated_text"][-1]
+    assert pruned[0]["generated_text"][-1]["role"] == "assistant"
+
+
+def test_text_iterator_streamer_yields_the_answer(vl):
+    model, processor = vl
+    inputs = _inputs(processor, _messages(make_image(2, (256, 256))))
+    streamer = TextIteratorStreamer(processor.tokenizer, skip_prompt=True, skip_special_tokens=True)
+    result = {}
+
+    def work():
+        result["out"] = model.generate(**inputs, raincheck_config=CFG, max_new_tokens=12, min_new_tokens=12,
+                                       streamer=streamer, return_dict_in_generate=True)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    text = "".join(piece for piece in streamer)
+    thread.join()
+    answer = result["out"].sequences[0, inputs["input_ids"].shape[1]:]
+    assert text.strip() and text == processor.decode(answer, skip_special_tokens=True)
+
+
+def test_three_turn_chat_with_a_new_image_in_turn_two(vl):
+    model, processor = vl
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion="next_turn")
+    inputs = _inputs(processor, _messages(make_image(3, (256, 256))))
+    out = model.generate(**inputs, raincheck_config=cfg, max_new_tokens=6, min_new_tokens=6,
+                         return_dict_in_generate=True)
+    cache = out.past_key_values
+    first_plan = cache.plan
+    assert first_plan.total_deferred == 64 - 20 and cache.pending == 44 - 3 * 3
+    turn2 = next_turn_inputs(processor, out.sequences, _messages(make_image(4, (128, 128)), "And this one?"))
+    out = model.generate(**turn2, past_key_values=cache, raincheck_config=cfg, max_new_tokens=6, min_new_tokens=6,
+                         return_dict_in_generate=True)
+    assert first_plan.pending == 0 and cache.plan is not first_plan and cache.plan.total_deferred == 16 - 5
+    turn3 = next_turn_inputs(processor, out.sequences, [{"role": "user", "content": "Thanks!"}])
+    out = model.generate(**turn3, past_key_values=cache, raincheck_config=cfg, max_new_tokens=4,
+                         return_dict_in_generate=True)
+    assert cache.pending == 0 and bool(cache.filled.all())
+    assert complete_deferred(model, cache) == 0
+    # the fully restored cache holds the whole conversation: one more turn with retention 1.0 matches a fresh
+    # full prefill of the same tokens
+    turn4 = next_turn_inputs(processor, out.sequences, [{"role": "user", "content": "Bye"}])
+    resumed = model.generate(**turn4, past_key_values=cache, raincheck_config=cfg, max_new_tokens=1,
+                             output_logits=True, return_dict_in_generate=True)
+    assert resumed.logits[0].shape[-1] == model.config.text_config.vocab_size
+
+
+def test_video_through_the_processor(vl):
+    model, processor = vl
+    from hf_raincheck.testing import make_video
+
+    messages = [{"role": "user", "content": [{"type": "video", "video": make_video(5, num_frames=4)},
+                                             {"type": "text", "text": "What happens?"}]}]
+    inputs = _inputs(processor, messages)
+    if "pixel_values_videos" not in inputs:
+        pytest.fail("the tiny processor did not produce video inputs")
+    plain = model.generate(**inputs, max_new_tokens=6, do_sample=False)
+    same = model.generate(**inputs, max_new_tokens=6, raincheck_config=RaincheckConfig(retention=1.0))
+    assert same.tolist() == plain.tolist()
+    out = model.generate(**inputs, max_new_tokens=6, raincheck_config=CFG, return_dict_in_generate=True)
+    plan = out.past_key_values.plan
+    assert set(plan.modalities) == {"video"} and len(plan.spans) == int(inputs["video_grid_thw"][0, 0])
+    assert out.past_key_values.pending == 0
