@@ -4,7 +4,10 @@ What differs from Qwen3-VL (whose adapter this one extends for the family-indepe
 special ids, span grids, text modules, embeddings, lm head):
 
 - Positions: ``Qwen2_5_VLModel.get_rope_index`` with ``second_per_grid_ts`` (a video's temporal position
-  step is ``tokens_per_second * second_per_grid_ts``), taken from the processor outputs of the call.
+  step is ``tokens_per_second * second_per_grid_ts``), taken from the processor outputs of the call. The
+  rope delta of generated tokens is ``last prompt position + 1 - L`` (what `generate` does), not the
+  ``max + 1 - L`` that get_rope_index returns: the two differ after a video whose temporal positions outrun
+  the text that follows it.
 - Video: one contiguous run of placeholders per video, no per-frame timestamp text. A temporal grid step
   (``temporal_patch_size`` input frames, ``h * w / merge**2`` tokens) is one span; the run is split into
   ``grid_t`` such spans by the per-frame counts returned by `media_token_counts`.
@@ -108,9 +111,7 @@ class Qwen2_5_VLAdapter(Qwen3VLAdapter):
         if image_grid_thw is None and video_grid_thw is None:
             length = input_ids.shape[1]
             return torch.arange(length).view(1, -1).expand(3, -1).clone(), 0
-        second_per_grid_ts = None if model_inputs is None else model_inputs.get("second_per_grid_ts")
-        if second_per_grid_ts is not None and not torch.is_tensor(second_per_grid_ts):
-            second_per_grid_ts = torch.tensor(second_per_grid_ts, dtype=torch.float)
+        second_per_grid_ts = self._seconds_per_grid(model_inputs, video_grid_thw)
         positions, deltas = self.core.get_rope_index(
             input_ids,
             mm_token_type_ids=mm_token_type_ids,
@@ -119,7 +120,36 @@ class Qwen2_5_VLAdapter(Qwen3VLAdapter):
             second_per_grid_ts=second_per_grid_ts,
             attention_mask=attention_mask,
         )
-        return positions[:, 0].cpu(), int(deltas.reshape(-1)[0])
+        positions = positions[:, 0].cpu()
+        # Decode positions: transformers' generate continues every M-RoPE row from the prompt's last position
+        # (+1 per token), and get_rope_index run on the extended conversation agrees. Its returned delta
+        # (``max + 1 - L``) does not when a video's temporal positions (spaced by ``tokens_per_second *
+        # second_per_grid_ts``) run past the text after it, so derive the delta from the last (text) token.
+        return positions, int(positions[:, -1].max()) + 1 - input_ids.shape[1]
+
+    @staticmethod
+    def _seconds_per_grid(model_inputs, video_grid_thw):
+        """``second_per_grid_ts`` aligned with `video_grid_thw` (the conversation's videos), or None.
+
+        A later turn may pass the processor outputs of its new part only: then `video_grid_thw` (completed from
+        the cache) lists the cached videos first and ``second_per_grid_ts`` covers only the new, last ones. The
+        cached videos get 1.0: in transformers 5.23 a video's time step moves only its own tokens' temporal
+        positions (the text after it advances by ``max(h, w) / merge``), and cached tokens are never
+        repositioned (deferred rows keep the positions stored with their plan), so the value is never used.
+        """
+        seconds = None if model_inputs is None else model_inputs.get("second_per_grid_ts")
+        if seconds is None or video_grid_thw is None:
+            return None
+        seconds = torch.as_tensor(seconds, dtype=torch.float).reshape(-1).cpu()
+        n_videos = video_grid_thw.shape[0]
+        if seconds.numel() > n_videos:
+            raise ValueError(
+                f"second_per_grid_ts has {seconds.numel()} entries but the conversation holds {n_videos} videos; "
+                "pass the processor outputs of the whole conversation, or of its new part only"
+            )
+        if seconds.numel() < n_videos:
+            seconds = torch.cat([torch.ones(n_videos - seconds.numel()), seconds])
+        return seconds
 
     def media_token_counts(self, image_grid_thw, video_grid_thw):
         """Tokens per image; per video, one entry per temporal grid step (a contiguous frame of ``h*w/merge**2``)."""
