@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from transformers import BatchFeature
 
 _ANSWER = "RAINCHECK_PREVIOUS_ANSWER"
 
@@ -63,4 +64,4 @@ def next_turn_inputs(processor, sequences: torch.Tensor, new_messages: list[dict
         types[ids == processor.image_token_id] = 1
         types[ids == getattr(processor, "video_token_id", -1)] = 2
         inputs["mm_token_type_ids"] = types
-    return inputs
+    return BatchFeature(inputs)
