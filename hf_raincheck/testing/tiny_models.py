@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import hashlib
 import importlib
 import json
 import math
@@ -57,6 +58,7 @@ __all__ = [
     "build_tokenizer",
     "chat_inputs",
     "enable_torchvision_free_processing",
+    "load_tiny_qwen3_vl",
     "make_image",
     "make_video",
     "tiny_qwen3_vl",
@@ -275,9 +277,10 @@ _VISION_DEFAULTS = dict(
     deepstack_visual_indexes=[0, 1],
 )
 
-#: Init std for every Linear/Embedding (HF's default is 0.02). With 0.02 and hidden 64 the logits have a std of
-#: ~0.15 over ~1.5k tokens: greedy decoding still varies, but every distribution is nearly flat, so probability /
-#: cache-equivalence comparisons would be weak. 0.1 gives logits with std ~1 and clearly peaked distributions.
+#: Init std for every Linear/Embedding/Conv of both towers (HF's default is 0.02). Measured on a 2-turn image prompt:
+#: with 0.02 the logits have std ~0.16 over the ~2.4k-token vocabulary (mean top-1 probability 0.0007, uniform is
+#: 0.0004), i.e. nearly flat; with 0.1 the std is ~0.8, and swapping the image moves the last-position logits by
+#: ~3.7, so logit / cache-equivalence comparisons have something to bite on. Greedy tokens vary in both cases.
 INITIALIZER_RANGE = 0.1
 
 _IMAGE_MIN_PIXELS = 64 * 64
@@ -392,13 +395,19 @@ def enable_torchvision_free_processing() -> bool:
     if _torchvision_available():
         return False
 
+    import sys
+
     import transformers
     from transformers import Qwen3VLConfig
+    from transformers import processing_utils
     from transformers.models.auto.video_processing_auto import AutoVideoProcessor
     from transformers.video_processing_utils import VideoProcessorMixin
 
-    if "VideoProcessorMixin" not in transformers.__dict__:
-        setattr(transformers, "VideoProcessorMixin", VideoProcessorMixin)
+    # ``processing_utils`` resolves class names on its own handle of the ``transformers`` module (a re-executed
+    # lazy module, not always ``sys.modules["transformers"]``): expose the mixin on every handle.
+    for module in {id(m): m for m in (processing_utils.transformers_module, transformers, sys.modules["transformers"])}.values():
+        if "VideoProcessorMixin" not in module.__dict__:
+            setattr(module, "VideoProcessorMixin", VideoProcessorMixin)
     AutoVideoProcessor.register(
         Qwen3VLConfig, video_processor_classes={"torchvision": _torch_only_video_processor_class()}, exist_ok=True
     )
@@ -431,15 +440,14 @@ def _training_corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer(vocab_size: int = 1536):
+def build_tokenizer(vocab_size: int = 4096):
     """A real ``Qwen2Tokenizer`` (byte-level BPE, Qwen's pre-tokenizer) trained on a small English word list.
 
     Deterministic. The BPE vocabulary (256 byte symbols + merges) comes first, then :data:`SPECIAL_TOKENS` and
     :data:`ADDED_TOKENS` in that order, as in Qwen's tokenizer. ``eos_token`` is ``<|im_end|>`` and
     ``pad_token`` ``<|endoftext|>`` (Qwen3-VL's choices); there is no unk token: every string encodes.
     """
-    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
-    from tokenizers import AddedToken
+    from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen2Tokenizer
 
     bpe = Tokenizer(models.BPE())
@@ -637,20 +645,32 @@ def _tmp_root() -> str:
 def tiny_qwen3_vl(tmp_path=None, seed: int = 0, **build_kwargs):
     """Build (once per directory) and load a tiny Qwen3-VL: returns ``(model, processor)``.
 
-    The checkpoint goes to ``<tmp_path>/tiny-qwen3-vl-seed<seed>`` (``tmp_path`` None: a per-process temp dir removed
-    at exit) and is reused if already there. Loaded with ``AutoModelForImageTextToText.from_pretrained(path,
+    The checkpoint goes to ``<tmp_path>/tiny-qwen3-vl-seed<seed>[-<hash of build_kwargs>]`` (``tmp_path`` None: a
+    per-process temp dir removed at exit) and is reused if already there. ``build_kwargs`` go to
+    :func:`build_tiny_qwen3_vl`. Loaded with ``AutoModelForImageTextToText.from_pretrained(path,
     dtype=torch.float32, attn_implementation="sdpa")`` (eval mode) and ``AutoProcessor.from_pretrained(path)``.
     Every call returns a freshly loaded model.
     """
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    enable_torchvision_free_processing()
     root = os.fspath(tmp_path) if tmp_path is not None else _tmp_root()
-    suffix = "" if not build_kwargs else "-" + "-".join(f"{k}{v}" for k, v in sorted(build_kwargs.items()))
+    suffix = ""
+    if build_kwargs:
+        key = json.dumps(build_kwargs, sort_keys=True, default=str)
+        suffix = "-" + hashlib.sha1(key.encode()).hexdigest()[:10]
     path = os.path.join(root, f"tiny-qwen3-vl-seed{seed}{suffix}")
     if not os.path.exists(os.path.join(path, "tiny_builder.json")):
         build_tiny_qwen3_vl(path, seed=seed, **build_kwargs)
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    return load_tiny_qwen3_vl(path)
+
+
+def load_tiny_qwen3_vl(path, attn_implementation: str = "sdpa"):
+    """Load a checkpoint written by :func:`build_tiny_qwen3_vl`: ``(model, processor)``, model fp32 in eval mode."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    enable_torchvision_free_processing()
+    path = os.fspath(path)
+    model = AutoModelForImageTextToText.from_pretrained(
+        path, dtype=torch.float32, attn_implementation=attn_implementation
+    )
     model.eval()
     processor = AutoProcessor.from_pretrained(path)
     return model, processor

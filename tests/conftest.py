@@ -1,0 +1,45 @@
+"""Shared pytest fixtures: a tiny random Qwen3-VL checkpoint built once per session (CPU, no downloads)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Importing the testing package lets AutoProcessor build a Qwen3VLProcessor without torchvision.
+from hf_raincheck.testing import build_tiny_qwen3_vl, load_tiny_qwen3_vl
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(int(os.environ.get("HF_RAINCHECK_TEST_THREADS", "2")))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_vl_path(tmp_path_factory) -> str:
+    """Directory of a tiny random Qwen3-VL checkpoint (seed 0), built once per test session."""
+    return build_tiny_qwen3_vl(tmp_path_factory.mktemp("tiny_qwen3_vl") / "seed0", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_vl(tiny_vl_path):
+    """``(model, processor)`` loaded from :func:`tiny_vl_path` through the Auto classes; shared by the session.
+
+    Don't patch or modify this model in a test; use ``fresh_tiny_vl`` for that.
+    """
+    return load_tiny_qwen3_vl(tiny_vl_path)
+
+
+@pytest.fixture
+def fresh_tiny_vl(tiny_vl_path):
+    """A freshly loaded ``(model, processor)`` for tests that patch or modify the model."""
+    return load_tiny_qwen3_vl(tiny_vl_path)
