@@ -34,9 +34,13 @@ class RaincheckConfig:
             span m of N_m tokens keeps ``N_m - floor((1 - rho) * N_m)`` tokens.
         chunk_size: deferred tokens carried by one fused decode step (>= 1).
         guard_tokens: decode steps 1..guard_tokens carry no deferred tokens (>= 0).
-        pruning: a registered selector name (see ``hf_raincheck.pruning.available_selectors()``) or a
-            callable ``fn(ctx) -> LongTensor`` of kept indices into ``input_ids[0]``.
-        pruning_options: keyword options passed to a registered selector.
+        pruning: a registered selector name (see ``hf_raincheck.pruning.available_selectors()``): ``"mmtok"``
+            (default, query-aware), ``"hiprune"``, ``"divprune"``, ``"visionzip"`` (VisionZip-Select),
+            ``"uniform"``, ``"random"``; or a callable ``fn(ctx) -> LongTensor`` of kept indices into
+            ``input_ids[0]``.
+        pruning_options: keyword options of a registered selector (e.g. ``{"alpha": 0.5}`` for mmtok); unknown
+            names or bad values raise ``ValueError``. Options and defaults: each ``hf_raincheck.pruning.<name>``
+            module docstring.
         completion: what happens to deferred tokens still pending when the answer ends:
             ``"blocking"`` (prefill them before `generate` returns) or ``"next_turn"`` (fold them into the
             next `generate` call on the same cache, or run `complete_deferred` yourself).
@@ -55,7 +59,7 @@ class RaincheckConfig:
     retention: float = 0.3
     chunk_size: int = 31
     guard_tokens: int = 16
-    pruning: Union[str, Callable[..., Any]] = "uniform"
+    pruning: Union[str, Callable[..., Any]] = "mmtok"
     pruning_options: dict = field(default_factory=dict)
     completion: str = "blocking"
     completion_chunk_size: int = 256
@@ -97,6 +101,9 @@ class RaincheckConfig:
                 )
         if not isinstance(self.pruning_options, dict):
             raise ValueError(f"RaincheckConfig.pruning_options must be a dict, got {self.pruning_options!r}")
+        from .pruning import resolve_options
+
+        resolve_options(self.pruning, self.pruning_options)  # unknown option names or bad values: ValueError
         if self.schedule is not None and not callable(self.schedule):
             raise ValueError(f"RaincheckConfig.schedule must be callable(step, pending) -> int, got {self.schedule!r}")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -9,7 +10,9 @@ import torch
 from ..cache import DeferralPlan, DeferredPrefillCache
 from ..config import RaincheckConfig
 from ..models import ModelAdapter
-from ..pruning import SelectionContext, select_kept
+from ..pruning import SelectionContext, select_kept, selector_requirements
+from ..pruning.query import question_positions
+from ..pruning.vision import gather_extras
 from .rows import Rows, concat_rows, deferred_rows
 from .spans import Span, find_spans
 
@@ -101,12 +104,6 @@ def _conversation_grids(adapter: ModelAdapter, cache: DeferredPrefillCache, ids:
     return grids["image"], grids["video"], cover
 
 
-def _query_ids(new_ids: list[int], offset: int, spans: list[Span], special: set[int]) -> list[int]:
-    """The current user turn's text: new tokens after the first new span (or all new tokens), minus special ids."""
-    first = spans[0].start - offset if spans else 0
-    return [t for t in new_ids[first:] if t not in special]
-
-
 def prepare_turn(
     adapter: ModelAdapter,
     cache: DeferredPrefillCache,
@@ -170,9 +167,19 @@ def prepare_turn(
     visual_new = torch.zeros(len(ids) - old, dtype=torch.bool, device=device)
     deepstack_new = None
 
+    # what the selector needs from the vision tower, asked for only when it will select something
+    want = {}
+    if any(config.kept_budget(s.size) < s.size for s in new_spans):
+        want = selector_requirements(config.pruning, config.pruning_options, adapter.vision_depth)
+        if want and "want" not in inspect.signature(adapter.vision_features).parameters:
+            raise ValueError(
+                f"pruning selector {config.pruning!r} needs vision-tower features "
+                f"({sorted(k for k in want if want[k])}) that the {adapter.family} adapter does not provide; "
+                "choose another selector (e.g. 'divprune')"
+            )
+
     # vision tower, once, on the media that are new in this call
     placeholder_embeds = []
-    placeholder_deepstack = []
     for modality, grid, pixel_key, counts in (
         ("image", image_grid_thw, "pixel_values", image_counts),
         ("video", video_grid_thw, "pixel_values_videos", video_frame_counts),
@@ -192,10 +199,11 @@ def prepare_turn(
             raise ValueError(f"input_ids holds new {modality} placeholders but `{pixel_key}` was not passed")
         patches = grid.prod(-1).tolist()
         first_row = sum(patches[:n_old]) if pixels_cover[modality] == "conversation" else 0
-        feats = adapter.vision_features(modality, pixels[first_row:].to(device), grid[n_old:])
+        extra_args = {"want": want} if want else {}
+        feats = adapter.vision_features(modality, pixels[first_row:].to(device), grid[n_old:].to(device), **extra_args)
         placeholder_embeds.append((modality, feats))
 
-    new_placeholder_mask = torch.tensor([t in (adapter.image_token_id, adapter.video_token_id) for t in ids[old:]])
+    extras_parts = []
     if placeholder_embeds:
         new_embeds = new_embeds.clone()
         deepstack_layers = None
@@ -208,6 +216,7 @@ def prepare_turn(
                     f"{feats.embeds.shape[0]} features"
                 )
             new_embeds[where] = feats.embeds.to(new_embeds.dtype)
+            extras_parts.append((where, feats.extras))
             visual_new[where] = True
             if feats.deepstack is not None:
                 if deepstack_layers is None:
@@ -217,7 +226,6 @@ def prepare_turn(
                 for layer, feat in zip(deepstack_layers, feats.deepstack):
                     layer[where] = feat.to(layer.dtype)
         deepstack_new = deepstack_layers
-    del placeholder_deepstack
 
     # the plan of this call's new spans
     plan = None
@@ -228,7 +236,10 @@ def prepare_turn(
             kept = torch.cat([torch.arange(s.start, s.stop) for s in new_spans])
         else:
             special = {adapter.image_token_id, adapter.video_token_id, *adapter.special_token_ids()}
-            query = torch.tensor(_query_ids(ids[old:], old, new_spans, special), dtype=torch.long)
+            where_query = question_positions(
+                ids, old, [(s.start, s.stop) for s in new_spans], special, adapter.end_of_turn_token_ids()
+            )
+            query = torch.tensor([ids[i] for i in where_query], dtype=torch.long)
             span_rows = torch.cat([torch.arange(s.start - old, s.stop - old) for s in new_spans]).to(device)
             ctx = SelectionContext(
                 input_ids=input_ids[0].cpu(),
@@ -241,6 +252,7 @@ def prepare_turn(
                 query_embeds=adapter.embed_tokens(query.to(device)[None])[0],
                 options=dict(config.pruning_options),
                 seed=config.seed,
+                extras=gather_extras(extras_parts, len(ids) - old, span_rows, adapter.vision_depth) if want else {},
             )
             with torch.no_grad():
                 kept = select_kept(config.pruning, ctx)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,6 +13,9 @@ class VisionFeatures:
 
     embeds: torch.Tensor  # [n, H]
     deepstack: list[torch.Tensor] | None  # per DeepStack layer [n, H], or None
+    # features a pruning selector asked for (`want`), per placeholder: {"vision_attention": {block: [n]},
+    # "vision_hidden": [n, D_vit]} (see hf_raincheck.pruning.base)
+    extras: dict = field(default_factory=dict)
 
 
 class ModelAdapter:
@@ -57,8 +60,29 @@ class ModelAdapter:
         """Placeholder tokens per image, and per frame of each video."""
         raise NotImplementedError
 
-    def vision_features(self, modality: str, pixel_values, grid_thw) -> VisionFeatures:
+    def vision_features(self, modality: str, pixel_values, grid_thw, want: dict | None = None) -> VisionFeatures:
+        """Runs the vision tower once. `want` (from `hf_raincheck.pruning.selector_requirements`) asks for
+        ``VisionFeatures.extras`` computed in the same pass; adapters without that support leave `want` out of
+        their signature (a selector needing it then raises a clear error)."""
         raise NotImplementedError
+
+    @property
+    def vision_depth(self) -> int | None:
+        """Number of vision-tower blocks (None: no block-level features available)."""
+        return None
+
+    def end_of_turn_token_ids(self) -> set[int]:
+        """Ids that end a chat turn: the eos ids of the model config and its generation config."""
+        ids: set[int] = set()
+        config = getattr(self.model, "config", None)
+        owners = (config, getattr(config, "text_config", None), getattr(self.model, "generation_config", None))
+        for owner in owners:
+            value = getattr(owner, "eos_token_id", None)
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(int(v) for v in value)
+        return ids
 
     def language_forward(self, embeds, positions, mask, cache, visual_rows, deepstack, backend):
         """Runs the decoder over rows ``embeds [1, q, H]`` and returns final hidden states ``[1, q, H]``."""

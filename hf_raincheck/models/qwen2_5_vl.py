@@ -160,13 +160,14 @@ class Qwen2_5_VLAdapter(Qwen3VLAdapter):
             videos = [[int(h * w) // merge] * int(t) for t, h, w in video_grid_thw.tolist()]
         return images, videos
 
-    def vision_features(self, modality, pixel_values, grid_thw) -> VisionFeatures:
-        if modality == "image":
-            out = self.core.get_image_features(pixel_values, grid_thw, return_dict=True)
-        else:
-            out = self.core.get_video_features(pixel_values, grid_thw, return_dict=True)
-        # pooler_output is in raster (placeholder) order: the tower undoes its window order itself
-        return VisionFeatures(embeds=torch.cat(list(out.pooler_output), dim=0), deepstack=None)
+    def vision_features(self, modality, pixel_values, grid_thw, want=None) -> VisionFeatures:
+        out, extras = self._vision_pass(modality, pixel_values, grid_thw, want)
+        # pooler_output is in raster (placeholder) order: the tower undoes its window order itself; the selector
+        # extras (block attention, last_hidden_state) are window-ordered and put back by `_extras_order`
+        return VisionFeatures(embeds=torch.cat(list(out.pooler_output), dim=0), deepstack=None, extras=extras)
+
+    def _extras_order(self, grid_thw):
+        return self.window_order(grid_thw).reverse_index
 
     def window_order(self, grid_thw: torch.Tensor) -> WindowOrder:
         """The vision tower's window order for `grid_thw` (see `WindowOrder`)."""

@@ -2,9 +2,29 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
+from ..pruning.base import VISION_ATTENTION, VISION_HIDDEN
+from ..pruning.vision import BlockAttentionHooks, pool_merged
 from .base import ModelAdapter, VisionFeatures
+
+
+def qwen_vision_block_qk(block, args, kwargs):
+    """q, k ``[P, heads, head_dim]`` (rotary applied, as the block computes them), ``cu_seqlens`` and the softmax
+    scale of a Qwen-VL vision block, from the block's forward inputs (for `BlockAttentionHooks`)."""
+    apply_rotary_pos_emb_vision = sys.modules[type(block).__module__].apply_rotary_pos_emb_vision  # the family's own
+
+    hidden = args[0] if args else kwargs["hidden_states"]
+    cu_seqlens = args[1] if len(args) > 1 else kwargs["cu_seqlens"]
+    attn = block.attn
+    x = block.norm1(hidden)
+    n = x.shape[0]
+    q, k, _ = attn.qkv(x).reshape(n, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    cos, sin = kwargs["position_embeddings"]
+    q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
+    return q, k, cu_seqlens, attn.scaling
 
 
 class Qwen3VLAdapter(ModelAdapter):
@@ -84,16 +104,43 @@ class Qwen3VLAdapter(ModelAdapter):
                 videos.append([int(h * w) // merge] * int(t))
         return images, videos
 
-    def vision_features(self, modality, pixel_values, grid_thw) -> VisionFeatures:
-        if modality == "image":
-            out = self.core.get_image_features(pixel_values, grid_thw, return_dict=True)
-        else:
-            out = self.core.get_video_features(pixel_values, grid_thw, return_dict=True)
+    @property
+    def vision_depth(self) -> int:
+        return len(self.core.visual.blocks)
+
+    def _vision_pass(self, modality, pixel_values, grid_thw, want):
+        """One vision-tower run; `want` adds per-placeholder extras (see `hf_raincheck.pruning.base`): attention
+        received at some blocks (forward hooks on those blocks only) and/or the last block's output, both pooled
+        over each merged token's patches and put in placeholder (raster) order."""
+        want = want or {}
+        visual = self.core.visual
+        layers = want.get(VISION_ATTENTION, ())
+        with BlockAttentionHooks(visual.blocks, layers, qwen_vision_block_qk) as hooks:
+            if modality == "image":
+                out = self.core.get_image_features(pixel_values, grid_thw, return_dict=True)
+            else:
+                out = self.core.get_video_features(pixel_values, grid_thw, return_dict=True)
+        extras = {}
+        if layers or want.get(VISION_HIDDEN):
+            unit = visual.spatial_merge_unit  # the tower keeps each merged token's patches consecutive
+            order = self._extras_order(grid_thw)
+            if layers:
+                extras[VISION_ATTENTION] = {layer: pool_merged(s, unit, order) for layer, s in hooks.scores.items()}
+            if want.get(VISION_HIDDEN):
+                extras[VISION_HIDDEN] = pool_merged(out.last_hidden_state, unit, order)
+        return out, extras
+
+    def _extras_order(self, grid_thw):
+        """Raster index -> position of the tower's merged-token order (None: the tower runs in raster order)."""
+        return None
+
+    def vision_features(self, modality, pixel_values, grid_thw, want=None) -> VisionFeatures:
+        out, extras = self._vision_pass(modality, pixel_values, grid_thw, want)
         embeds = torch.cat(list(out.pooler_output), dim=0)
         deepstack = None
         if getattr(out, "deepstack_features", None):
             deepstack = [torch.cat(list(feat), dim=0) for feat in out.deepstack_features]
-        return VisionFeatures(embeds=embeds, deepstack=deepstack)
+        return VisionFeatures(embeds=embeds, deepstack=deepstack, extras=extras)
 
     def language_forward(self, embeds, positions, mask, cache, visual_rows, deepstack, backend):
         has_visual = deepstack is not None and visual_rows is not None and bool(visual_rows.any())

@@ -1,4 +1,4 @@
-"""`uniform`: evenly spaced tokens in each span (cheap, content-blind baseline)."""
+"""`uniform`: evenly spaced tokens in each span (cheap, content-blind baseline). No options."""
 
 from __future__ import annotations
 
@@ -15,5 +15,6 @@ def uniform_offsets(num_tokens: int, budget: int) -> torch.Tensor:
 
 @register_selector("uniform")
 def select_uniform(ctx: SelectionContext) -> torch.Tensor:
+    select_uniform.options.resolve(ctx.options)
     parts = [start + uniform_offsets(stop - start, budget) for (start, stop), budget in zip(ctx.spans, ctx.budgets)]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
