@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -171,12 +170,6 @@ def prepare_turn(
     want = {}
     if any(config.kept_budget(s.size) < s.size for s in new_spans):
         want = selector_requirements(config.pruning, config.pruning_options, adapter.vision_depth)
-        if want and "want" not in inspect.signature(adapter.vision_features).parameters:
-            raise ValueError(
-                f"pruning selector {config.pruning!r} needs vision-tower features "
-                f"({sorted(k for k in want if want[k])}) that the {adapter.family} adapter does not provide; "
-                "choose another selector (e.g. 'divprune')"
-            )
 
     # vision tower, once, on the media that are new in this call
     placeholder_embeds = []
@@ -199,8 +192,7 @@ def prepare_turn(
             raise ValueError(f"input_ids holds new {modality} placeholders but `{pixel_key}` was not passed")
         patches = grid.prod(-1).tolist()
         first_row = sum(patches[:n_old]) if pixels_cover[modality] == "conversation" else 0
-        extra_args = {"want": want} if want else {}
-        feats = adapter.vision_features(modality, pixels[first_row:].to(device), grid[n_old:].to(device), **extra_args)
+        feats = adapter.vision_features(modality, pixels[first_row:].to(device), grid[n_old:].to(device), want=want or None)
         placeholder_embeds.append((modality, feats))
 
     extras_parts = []
