@@ -2,6 +2,7 @@
 
     python benchmarks/latency.py --shape tiny --device cpu                 # smoke run, seconds
     python benchmarks/latency.py --shape qwen3-vl-8b --device cuda         # the real shape on a GPU
+    python benchmarks/latency.py --shape qwen3.5-9b --device cuda          # hybrid GDN model
 
 Latency does not depend on weight values, so the model is built from a config with random weights; answer
 lengths are forced with ``min_new_tokens``. Writes a JSON table (``--out``) and prints a Markdown table with
@@ -16,74 +17,10 @@ import statistics
 import time
 
 import torch
-from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 from transformers.generation.streamers import BaseStreamer
 
 from hf_raincheck import RaincheckConfig, enable_raincheck
-
-SHAPES = {
-    "qwen3-vl-8b": dict(
-        text=dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                  intermediate_size=12288, vocab_size=151936, rope_theta=5e6, mrope_section=[24, 20, 20]),
-        vision=dict(depth=27, hidden_size=1152, num_heads=16, intermediate_size=4304, out_hidden_size=4096,
-                    deepstack_visual_indexes=[8, 16, 24]),
-    ),
-    "tiny": dict(
-        text=dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                  intermediate_size=256, vocab_size=1000, rope_theta=1e4, mrope_section=[8, 4, 4]),
-        vision=dict(depth=2, hidden_size=64, num_heads=2, intermediate_size=128, out_hidden_size=128,
-                    deepstack_visual_indexes=[0, 1]),
-    ),
-}
-IMAGE, VIDEO, VSTART, VEND = 1001, 1002, 1003, 1004
-
-
-def build_model(shape: str, device: str, dtype: torch.dtype):
-    spec = SHAPES[shape]
-    text = dict(spec["text"])
-    vocab = max(text.pop("vocab_size"), VEND + 1)
-    rope = dict(rope_type="default", rope_theta=text.pop("rope_theta"), mrope_section=text.pop("mrope_section"),
-                mrope_interleaved=True)
-    config = Qwen3VLConfig(
-        text_config=dict(text, vocab_size=vocab, rope_parameters=rope, max_position_embeddings=32768),
-        vision_config=dict(spec["vision"], patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
-                           num_position_embeddings=2304),
-        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VSTART, vision_end_token_id=VEND,
-    )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device(device):
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            model = Qwen3VLForConditionalGeneration(config).eval()
-        finally:
-            torch.set_default_dtype(default)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    model.generation_config.do_sample = False
-    return model
-
-
-def build_inputs(image_tokens: int, text_before: int, question: int, device: str, dtype: torch.dtype):
-    side = int(round(image_tokens ** 0.5))
-    assert side * side == image_tokens, "--image-tokens must be a square"
-    patches = (2 * side) ** 2
-    gen = torch.Generator().manual_seed(0)
-    ids = (
-        torch.randint(0, 1000, (text_before,), generator=gen).tolist()
-        + [VSTART] + [IMAGE] * image_tokens + [VEND]
-        + torch.randint(0, 1000, (question,), generator=gen).tolist()
-    )
-    input_ids = torch.tensor([ids], device=device)
-    return dict(
-        input_ids=input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        mm_token_type_ids=(input_ids == IMAGE).int(),
-        pixel_values=torch.randn(patches, 3 * 2 * 16 * 16, generator=gen).to(device, dtype),
-        image_grid_thw=torch.tensor([[1, 2 * side, 2 * side]], device=device),
-    )
-
+from shapes import SHAPES, build_inputs, build_model  # noqa: F401  (benchmarks/ is the script's directory)
 
 class Timer(BaseStreamer):
     def __init__(self, sync):

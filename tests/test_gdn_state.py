@@ -39,7 +39,8 @@ def test_torch_kernels_match_naive(t, with_state):
 def test_advance_carries_the_transition_product(t):
     q, k, v, g, beta = factors(t, seed=3)
     s0, p0 = state(), state(seed=4, width=K)
-    out, final, p = advance("torch", q, k, v, g, beta, s0, p0)
+    out, stacked = advance("torch", q, k, v, g, beta, torch.cat([s0, p0], dim=-1), carry=K)
+    final, p = stacked[..., :V], stacked[..., V:]
     ref_out, ref_final = naive_gated_delta(q, k, v, g, beta, s0)
     torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(final.double(), ref_final, atol=1e-5, rtol=1e-5)
@@ -70,15 +71,17 @@ def test_online_transition_and_join_float32(tail_len):
     prefix_old = state(seed=8)
     tail = factors(tail_len, seed=9)
     layer = GDNLayerState()
-    layer.recurrent = prefix_old.clone()
+    layer.set_state(prefix_old.clone(), V)
     layer.conv = torch.zeros(1, 1, 4)
     layer.checkpoint(0, HV, K, V, (1, 1, 4), prefix_old.device, torch.float32)
+    assert layer.carry == K
     for i in range(tail_len):  # decode-like: one row per call
         row = [x[:, i : i + 1] for x in tail]
-        _, layer.recurrent, layer.prefix.transition = advance("torch", *row, layer.recurrent, layer.prefix.transition)
+        _, stacked = advance("torch", *row, layer.state, carry=layer.carry)
+        layer.set_state(stacked, V)
     # restore a chunk of deferred rows from the prefix, then join
     chunk = factors(9, seed=10)
-    _, prefix_new, _ = advance("torch", *chunk, layer.prefix.recurrent)
+    _, prefix_new = advance("torch", *chunk, layer.prefix.recurrent)
     layer.join(prefix_new)
     expected = _recompute_tail(naive_gated_delta(*chunk, prefix_old)[1], tail)
     rel = (layer.recurrent.double() - expected).abs().max() / expected.abs().max()

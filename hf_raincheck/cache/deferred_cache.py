@@ -172,7 +172,7 @@ class DeferredPrefillCache(DynamicCache):
     def release_gdn_checkpoints(self) -> None:
         """Drops the prefix checkpoints and P_tail maps once the plan they serve has nothing pending."""
         for state in self.gdn_states.values():
-            state.prefix = None
+            state.release()
 
     def filled_prefix(self, kv_len: int) -> torch.Tensor:
         return self._filled[:kv_len]

@@ -1,8 +1,8 @@
 """Gated delta rule kernels behind one interface: transformers' torch path, or fla-core's Triton kernels.
 
-``advance(...)`` runs rows from a state and, optionally, carries a transition map ``P`` along in the same call:
-a gated delta rule run with ``v = 0`` from state ``P`` returns ``A_T ... A_1 P``, and the rule is linear in
-``(v, S)`` column by column, so ``[S | P]`` with values ``[v | 0]`` gives the new state and the new map at once.
+``advance(...)`` runs rows from a state and can carry a transition map ``P`` along in the same call: a gated
+delta rule run with ``v = 0`` from state ``P`` returns ``A_T ... A_1 P``, and the rule acts on ``(v, S)`` column
+by column, so a state ``[S | P]`` with values ``[v | 0]`` gives the new state and the new map at once.
 """
 
 from __future__ import annotations
@@ -63,18 +63,14 @@ def gated_delta(backend: str, q, k, v, g, beta, state):
     return out, final.float()
 
 
-def advance(backend: str, q, k, v, g, beta, state, transition=None):
-    """`gated_delta`, also returning ``A_T ... A_1 transition`` when `transition` ``[1, H_v, K, K]`` is given.
+def advance(backend: str, q, k, v, g, beta, state, carry: int = 0):
+    """`gated_delta` on a state whose last `carry` columns hold a transition map ``P`` (advanced with ``v = 0``).
 
-    Returns ``(o, state, transition)`` (transition None when none was given).
+    `state` ``[1, H_v, K, V + carry]`` (``None``: zeros, only with ``carry = 0``). Returns ``(o [1, T, H_v, V],
+    final state [1, H_v, K, V + carry])``: the first V columns are the new state, the last `carry` are
+    ``A_T ... A_1 P``. Keeping ``[S | P]`` in one buffer costs one kernel call per row block for both.
     """
-    if transition is None:
-        out, final = gated_delta(backend, q, k, v, g, beta, state)
-        return out, final, None
-    dv = v.shape[-1]
-    if state is None:
-        state = torch.zeros(*transition.shape[:3], dv, dtype=torch.float32, device=v.device)
-    stacked = torch.cat([state.float(), transition.float()], dim=-1)
-    v_ext = torch.cat([v, v.new_zeros(*v.shape[:-1], transition.shape[-1])], dim=-1)
-    out, final = gated_delta(backend, q, k, v_ext, g, beta, stacked)
-    return out[..., :dv], final[..., :dv].contiguous(), final[..., dv:].contiguous()
+    if carry:
+        v = torch.cat([v, v.new_zeros(*v.shape[:-1], carry)], dim=-1)
+    out, final = gated_delta(backend, q, k, v, g, beta, state)
+    return (out[..., : out.shape[-1] - carry] if carry else out), final

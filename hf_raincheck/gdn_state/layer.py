@@ -64,16 +64,17 @@ class GDNGlue:
         raise NotImplementedError
 
 
-def _segment(glue, module, backend, qkv, a, b, recurrent, window, transition=None):
+def _segment(glue, module, backend, qkv, a, b, state, window, carry=0):
     conv_out, window = glue.conv(module, qkv, window)
     q, k, v, g, beta = glue.factors(module, conv_out, a, b)
-    out, recurrent, transition = advance(backend, q, k, v, g, beta, recurrent, transition)
-    return out, recurrent, window, transition
+    out, state = advance(backend, q, k, v, g, beta, state, carry)
+    return out, state, window
 
 
 def gdn_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layer: GDNLayerState, step: GDNStep):
     """The layer's output ``[1, T, hidden]`` for the rows of one Raincheck forward; updates `layer`."""
     qkv, z, b, a = glue.project(module, hidden)
+    value_dim = glue.dims(module)[2]
     total = hidden.shape[1]
     outs = []
     n = step.num_restore
@@ -81,7 +82,7 @@ def gdn_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layer: GDNLaye
         prefix = layer.prefix
         if prefix is None or prefix.plan_id != step.restore_plan:
             raise RuntimeError("Raincheck GDN state: deferred rows without the checkpoint of their plan")
-        out, new_prefix, prefix.conv, _ = _segment(
+        out, new_prefix, prefix.conv = _segment(
             glue, module, step.backend, qkv[..., :n], a[:, :n], b[:, :n], prefix.recurrent, prefix.conv
         )
         layer.join(new_prefix)
@@ -90,25 +91,26 @@ def gdn_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layer: GDNLaye
     if live:
         cut = step.checkpoint_at if step.checkpoint_plan is not None else 0
         if cut:
-            out, layer.recurrent, layer.conv, _ = _segment(
+            out, state, layer.conv = _segment(
                 glue, module, step.backend, qkv[..., n : n + cut], a[:, n : n + cut], b[:, n : n + cut],
-                layer.recurrent, layer.conv,
+                layer.state, layer.conv, layer.carry,
             )
+            layer.set_state(state, value_dim)
             outs.append(out)
         if step.checkpoint_plan is not None:
-            num_v_heads, key_dim, value_dim, channels, kernel = glue.dims(module)
+            num_v_heads, key_dim, _, channels, kernel = glue.dims(module)
             layer.checkpoint(
                 step.checkpoint_plan, num_v_heads, key_dim, value_dim, (1, channels, kernel), hidden.device, qkv.dtype
             )
+        if not step.track and layer.carry:
+            layer.release()
         rest = slice(n + cut, total)
         if rest.stop > rest.start:
-            transition = layer.prefix.transition if (step.track and layer.prefix is not None) else None
-            out, layer.recurrent, layer.conv, transition = _segment(
-                glue, module, step.backend, qkv[..., rest], a[:, rest], b[:, rest], layer.recurrent, layer.conv,
-                transition,
+            out, state, layer.conv = _segment(
+                glue, module, step.backend, qkv[..., rest], a[:, rest], b[:, rest], layer.state, layer.conv,
+                layer.carry,
             )
-            if transition is not None:
-                layer.prefix.transition = transition
+            layer.set_state(state, value_dim)
             outs.append(out)
     core = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return glue.output(module, core, z)

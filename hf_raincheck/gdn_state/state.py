@@ -9,55 +9,77 @@ import torch
 
 @dataclass
 class PrefixCheckpoint:
-    """A GDN layer's state at a plan's boundary, continued by the plan's deferred rows, and the tail's map.
+    """A GDN layer's state at a plan's boundary, continued by the plan's restored deferred rows.
 
     Attributes:
         plan_id: ``id`` of the `DeferralPlan` it belongs to.
         recurrent: ``[1, H_v, K, V]`` fp32, S_prefix (advanced by every restored chunk).
         conv: ``[1, C, kernel]`` the short-conv window at the boundary (advanced likewise).
-        transition: ``[1, H_v, K, K]`` fp32, P_tail: the product of the tail's transitions, latest on the left.
     """
 
     plan_id: int
     recurrent: torch.Tensor
     conv: torch.Tensor
-    transition: torch.Tensor
 
 
 class GDNLayerState:
-    """Live recurrent state ``[1, H_v, K, V]`` (fp32) and conv window ``[1, C, kernel]`` of one GDN layer, plus
-    the `PrefixCheckpoint` of the plan whose deferred rows are still pending (None otherwise)."""
+    """Live state of one GDN layer, and the `PrefixCheckpoint` of the plan whose deferred rows are pending.
+
+    ``state`` is ``[1, H_v, K, V]`` fp32, or ``[1, H_v, K, V + K]`` while a plan is pending: the extra columns
+    hold P_tail, the product of the transitions of every row after the plan's boundary (latest on the left),
+    advanced by the same kernel call as the state (`kernels.advance`). ``conv`` is the short-conv window
+    ``[1, C, kernel]`` (the model's dtype).
+    """
 
     def __init__(self):
-        self.recurrent: torch.Tensor | None = None
+        self.state: torch.Tensor | None = None
         self.conv: torch.Tensor | None = None
         self.prefix: PrefixCheckpoint | None = None
+        self.value_dim = 0
 
     @property
-    def is_initialized(self) -> bool:
-        return self.recurrent is not None
+    def carry(self) -> int:
+        """Columns of ``state`` that hold P_tail (0 when no plan is pending)."""
+        return 0 if self.state is None else self.state.shape[-1] - self.value_dim
+
+    @property
+    def recurrent(self) -> torch.Tensor | None:
+        """The recurrent state ``[1, H_v, K, V]`` (a view while P_tail rides along)."""
+        return None if self.state is None else self.state[..., : self.value_dim]
+
+    @property
+    def transition(self) -> torch.Tensor | None:
+        """P_tail ``[1, H_v, K, K]`` (a view), or None when no plan is pending."""
+        return self.state[..., self.value_dim :] if self.carry else None
+
+    def set_state(self, state: torch.Tensor, value_dim: int) -> None:
+        self.state, self.value_dim = state, value_dim
 
     def checkpoint(self, plan_id: int, num_v_heads: int, key_dim: int, value_dim: int, conv_shape, device, dtype):
-        """Copies the live state as the boundary checkpoint of plan `plan_id`, with P_tail = I."""
-        if self.recurrent is None:  # nothing before the boundary yet (cannot happen for a real prompt)
-            self.recurrent = torch.zeros(1, num_v_heads, key_dim, value_dim, dtype=torch.float32, device=device)
+        """Copies the live state as the boundary checkpoint of plan `plan_id` and starts P_tail = I."""
+        if self.state is None:  # nothing before the boundary yet (cannot happen for a real prompt)
+            self.set_state(torch.zeros(1, num_v_heads, key_dim, value_dim, dtype=torch.float32, device=device), value_dim)
             self.conv = torch.zeros(conv_shape, dtype=dtype, device=device)
-        eye = torch.eye(key_dim, dtype=torch.float32, device=self.recurrent.device)
-        self.prefix = PrefixCheckpoint(
-            plan_id=plan_id,
-            recurrent=self.recurrent.clone(),
-            conv=self.conv.clone(),
-            transition=eye.expand(1, num_v_heads, key_dim, key_dim).contiguous(),
-        )
+        recurrent = self.recurrent.contiguous()
+        self.prefix = PrefixCheckpoint(plan_id=plan_id, recurrent=recurrent.clone(), conv=self.conv.clone())
+        eye = torch.eye(key_dim, dtype=torch.float32, device=recurrent.device).expand(1, num_v_heads, key_dim, key_dim)
+        self.state = torch.cat([recurrent, eye], dim=-1)
 
     def join(self, new_prefix: torch.Tensor) -> None:
         """S_live += P_tail (S_prefix_new - S_prefix_old); then S_prefix = S_prefix_new."""
         prefix = self.prefix
-        self.recurrent = self.recurrent + torch.matmul(prefix.transition, new_prefix - prefix.recurrent)
+        update = torch.matmul(self.transition, new_prefix - prefix.recurrent)
+        self.recurrent.add_(update)
         prefix.recurrent = new_prefix
 
+    def release(self) -> None:
+        """Drops the checkpoint and P_tail (the plan has nothing pending)."""
+        self.prefix = None
+        if self.carry:
+            self.state = self.state[..., : self.value_dim].contiguous()
+
     def nbytes(self) -> int:
-        tensors = [self.recurrent, self.conv]
+        tensors = [self.state, self.conv]
         if self.prefix is not None:
-            tensors += [self.prefix.recurrent, self.prefix.conv, self.prefix.transition]
+            tensors += [self.prefix.recurrent, self.prefix.conv]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
