@@ -1,4 +1,4 @@
-"""Shared pytest fixtures: a tiny random Qwen3-VL checkpoint built once per session (CPU, no downloads)."""
+"""Shared pytest fixtures: tiny random Qwen3-VL and Qwen2.5-VL checkpoints built once per session (CPU, no downloads)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-# Importing the testing package lets AutoProcessor build a Qwen3VLProcessor without torchvision.
-from hf_raincheck.testing import build_tiny_qwen3_vl, load_tiny_qwen3_vl
+# Importing the testing package lets AutoProcessor build Qwen3-VL / Qwen2.5-VL processors without torchvision.
+from hf_raincheck.testing import build_tiny_qwen2_5_vl, build_tiny_qwen3_vl, load_tiny_qwen2_5_vl, load_tiny_qwen3_vl
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -43,3 +43,18 @@ def tiny_vl(tiny_vl_path):
 def fresh_tiny_vl(tiny_vl_path):
     """A freshly loaded ``(model, processor)`` for tests that patch or modify the model."""
     return load_tiny_qwen3_vl(tiny_vl_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_vl_path(tmp_path_factory) -> str:
+    """Directory of a tiny random Qwen2.5-VL checkpoint (seed 0), built once per test session."""
+    return build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny_qwen2_5_vl") / "seed0", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_vl(tiny_qwen2_5_vl_path):
+    """``(model, processor)`` of :func:`tiny_qwen2_5_vl_path` through the Auto classes; shared by the session.
+
+    Don't patch or modify this model in a test; load your own with ``load_tiny_qwen2_5_vl(tiny_qwen2_5_vl_path)``.
+    """
+    return load_tiny_qwen2_5_vl(tiny_qwen2_5_vl_path)

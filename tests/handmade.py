@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from helpers import _extend, _text  # noqa: E402,F401  (re-exported: tests import them from here)
 
 VOCAB = 256
 IMG, VID, VS, VE = 250, 251, 248, 249
@@ -53,10 +60,6 @@ def _tiny_model(attn="eager", seed=0):
     return model
 
 
-def _text(n, gen):
-    return torch.randint(0, 240, (n,), generator=gen)
-
-
 def _conv(image_grids, texts_between, seed=0):
     """input_ids = text, [VS, IMG*n, VE, text] per image; returns inputs dict."""
     gen = torch.Generator().manual_seed(seed)
@@ -75,16 +78,6 @@ def _conv(image_grids, texts_between, seed=0):
         pixel_values=torch.cat(pix),
         image_grid_thw=torch.tensor(image_grids, dtype=torch.long),
     )
-
-
-def _extend(inputs, new_ids):
-    """Conversation extended by (generated / next-turn) text tokens."""
-    new_ids = torch.as_tensor(new_ids, dtype=torch.long).view(1, -1)
-    out = dict(inputs)
-    out["input_ids"] = torch.cat([inputs["input_ids"], new_ids], dim=1)
-    out["attention_mask"] = torch.ones_like(out["input_ids"])
-    out["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(new_ids)], dim=1)
-    return out
 
 
 # ------------------------------------------------------------------------------------------

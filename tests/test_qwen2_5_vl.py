@@ -1,8 +1,8 @@
 """Raincheck on a hand-built tiny random Qwen2.5-VL: plain generate, hand-built hard prefill, the eager reference.
 
 The reference (`tests/reference_qwen3_vl.py`: schedule, explicit mask, one language-model forward) is family
-independent except for its encoder; `encode` below is its Qwen2.5-VL counterpart (no DeepStack, positions from
-`get_rope_index` with ``second_per_grid_ts``). Nothing here uses the package to build expectations.
+independent except for its encoder; `helpers.encode_qwen2_5_vl` is its Qwen2.5-VL counterpart (no DeepStack,
+positions from `get_rope_index` with ``second_per_grid_ts``). Nothing here uses the package to build expectations.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from reference_qwen3_vl import Conversation, build_schedule, run_reference  # noqa: E402
+from helpers import _extend, _text, encode_qwen2_5_vl, generate, new_tokens, plan_of  # noqa: E402
+from reference_qwen3_vl import build_schedule, run_reference  # noqa: E402
 
 from hf_raincheck import DeferredPrefillCache, RaincheckConfig, complete_deferred, enable_raincheck  # noqa: E402
 from hf_raincheck.models import get_adapter  # noqa: E402
@@ -76,10 +77,6 @@ def model():
     return enable_raincheck(_tiny_model("eager"))
 
 
-def _text(n, gen):
-    return torch.randint(0, 240, (n,), generator=gen)
-
-
 def two_images(seed=0):
     """text, image [1,8,8] (16 tokens, 4 windows), text, image [1,6,8] (12 tokens, padded windows), text."""
     gen = torch.Generator().manual_seed(seed)
@@ -118,66 +115,8 @@ def image_video(seed=0):
     )
 
 
-def _extend(inputs, new_ids):
-    new_ids = torch.as_tensor(new_ids, dtype=torch.long).view(1, -1)
-    out = dict(inputs)
-    out["input_ids"] = torch.cat([inputs["input_ids"], new_ids], dim=1)
-    out["attention_mask"] = torch.ones_like(out["input_ids"])
-    out["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(new_ids)], dim=1)
-    return out
-
-
-def generate(model, inputs, n, cfg=None, past=None, **kw):
-    kwargs = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    kwargs.update(kw)
-    if cfg is not None:
-        kwargs["raincheck_config"] = cfg
-    if past is not None:
-        kwargs["past_key_values"] = past
-    with torch.no_grad():
-        return model.generate(**inputs, **kwargs)
-
-
-def new_tokens(out, inputs):
-    return out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-
-
-@torch.no_grad()
-def encode(model, inputs) -> Conversation:
-    """The reference's per-logical-index inputs for Qwen2.5-VL, straight from the model's own pieces."""
-    core = model.model
-    ids = inputs["input_ids"][0]
-    embeds = core.get_input_embeddings()(ids).clone()
-    for token, pixels, grid, getter in (
-        (IMG, "pixel_values", "image_grid_thw", core.get_image_features),
-        (VID, "pixel_values_videos", "video_grid_thw", core.get_video_features),
-    ):
-        if inputs.get(pixels) is not None:
-            feats = getter(inputs[pixels], inputs[grid], return_dict=True).pooler_output
-            embeds[ids == token] = torch.cat(list(feats))
-    positions, _ = core.get_rope_index(
-        inputs["input_ids"],
-        mm_token_type_ids=inputs["mm_token_type_ids"],
-        image_grid_thw=inputs.get("image_grid_thw"),
-        video_grid_thw=inputs.get("video_grid_thw"),
-        second_per_grid_ts=inputs.get("second_per_grid_ts"),
-    )
-    return Conversation(
-        embeds=embeds,
-        deepstack=embeds.new_zeros(0, ids.numel(), embeds.shape[-1]),
-        visual=(ids == IMG) | (ids == VID),
-        positions=positions[:, 0],
-        input_ids=ids.clone(),
-    )
-
-
 def reference(model, conv_inputs, forwards, plans, visibility="boundary"):
-    return run_reference(model, encode(model, conv_inputs), forwards, plans, visibility)
-
-
-def plan_of(cache, k=0):
-    plan = cache.plans[k]
-    return plan.deferred.tolist(), plan.boundary
+    return run_reference(model, encode_qwen2_5_vl(model, conv_inputs), forwards, plans, visibility)
 
 
 # ---------------------------------------------------------------- adapter

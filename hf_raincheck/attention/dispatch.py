@@ -43,6 +43,8 @@ def raincheck_attention(module, query, key, value, attention_mask, scaling=None,
         )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if attention_mask.device != query.device:  # a device_map's hooks move it with the layer's inputs; else do it here
+        attention_mask = attention_mask.to(query.device)
     out = BACKENDS[backend](query, key, value, attention_mask, scaling)
     return out, None
 

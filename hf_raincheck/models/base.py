@@ -7,12 +7,31 @@ from dataclasses import dataclass, field
 import torch
 
 
+def execution_device(module: torch.nn.Module) -> torch.device:
+    """The device `module` computes on.
+
+    A model dispatched with an accelerate ``device_map`` (``from_pretrained(..., device_map=...)`` over several
+    devices) runs each mapped module on its hook's ``execution_device`` (its weights may be elsewhere, e.g. offloaded
+    to the CPU); otherwise a module computes where its first parameter (or buffer) lives.
+    """
+    hook = getattr(module, "_hf_hook", None)
+    for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):  # SequentialHook or one hook
+        device = getattr(h, "execution_device", None)
+        if device is not None:
+            return torch.device(device)  # an int is an accelerator index, as accelerate writes CUDA devices
+    for tensor in module.parameters():
+        return tensor.device
+    for tensor in module.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
 @dataclass
 class VisionFeatures:
     """Vision-tower output for the placeholders of some images or videos, in placeholder order."""
 
-    embeds: torch.Tensor  # [n, H]
-    deepstack: list[torch.Tensor] | None  # per DeepStack layer [n, H], or None
+    embeds: torch.Tensor  # [n, H], on the adapter's `input_device`
+    deepstack: list[torch.Tensor] | None  # per DeepStack layer [n, H] (on `input_device`), or None
     # features a pruning selector asked for (`want`), per placeholder: {"vision_attention": {block: [n]},
     # "vision_hidden": [n, D_vit]} (see hf_raincheck.pruning.base)
     extras: dict = field(default_factory=dict)
@@ -51,6 +70,16 @@ class ModelAdapter:
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    @property
+    def input_device(self) -> torch.device:
+        """Where the decoder's inputs start: the input embedding's execution device (with a multi-device
+        ``device_map``, accelerate moves hidden states from layer to layer from there)."""
+        raise NotImplementedError
+
+    def deepstack_devices(self) -> list[torch.device]:
+        """Execution device of each decoder layer that receives DeepStack features (empty: no DeepStack)."""
+        return []
+
     # --- inputs
     def logical_positions(
         self, input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw, attention_mask, model_inputs=None
@@ -69,7 +98,8 @@ class ModelAdapter:
     def vision_features(self, modality: str, pixel_values, grid_thw, want: dict | None = None) -> VisionFeatures:
         """Runs the vision tower once. `want` (from `hf_raincheck.pruning.selector_requirements`) asks for
         ``VisionFeatures.extras`` computed in the same pass; adapters without that support leave `want` out of
-        their signature (a selector needing it then raises a clear error)."""
+        their signature (a selector needing it then raises a clear error). Everything returned is on
+        `input_device`, wherever the tower runs."""
         raise NotImplementedError
 
     @property

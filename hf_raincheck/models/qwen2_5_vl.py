@@ -164,7 +164,8 @@ class Qwen2_5_VLAdapter(Qwen3VLAdapter):
         out, extras = self._vision_pass(modality, pixel_values, grid_thw, want)
         # pooler_output is in raster (placeholder) order: the tower undoes its window order itself; the selector
         # extras (block attention, last_hidden_state) are window-ordered and put back by `_extras_order`
-        return VisionFeatures(embeds=torch.cat(list(out.pooler_output), dim=0), deepstack=None, extras=extras)
+        embeds = torch.cat(list(out.pooler_output), dim=0).to(self.input_device)
+        return VisionFeatures(embeds=embeds, deepstack=None, extras=extras)
 
     def _extras_order(self, grid_thw):
         return self.window_order(grid_thw).reverse_index

@@ -8,23 +8,35 @@ import torch
 
 from ..pruning.base import VISION_ATTENTION, VISION_HIDDEN
 from ..pruning.vision import BlockAttentionHooks, pool_merged
-from .base import ModelAdapter, VisionFeatures
+from .base import ModelAdapter, VisionFeatures, execution_device
 
 
-def qwen_vision_block_qk(block, args, kwargs):
+def qwen_vision_attn_qk(attn, args, kwargs):
     """q, k ``[P, heads, head_dim]`` (rotary applied, as the block computes them), ``cu_seqlens`` and the softmax
-    scale of a Qwen-VL vision block, from the block's forward inputs (for `BlockAttentionHooks`)."""
-    apply_rotary_pos_emb_vision = sys.modules[type(block).__module__].apply_rotary_pos_emb_vision  # the family's own
+    scale of a Qwen-VL vision block, from the forward inputs of its attention module ``block.attn`` (for
+    `BlockAttentionHooks` on the attention modules; the module's input is the block's ``norm1(hidden_states)``).
 
-    hidden = args[0] if args else kwargs["hidden_states"]
+    Hooking the attention module rather than the block matters under an accelerate ``device_map``: a block's forward
+    pre-hooks run before accelerate moves a dispatched block's inputs to its device (and loads offloaded weights);
+    inside the block's forward everything is already in place."""
+    apply_rotary_pos_emb_vision = sys.modules[type(attn).__module__].apply_rotary_pos_emb_vision  # the family's own
+
+    x = args[0] if args else kwargs["hidden_states"]
     cu_seqlens = args[1] if len(args) > 1 else kwargs["cu_seqlens"]
-    attn = block.attn
-    x = block.norm1(hidden)
     n = x.shape[0]
     q, k, _ = attn.qkv(x).reshape(n, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
     cos, sin = kwargs["position_embeddings"]
     q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
     return q, k, cu_seqlens, attn.scaling
+
+
+def qwen_vision_block_qk(block, args, kwargs):
+    """`qwen_vision_attn_qk` from the forward inputs of the whole block (``hidden_states`` before ``norm1``)."""
+    hidden = args[0] if args else kwargs["hidden_states"]
+    cu_seqlens = args[1] if len(args) > 1 else kwargs["cu_seqlens"]
+    attn_kwargs = dict(kwargs, cu_seqlens=cu_seqlens)
+    attn_kwargs.pop("hidden_states", None)
+    return qwen_vision_attn_qk(block.attn, (block.norm1(hidden),), attn_kwargs)
 
 
 class Qwen3VLAdapter(ModelAdapter):
@@ -80,6 +92,14 @@ class Qwen3VLAdapter(ModelAdapter):
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.text.embed_tokens(input_ids)
 
+    @property
+    def input_device(self) -> torch.device:
+        return execution_device(self.text.embed_tokens)
+
+    def deepstack_devices(self) -> list[torch.device]:
+        n = len(getattr(self.config.vision_config, "deepstack_visual_indexes", None) or [])
+        return [execution_device(self.text.layers[k]) for k in range(n)]
+
     def logical_positions(
         self, input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw, attention_mask, model_inputs=None
     ):
@@ -110,12 +130,13 @@ class Qwen3VLAdapter(ModelAdapter):
 
     def _vision_pass(self, modality, pixel_values, grid_thw, want):
         """One vision-tower run; `want` adds per-placeholder extras (see `hf_raincheck.pruning.base`): attention
-        received at some blocks (forward hooks on those blocks only) and/or the last block's output, both pooled
-        over each merged token's patches and put in placeholder (raster) order."""
+        received at some blocks (pre-hooks on those blocks' attention modules only) and/or the last block's output,
+        pooled over each merged token's patches, put in placeholder (raster) order and on `input_device`."""
         want = want or {}
         visual = self.core.visual
         layers = want.get(VISION_ATTENTION, ())
-        with BlockAttentionHooks(visual.blocks, layers, qwen_vision_block_qk) as hooks:
+        attention_modules = [block.attn for block in visual.blocks]
+        with BlockAttentionHooks(attention_modules, layers, qwen_vision_attn_qk) as hooks:
             if modality == "image":
                 out = self.core.get_image_features(pixel_values, grid_thw, return_dict=True)
             else:
@@ -124,10 +145,13 @@ class Qwen3VLAdapter(ModelAdapter):
         if layers or want.get(VISION_HIDDEN):
             unit = visual.spatial_merge_unit  # the tower keeps each merged token's patches consecutive
             order = self._extras_order(grid_thw)
+            device = self.input_device
             if layers:
-                extras[VISION_ATTENTION] = {layer: pool_merged(s, unit, order) for layer, s in hooks.scores.items()}
+                extras[VISION_ATTENTION] = {
+                    layer: pool_merged(s, unit, order).to(device) for layer, s in hooks.scores.items()
+                }
             if want.get(VISION_HIDDEN):
-                extras[VISION_HIDDEN] = pool_merged(out.last_hidden_state, unit, order)
+                extras[VISION_HIDDEN] = pool_merged(out.last_hidden_state, unit, order).to(device)
         return out, extras
 
     def _extras_order(self, grid_thw):
@@ -136,10 +160,11 @@ class Qwen3VLAdapter(ModelAdapter):
 
     def vision_features(self, modality, pixel_values, grid_thw, want=None) -> VisionFeatures:
         out, extras = self._vision_pass(modality, pixel_values, grid_thw, want)
-        embeds = torch.cat(list(out.pooler_output), dim=0)
+        device = self.input_device  # the tower (and its merger) may run on another device than the embeddings
+        embeds = torch.cat(list(out.pooler_output), dim=0).to(device)
         deepstack = None
         if getattr(out, "deepstack_features", None):
-            deepstack = [torch.cat(list(feat), dim=0) for feat in out.deepstack_features]
+            deepstack = [torch.cat(list(feat), dim=0).to(device) for feat in out.deepstack_features]
         return VisionFeatures(embeds=embeds, deepstack=deepstack, extras=extras)
 
     def language_forward(self, embeds, positions, mask, cache, visual_rows, deepstack, backend):

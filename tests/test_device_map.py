@@ -1,0 +1,127 @@
+"""Raincheck on a model dispatched by accelerate with a ``device_map`` (issue 10, the part a CPU can run).
+
+Every module of the tiny Qwen3-VL is mapped to ``"cpu"`` at the granularity ``device_map="auto"`` uses for real
+checkpoints (each vision block, each decoder layer, embeddings, norm, lm_head), and accelerate's hooks are installed,
+so every Raincheck forward runs through the hooks that move inputs between the devices of a sharded model. The
+results must equal those of the same checkpoint loaded plainly: greedy tokens, step logits, next-turn logits.
+
+transformers' ``from_pretrained(device_map=...)`` installs the hooks only when the map names several devices (or
+disk): with one device it just places the weights. The fixture therefore dispatches the loaded model itself with
+``force_hooks=True`` and the arguments transformers passes to ``accelerate.dispatch_model``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from accelerate import dispatch_model
+from accelerate.hooks import AlignDevicesHook, SequentialHook
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from helpers import generate, new_tokens  # noqa: E402
+
+from hf_raincheck import RaincheckConfig, enable_raincheck  # noqa: E402
+from hf_raincheck.conversation import next_turn_inputs  # noqa: E402
+from hf_raincheck.models import get_adapter  # noqa: E402
+from hf_raincheck.models.base import execution_device  # noqa: E402
+from hf_raincheck.testing import chat_inputs, load_tiny_qwen3_vl, make_image  # noqa: E402
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def device_map_of(model, device="cpu") -> dict[str, str]:
+    """Every vision block and decoder layer on its own entry (what ``device_map="auto"`` splits at), plus the
+    towers' other children and ``lm_head``, all on `device`."""
+    names = []
+    for prefix, parent in (("model.visual", model.model.visual), ("model.language_model", model.model.language_model)):
+        for name, child in parent.named_children():
+            if isinstance(child, torch.nn.ModuleList):
+                names += [f"{prefix}.{name}.{i}" for i in range(len(child))]
+            else:
+                names.append(f"{prefix}.{name}")
+    return {name: device for name in [*names, "lm_head"]}
+
+
+@pytest.fixture(scope="module")
+def models(tiny_vl_path):
+    plain, processor = load_tiny_qwen3_vl(tiny_vl_path)
+    device_map = device_map_of(plain)
+    mapped, _ = load_tiny_qwen3_vl(tiny_vl_path, device_map=device_map)
+    assert not hasattr(mapped.model.language_model.layers[0], "_hf_hook")  # one device: transformers adds no hooks
+    dispatch_model(mapped, device_map=device_map, skip_keys=mapped._skip_keys_device_placement, force_hooks=True)
+    return enable_raincheck(plain), enable_raincheck(mapped), processor
+
+
+@pytest.fixture
+def hooked_calls(monkeypatch):
+    """Names of the modules whose accelerate hook moved inputs, while the test runs."""
+    calls = []
+    original = AlignDevicesHook.pre_forward
+
+    def pre_forward(self, module, *args, **kwargs):
+        calls.append(module)
+        return original(self, module, *args, **kwargs)
+
+    monkeypatch.setattr(AlignDevicesHook, "pre_forward", pre_forward)
+    return calls
+
+
+def _messages(image, text="What is in the picture?"):
+    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}]
+
+
+def test_the_mapped_model_runs_through_accelerate_hooks(models, hooked_calls):
+    _, mapped, processor = models
+    layers = mapped.model.language_model.layers
+    assert all(isinstance(layer._hf_hook, AlignDevicesHook) for layer in layers)
+    adapter = get_adapter(mapped)
+    assert adapter.input_device == torch.device("cpu") and adapter.deepstack_devices() == [torch.device("cpu")] * 2
+    inputs = chat_inputs(processor, _messages(make_image(0, (256, 256))))
+    generate(mapped, inputs, 4, RaincheckConfig(retention=0.3, chunk_size=8, guard_tokens=1, pruning="hiprune"))
+    hooked = {id(m) for m in hooked_calls}
+    must = [*layers, mapped.model.language_model.embed_tokens, mapped.lm_head, *mapped.model.visual.blocks]
+    assert all(id(m) in hooked for m in must)
+
+
+def test_execution_device_prefers_the_hook():
+    layer = torch.nn.Linear(2, 2)
+    assert execution_device(layer) == torch.device("cpu")
+    layer._hf_hook = SequentialHook(AlignDevicesHook(execution_device=torch.device("meta")))
+    assert execution_device(layer) == torch.device("meta")  # e.g. offloaded weights: they sit elsewhere
+
+
+CONFIGS = {
+    "retention1": RaincheckConfig(retention=1.0),
+    "raincheck_next_turn": RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=2, completion="next_turn"),
+    "raincheck_hiprune": RaincheckConfig(retention=0.3, chunk_size=7, guard_tokens=1, pruning="hiprune",
+                                         pruning_options={"alpha": 2.0}),
+    "hard_visionzip": RaincheckConfig(policy="hard", retention=0.3, pruning="visionzip"),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_same_tokens_and_next_turn_logits_as_the_plain_model(models, name):
+    plain, mapped, processor = models
+    cfg = CONFIGS[name]
+    turn1 = chat_inputs(processor, _messages(make_image(1, (256, 256))))
+    runs = []
+    for model in (plain, mapped):
+        out1 = generate(model, turn1, 8, cfg)
+        turn2 = next_turn_inputs(processor, out1.sequences, _messages(make_image(2), "And this one?"))
+        out2 = generate(model, turn2, 4, cfg, past=out1.past_key_values)
+        runs.append((out1, turn2, out2))
+    (a1, a_turn2, a2), (b1, b_turn2, b2) = runs
+    assert new_tokens(b1, turn1) == new_tokens(a1, turn1)
+    torch.testing.assert_close(torch.stack(b1.logits), torch.stack(a1.logits), **TOL)
+    assert torch.equal(b_turn2["input_ids"], a_turn2["input_ids"])
+    assert new_tokens(b2, b_turn2) == new_tokens(a2, a_turn2)
+    torch.testing.assert_close(torch.stack(b2.logits), torch.stack(a2.logits), **TOL)
+    cache = b2.past_key_values
+    assert cache.stats == a2.past_key_values.stats and len(cache.plans) == 2
+    if name == "retention1":  # and both equal plain generate on the mapped model
+        plain_out = generate(mapped, turn1, 8)
+        assert new_tokens(plain_out, turn1) == new_tokens(b1, turn1)
