@@ -64,6 +64,7 @@ class DeferredPrefillCache(DynamicCache):
         self._model_ref = None
         # per-forward state read by `update`
         self._write_slots: torch.Tensor | None = None
+        self._slots_by_device: dict = {}
         self._kv_len = 0
         self._gdn_step = None  # a `GDNStep` during a Raincheck forward of a model with GDN layers
         self._turn = None
@@ -122,7 +123,11 @@ class DeferredPrefillCache(DynamicCache):
                 "this DeferredPrefillCache is written only by Raincheck's forwards; call `generate` with "
                 "`raincheck_config=` (after `enable_raincheck(model)`) to use it"
             )
-        return self.layers[layer_idx].write(key_states, value_states, self._write_slots, self._kv_len)
+        device = key_states.device
+        slots = self._slots_by_device.get(device)
+        if slots is None:  # once per device per forward (layers on other GPUs of a device_map)
+            slots = self._slots_by_device[device] = self._write_slots.to(device)
+        return self.layers[layer_idx].write(key_states, value_states, slots, self._kv_len)
 
     def reset(self) -> None:
         raise NotImplementedError("start a new conversation with a new DeferredPrefillCache instead of reset()")

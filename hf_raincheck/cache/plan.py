@@ -36,8 +36,9 @@ class DeferralPlan:
     store_embeds: torch.Tensor | None = field(default=None, repr=False)
     store_deepstack: list[torch.Tensor] | None = field(default=None, repr=False)
     store_positions: torch.Tensor | None = field(default=None, repr=False)
-    # device-side helpers: deferred slots as a mask over logical indices [0, boundary)
+    # device-side helpers: deferred slots as a mask over logical indices [0, boundary), and `deferred` itself
     deferred_slot_mask: torch.Tensor | None = field(default=None, repr=False)
+    deferred_on_device: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def total_deferred(self) -> int:
@@ -52,4 +53,4 @@ class DeferralPlan:
 
     def release_store(self) -> None:
         """Frees the deferred store once every deferred token is in the cache (or dropped)."""
-        self.store_embeds = self.store_deepstack = self.store_positions = None
+        self.store_embeds = self.store_deepstack = self.store_positions = self.deferred_on_device = None

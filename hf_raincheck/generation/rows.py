@@ -66,7 +66,7 @@ def deferred_rows(plan: DeferralPlan, count: int) -> Rows:
     """The next `count` deferred tokens of `plan`, in source order (does not mark them restored)."""
     start, stop = plan.restored, plan.restored + count
     device = plan.store_embeds.device
-    slots = plan.deferred[start:stop].to(device)
+    slots = plan.deferred_on_device[start:stop]
     deepstack = None if plan.store_deepstack is None else [f[start:stop] for f in plan.store_deepstack]
     return Rows(
         slots=slots,
@@ -129,6 +129,7 @@ def run_rows(
         width,
     )
     cache._write_slots, cache._kv_len = rows.slots, kv_len
+    cache._slots_by_device = {rows.slots.device: rows.slots}
     if adapter.gdn_glue is not None:
         cache._gdn_step = gdn_step(cache, rows, plan, resolve_gdn_backend(cache.config.gdn_backend, device))
     try:
@@ -143,6 +144,7 @@ def run_rows(
         )
     finally:
         cache._write_slots = None
+        cache._slots_by_device = {}
         cache._gdn_step = None
     cache._filled[rows.slots] = True
     if plan is not None and rows.restored:

@@ -112,7 +112,7 @@ def prepare_turn(
     schedule,
     backend: str,
 ) -> Turn:
-    device = adapter.text.embed_tokens.weight.device
+    device = adapter.input_device
     ids = input_ids[0].tolist()
     old = cache.length
     cached = cache.token_ids
@@ -207,7 +207,7 @@ def prepare_turn(
                     f"{modality}: {where.numel()} new placeholder tokens but the vision tower returned "
                     f"{feats.embeds.shape[0]} features"
                 )
-            new_embeds[where] = feats.embeds.to(new_embeds.dtype)
+            new_embeds[where] = feats.embeds.to(new_embeds.device, new_embeds.dtype)
             extras_parts.append((where, feats.extras))
             visual_new[where] = True
             if feats.deepstack is not None:
@@ -216,7 +216,7 @@ def prepare_turn(
                         new_embeds.new_zeros(new_embeds.shape) for _ in range(len(feats.deepstack))
                     ]
                 for layer, feat in zip(deepstack_layers, feats.deepstack):
-                    layer[where] = feat.to(layer.dtype)
+                    layer[where] = feat.to(layer.device, layer.dtype)
         deepstack_new = deepstack_layers
 
     # the plan of this call's new spans
@@ -271,6 +271,7 @@ def prepare_turn(
             slot_mask = torch.zeros(boundary, dtype=torch.bool, device=device)
             slot_mask[deferred.to(device)] = True
             plan.deferred_slot_mask = slot_mask
+            plan.deferred_on_device = deferred.to(device)
 
     # rows of the prefill: the earlier plan's pending deferred tokens, then I_0 in source order
     live_local = (~deferred_local).nonzero().squeeze(1).to(device)

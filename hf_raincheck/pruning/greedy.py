@@ -83,6 +83,11 @@ def run_greedy(
             step(state, picks, 0)
             order[:, i] = picks[:, 0]
         return
+    with torch.cuda.device(device):  # graphs capture and replay on the current device's streams
+        _run_graphed(kind, state, step, order, start, budget, device)
+
+
+def _run_graphed(kind, state, step, order, start, budget, device) -> None:
     key = (kind, device, *((name, tuple(t.shape), t.dtype) for name, t in sorted(state.items())))
     loop = _CACHE.get(key)
     if loop is None:
