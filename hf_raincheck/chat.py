@@ -361,5 +361,6 @@ def _check_video(caller: str, name: str, value):
         return _check_path(caller, name, value, "video")
     if isinstance(value, (np.ndarray, torch.Tensor)) and value.ndim == 4:
         return value
+    shape = f" of shape {tuple(value.shape)}" if hasattr(value, "shape") else ""
     raise ValueError(f"{caller}: {name} must be an array / tensor of frames (T, H, W, 3) or a path to a video file, "
-                     f"got {type(value).__name__}{'' if not hasattr(value, 'shape') else f' of shape {tuple(value.shape)}'}")
+                     f"got {type(value).__name__}{shape}")

@@ -141,7 +141,8 @@ def test_background_completion_reaches_zero_and_matches_blocking(model, blocking
 
 
 # ---------------------------------------------------------------- preemption and cancel
-def test_new_generate_preempts_the_worker_and_folds_the_rest(model, blocking_reference, worker_pauses_after_first_chunk):
+def test_new_generate_preempts_the_worker_and_folds_the_rest(model, blocking_reference,
+                                                             worker_pauses_after_first_chunk):
     first_chunk_done, calls = worker_pauses_after_first_chunk
     _, logits2 = blocking_reference
     inputs = two_images()
@@ -162,7 +163,8 @@ def test_new_generate_preempts_the_worker_and_folds_the_rest(model, blocking_ref
     torch.testing.assert_close(torch.stack(out2.logits), logits2, **EXACT)
 
 
-def test_cancel_leaves_pending_exact_and_the_next_turn_matches(model, blocking_reference, worker_pauses_after_first_chunk):
+def test_cancel_leaves_pending_exact_and_the_next_turn_matches(model, blocking_reference,
+                                                               worker_pauses_after_first_chunk):
     first_chunk_done, calls = worker_pauses_after_first_chunk
     _, logits2 = blocking_reference
     inputs = two_images()

@@ -89,7 +89,8 @@ def test_video_turn_interrupted_turn_and_generate_kwargs(vl):
         assert processor.decode(chat.cache.token_ids).startswith("<|im_start|>system\nBe brief.<|im_end|>")
         # turn 2 is interrupted by a stopping criterion (passed through generate kwargs) after 3 tokens
         with pytest.raises(KeyboardInterrupt):
-            chat.ask("And then?", max_new_tokens=20, min_new_tokens=20, stopping_criteria=StoppingCriteriaList([StopAfter(3)]))
+            chat.ask("And then?", max_new_tokens=20, min_new_tokens=20,
+                     stopping_criteria=StoppingCriteriaList([StopAfter(3)]))
         assert chat.stats[1].new_tokens == 2  # y_3 was sampled but never fed: the cache holds y_1, y_2
         assert chat.messages[-1]["role"] == "assistant" and len(chat.messages) == 4
         # the session goes on from what the cache holds

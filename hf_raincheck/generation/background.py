@@ -8,8 +8,10 @@ before every chunk, so whoever stops it waits for at most one chunk.
 It holds the model and the cache through weak references (taken strongly only for the length of a chunk): a
 freed model or cache stops it cleanly, and so does interpreter exit. On CUDA it runs on its own stream: the
 stream first waits for the work queued on the starting thread's stream, each chunk is synchronized before the
-lock is released (so the next holder of the lock reads finished entries, and tensors the chunk read are not
-recycled under it), and `join` makes the caller's current stream wait for the worker's stream as well.
+lock is released (so the next holder of the lock reads finished entries, and tensors the chunk read, the deferred
+store included, are not recycled under it), and `join` makes the caller's current stream wait for the worker's
+stream as well. Tensors the worker allocates are temporaries of its own stream; the KV buffers are written in
+place (a chunk never grows them: deferred slots lie below the cache's length).
 """
 
 from __future__ import annotations
@@ -122,6 +124,10 @@ class BackgroundCompletion:
         from .enable import raincheck_state
 
         state = raincheck_state(model, "background completion")
+        plan = cache.plan
+        # the deferred store was allocated on the user's stream and is released when its last token is restored:
+        # keep it alive until this stream has finished reading it, so the allocator cannot hand it out earlier
+        store = (plan.store_embeds, plan.store_deepstack, plan.store_positions)
         with ExitStack() as stack:
             if self._stream is not None:
                 stack.enter_context(torch.cuda.device(self._device))
@@ -129,6 +135,7 @@ class BackgroundCompletion:
             done = prefill_pending(state, cache, self.chunk_size, self.chunk_size)
             if self._stream is not None:
                 self._stream.synchronize()
+        del store
         return done
 
 
