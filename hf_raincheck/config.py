@@ -10,6 +10,7 @@ POLICIES = ("full", "hard", "raincheck")
 COMPLETIONS = ("background", "blocking", "next_turn")
 ATTN_BACKENDS = ("auto", "sdpa", "eager")
 VISIBILITIES = ("boundary", "causal")
+GDN_BACKENDS = ("auto", "torch", "fla")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -52,7 +53,10 @@ class RaincheckConfig:
         attn_backend: attention for Raincheck's forwards: ``"auto"`` (sdpa), ``"sdpa"`` or ``"eager"``
             (the plain reference).
         visibility: what a deferred row sees: ``"boundary"`` (the whole prefix before the plan's boundary,
-            as in the paper) or ``"causal"`` (only cached entries at or before its own logical index).
+            as in the paper) or ``"causal"`` (only cached entries at or before its own logical index). Applies
+            to attention layers; Gated DeltaNet layers always continue the state at the boundary (rule 3).
+        gdn_backend: kernels for Gated DeltaNet layers (Qwen3.5): ``"auto"`` (fla-core on CUDA when installed,
+            else torch), ``"torch"`` (transformers' torch code, CPU and CUDA) or ``"fla"``.
         schedule: optional callable ``schedule(step, pending) -> int`` asked once per decode step how many
             deferred tokens to carry (``step`` counts decode steps from 1). Default: ``chunk_size`` once
             ``step > guard_tokens``.
@@ -69,6 +73,7 @@ class RaincheckConfig:
     completion_chunk_size: int = 256
     attn_backend: str = "auto"
     visibility: str = "boundary"
+    gdn_backend: str = "auto"
     schedule: Callable[[int, int], int] | None = None
     seed: int = 0
 
@@ -86,6 +91,7 @@ class RaincheckConfig:
         _check_choice("completion", self.completion, COMPLETIONS)
         _check_choice("attn_backend", self.attn_backend, ATTN_BACKENDS)
         _check_choice("visibility", self.visibility, VISIBILITIES)
+        _check_choice("gdn_backend", self.gdn_backend, GDN_BACKENDS)
         if not (isinstance(self.pruning, str) or callable(self.pruning)):
             raise ValueError(
                 f"RaincheckConfig.pruning must be a registered selector name or a callable, got {self.pruning!r}"

@@ -315,7 +315,7 @@ def encode_conversation(model, conv_inputs) -> Conversation:
             raise ValueError(f"{what}: {feats.shape[0]} features for {n_rows} placeholders")
         idx = rows_mask.nonzero().flatten()
         embeds[idx] = feats
-        ds = out.deepstack_features or []
+        ds = getattr(out, "deepstack_features", None) or []  # Qwen3.5: no DeepStack
         if len(ds) != n_ds:
             raise ValueError(f"{what}: {len(ds)} deepstack layers, config says {n_ds}")
         for k, per_item in enumerate(ds):

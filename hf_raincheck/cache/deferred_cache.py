@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import DynamicCache
 
+from ..gdn_state.state import GDNLayerState
 from .plan import DeferralPlan
 from .slot_layer import SlotLayer
 
@@ -97,7 +98,9 @@ class DeferredPrefillCache(DynamicCache):
         # per-forward state read by `update`
         self._write_slots: torch.Tensor | None = None
         self._kv_len = 0
+        self._gdn_step = None  # a `GDNStep` during a Raincheck forward of a model with GDN layers
         self._turn = None
+        self.gdn_states: dict[int, GDNLayerState] = {}  # Gated DeltaNet layers' states, by layer index
 
     # ------------------------------------------------------------------ public bookkeeping
     @property
@@ -256,6 +259,18 @@ class DeferredPrefillCache(DynamicCache):
             grown = torch.zeros(max(needed, 2 * self._filled.numel()), dtype=torch.bool, device=device)
             grown[: self._filled.numel()] = self._filled
             self._filled = grown
+
+    def gdn_state(self, layer_idx: int) -> GDNLayerState:
+        """The state of Gated DeltaNet layer `layer_idx` (created on first use, on that layer's device)."""
+        state = self.gdn_states.get(layer_idx)
+        if state is None:
+            state = self.gdn_states[layer_idx] = GDNLayerState()
+        return state
+
+    def release_gdn_checkpoints(self) -> None:
+        """Drops the prefix checkpoints and P_tail maps once the plan they serve has nothing pending."""
+        for state in self.gdn_states.values():
+            state.prefix = None
 
     def filled_prefix(self, kv_len: int) -> torch.Tensor:
         return self._filled[:kv_len]

@@ -10,6 +10,7 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .. import attention
+from ..gdn_state import patch as gdn_patch
 from ..cache import DeferredPrefillCache, TurnRestore
 from ..config import RaincheckConfig
 from ..models import ModelAdapter, get_adapter
@@ -73,6 +74,8 @@ def enable_raincheck(model):
         original_forward=model.forward,
     )
     attention.install(adapter.text_attention_modules())
+    if adapter.gdn_glue is not None:
+        gdn_patch.install(adapter.gdn_modules(), adapter.gdn_glue)
     setattr(model, _STATE_ATTR, state)
     # functools.wraps keeps the original signatures visible (generate validates kwargs against forward's)
     model.generate = _bind(_generate, model, state.original_generate)

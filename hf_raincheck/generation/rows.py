@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import DeferralPlan, DeferredPrefillCache
+from ..gdn_state import GDNStep
+from ..gdn_state import resolve as resolve_gdn_backend
 from ..models import ModelAdapter
 from .visibility import visibility_mask
 
@@ -22,7 +24,11 @@ class Rows:
     deepstack: list[torch.Tensor] | None  # per DeepStack layer [n_visual, H], in row order
     deferred: torch.Tensor  # [q] bool: rows restoring the plan's deferred tokens
     max_slot: int  # host-side max of `slots`
-    restored: int = 0  # deferred rows carried
+    restored: int = 0  # deferred rows carried (they lead the rows)
+    # a new plan whose boundary falls inside these rows, and how many non-deferred rows come before it (GDN
+    # layers checkpoint their state there)
+    checkpoint_plan: DeferralPlan | None = None
+    checkpoint_at: int = 0
 
     @property
     def size(self) -> int:
@@ -39,7 +45,12 @@ def concat_rows(parts: list[Rows]) -> Rows:
         deepstack = []
         for layer in range(n_layers):
             deepstack.append(torch.cat([p.deepstack[layer] for p in parts if p.deepstack is not None], dim=0))
+    checkpoints = [p for p in parts if p.checkpoint_plan is not None]
+    if checkpoints and checkpoints[0] is not parts[-1]:
+        raise RuntimeError("rows with a plan boundary must come last")
     return Rows(
+        checkpoint_plan=checkpoints[0].checkpoint_plan if checkpoints else None,
+        checkpoint_at=checkpoints[0].checkpoint_at if checkpoints else 0,
         slots=torch.cat([p.slots for p in parts]),
         embeds=torch.cat([p.embeds for p in parts]),
         positions=torch.cat([p.positions for p in parts], dim=1),
@@ -69,6 +80,27 @@ def deferred_rows(plan: DeferralPlan, count: int) -> Rows:
     )
 
 
+def gdn_step(cache: DeferredPrefillCache, rows: Rows, plan: DeferralPlan | None, gdn_backend: str) -> GDNStep:
+    """How a GDN layer splits `rows` (DESIGN.md rule 3); host-side bookkeeping only."""
+    restoring = plan if (plan is not None and rows.restored) else None
+    if restoring is not None and rows.checkpoint_plan is not None and restoring.pending != rows.restored:
+        raise RuntimeError("a new plan's boundary can only follow the last deferred rows of the previous plan")
+    pending = cache.plan  # the plan whose P_tail the live rows extend, if it is still pending after this forward
+    if pending is not None and pending is restoring:
+        still_pending = pending.pending - rows.restored > 0
+    else:
+        still_pending = pending is not None and pending.pending > 0
+    track = rows.checkpoint_plan is not None or still_pending
+    return GDNStep(
+        restore_plan=id(restoring) if restoring is not None else None,
+        num_restore=rows.restored if restoring is not None else 0,
+        checkpoint_plan=id(rows.checkpoint_plan) if rows.checkpoint_plan is not None else None,
+        checkpoint_at=rows.checkpoint_at,
+        track=track,
+        backend=gdn_backend,
+    )
+
+
 def run_rows(
     adapter: ModelAdapter,
     cache: DeferredPrefillCache,
@@ -78,7 +110,10 @@ def run_rows(
     visibility: str,
     want_logits: bool,
 ) -> torch.Tensor | None:
-    """One decoder forward over `rows`; returns the logits of the last row ``[1, 1, V]`` if asked."""
+    """One decoder forward over `rows`; returns the logits of the last row ``[1, 1, V]`` if asked.
+
+    `plan` is the plan whose deferred rows lead `rows` (None when there are none).
+    """
     kv_len = max(cache.length, rows.max_slot + 1)
     device = rows.embeds.device
     cache.reserve(kv_len, device)
@@ -94,6 +129,8 @@ def run_rows(
         width,
     )
     cache._write_slots, cache._kv_len = rows.slots, kv_len
+    if adapter.gdn_glue is not None:
+        cache._gdn_step = gdn_step(cache, rows, plan, resolve_gdn_backend(cache.config.gdn_backend, device))
     try:
         hidden = adapter.language_forward(
             rows.embeds[None],
@@ -106,11 +143,14 @@ def run_rows(
         )
     finally:
         cache._write_slots = None
+        cache._gdn_step = None
     cache._filled[rows.slots] = True
     if plan is not None and rows.restored:
         plan.restored += rows.restored
         if plan.pending == 0:
             plan.release_store()
+            if rows.checkpoint_plan is None:
+                cache.release_gdn_checkpoints()
     if not want_logits:
         return None
     return adapter.lm_head(hidden[:, -1:])

@@ -277,7 +277,13 @@ def prepare_turn(
     live_local = (~deferred_local).nonzero().squeeze(1).to(device)
     live_slots = live_local + old
     visual_live = visual_new[live_local]
+    checkpoint_plan = None
+    if plan is not None and plan.policy == "raincheck" and plan.total_deferred and adapter.gdn_glue is not None:
+        # GDN layers checkpoint their state at the boundary: after the live rows before it
+        checkpoint_plan = plan
     live = Rows(
+        checkpoint_plan=checkpoint_plan,
+        checkpoint_at=(plan.boundary - old - plan.total_deferred) if checkpoint_plan is not None else 0,
         slots=live_slots,
         embeds=new_embeds[live_local],
         positions=positions[:, live_slots],

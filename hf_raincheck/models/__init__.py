@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from .base import ModelAdapter, VisionFeatures
 from .qwen2_5_vl import Qwen2_5_VLAdapter
+from .qwen3_5 import Qwen3_5Adapter
 from .qwen3_vl import Qwen3VLAdapter
 
-_ADAPTERS = {"qwen3_vl": Qwen3VLAdapter, "qwen2_5_vl": Qwen2_5_VLAdapter}
+_ADAPTERS = {"qwen3_vl": Qwen3VLAdapter, "qwen2_5_vl": Qwen2_5_VLAdapter, "qwen3_5": Qwen3_5Adapter}
 
 
 def supported_model_types() -> list[str]:

@@ -42,6 +42,12 @@ class ModelAdapter:
     def num_cache_layers(self) -> int:
         raise NotImplementedError
 
+    def gdn_modules(self) -> dict:
+        """Gated DeltaNet (linear-attention) modules by decoder layer index; empty for attention-only models."""
+        return {}
+
+    gdn_glue = None  # a `hf_raincheck.gdn_state.GDNGlue` for families with GDN layers
+
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 

@@ -1,0 +1,24 @@
+"""Gated DeltaNet state mapping (DESIGN.md rule 3): prefix checkpoints, online P_tail, join.
+
+- `state.py`: per-layer live state and the pending plan's `PrefixCheckpoint`.
+- `layer.py`: one GDN layer over the rows of a Raincheck forward.
+- `kernels.py`: transformers' torch kernels or fla-core's, one interface (`advance`).
+- `naive.py`: plain per-token reference of all of it (tests compare against it).
+"""
+
+from .kernels import BACKENDS, advance, fla_available, gated_delta, resolve
+from .layer import GDNGlue, GDNStep, gdn_rows_forward
+from .state import GDNLayerState, PrefixCheckpoint
+
+__all__ = [
+    "BACKENDS",
+    "GDNGlue",
+    "GDNLayerState",
+    "GDNStep",
+    "PrefixCheckpoint",
+    "advance",
+    "fla_available",
+    "gated_delta",
+    "gdn_rows_forward",
+    "resolve",
+]

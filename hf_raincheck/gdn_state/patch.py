@@ -1,0 +1,41 @@
+"""Routes a GDN module's forward to `gdn_rows_forward` during Raincheck's forwards only (instance-level patch).
+
+Calls that are not Raincheck's (plain `forward` / `generate`) reach the module's own forward unchanged. When
+accelerate has hooked the module (``device_map``), the patch goes under the hook (``_old_forward``), so inputs
+are still moved to the module's device first.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from .layer import gdn_rows_forward
+
+
+def _raincheck_gdn_forward(original, glue, module, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+    step = getattr(cache_params, "_gdn_step", None)
+    if step is None:
+        return original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+    return gdn_rows_forward(glue, module, hidden_states, cache_params.gdn_state(module.layer_idx), step)
+
+
+def install(modules: dict, glue) -> None:
+    """Patches each GDN module (idempotent)."""
+    for module in modules.values():
+        if getattr(module, "_raincheck_gdn_original", None) is not None:
+            continue
+        attr = "_old_forward" if hasattr(module, "_old_forward") else "forward"
+        original = getattr(module, attr)
+        module._raincheck_gdn_original = (attr, original)
+        patched = functools.partial(_raincheck_gdn_forward, original, glue, module)
+        setattr(module, attr, functools.update_wrapper(patched, original))
+
+
+def uninstall(modules: dict) -> None:
+    for module in modules.values():
+        saved = getattr(module, "_raincheck_gdn_original", None)
+        if saved is None:
+            continue
+        attr, original = saved
+        setattr(module, attr, original)
+        del module._raincheck_gdn_original

@@ -1,0 +1,86 @@
+"""Gated DeltaNet state maps: the fast paths (`hf_raincheck.gdn_state.kernels`) against the per-token reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_raincheck.gdn_state import GDNLayerState, advance, gated_delta
+from hf_raincheck.gdn_state.naive import naive_gated_delta, naive_join, naive_transition
+
+HK, HV, K, V = 2, 4, 16, 12
+
+
+def factors(t, seed=0, dtype=torch.float32, slow=True):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, t, HK, K, generator=gen)
+    k = torch.randn(1, t, HK, K, generator=gen)
+    v = torch.randn(1, t, HV, V, generator=gen)
+    g = -torch.rand(1, t, HV, generator=gen) * (0.1 if slow else 3.0)
+    beta = torch.rand(1, t, HV, generator=gen)
+    return [x.to(dtype) for x in (q, k, v, g, beta)]
+
+
+def state(seed=1, width=V):
+    return torch.randn(1, HV, K, width, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("t, with_state", [(37, True), (37, False), (1, True), (64, True)])
+def test_torch_kernels_match_naive(t, with_state):
+    q, k, v, g, beta = factors(t)
+    s0 = state() if with_state else None
+    out, final = gated_delta("torch", q, k, v, g, beta, s0)
+    ref_out, ref_final = naive_gated_delta(q, k, v, g, beta, s0)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final.double(), ref_final, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("t", [1, 5, 70])
+def test_advance_carries_the_transition_product(t):
+    q, k, v, g, beta = factors(t, seed=3)
+    s0, p0 = state(), state(seed=4, width=K)
+    out, final, p = advance("torch", q, k, v, g, beta, s0, p0)
+    ref_out, ref_final = naive_gated_delta(q, k, v, g, beta, s0)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final.double(), ref_final, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(p.double(), naive_transition(k, g, beta, HV, p0), atol=1e-5, rtol=1e-5)
+
+
+def _recompute_tail(prefix, tail):
+    """The live state by definition: the tail's recorded factors replayed from `prefix` (float64, per token)."""
+    q, k, v, g, beta = tail
+    return naive_gated_delta(q, k, v, g, beta, prefix)[1]
+
+
+def test_join_equals_tail_recomputation_float64():
+    prefix_old = state(seed=5).double()
+    tail = factors(40, seed=6, dtype=torch.float64)
+    live_old = _recompute_tail(prefix_old, tail)
+    transition = naive_transition(tail[1], tail[3], tail[4], HV)
+    prefix_new = prefix_old + 0.5 * state(seed=7).double()
+    joined = naive_join(live_old, transition, prefix_old, prefix_new)
+    expected = _recompute_tail(prefix_new, tail)
+    assert (joined - expected).abs().max().item() < 1e-10 * max(1.0, expected.abs().max().item())
+
+
+@pytest.mark.parametrize("tail_len", [1, 17, 96])
+def test_online_transition_and_join_float32(tail_len):
+    """The package's path: P_tail built online (one call per step, as decode steps do), then `GDNLayerState.join`;
+    against recomputing the tail from the new prefix state in float64. Relative error <= 1e-5."""
+    prefix_old = state(seed=8)
+    tail = factors(tail_len, seed=9)
+    layer = GDNLayerState()
+    layer.recurrent = prefix_old.clone()
+    layer.conv = torch.zeros(1, 1, 4)
+    layer.checkpoint(0, HV, K, V, (1, 1, 4), prefix_old.device, torch.float32)
+    for i in range(tail_len):  # decode-like: one row per call
+        row = [x[:, i : i + 1] for x in tail]
+        _, layer.recurrent, layer.prefix.transition = advance("torch", *row, layer.recurrent, layer.prefix.transition)
+    # restore a chunk of deferred rows from the prefix, then join
+    chunk = factors(9, seed=10)
+    _, prefix_new, _ = advance("torch", *chunk, layer.prefix.recurrent)
+    layer.join(prefix_new)
+    expected = _recompute_tail(naive_gated_delta(*chunk, prefix_old)[1], tail)
+    rel = (layer.recurrent.double() - expected).abs().max() / expected.abs().max()
+    assert rel.item() <= 1e-5
+

@@ -1,0 +1,259 @@
+"""Raincheck on a hybrid Qwen3.5 (Gated DeltaNet + full attention), against plain generate and the reference."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from handmade import _conv, _extend, _video_conv  # noqa: E402
+from handmade_qwen3_5 import tiny_qwen3_5  # noqa: E402
+from reference_qwen3_5 import build_schedule, reference_logits  # noqa: E402
+
+from hf_raincheck import RaincheckConfig, complete_deferred, enable_raincheck  # noqa: E402
+
+TOL = dict(atol=2e-5, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return enable_raincheck(tiny_qwen3_5("eager"))
+
+
+def two_images(seed=0):
+    return _conv([(1, 8, 8), (1, 8, 8)], [3, 2, 4], seed=seed)
+
+
+def generate(model, inputs, n, cfg=None, past=None):
+    kwargs = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    if cfg is not None:
+        kwargs["raincheck_config"] = cfg
+    if past is not None:
+        kwargs["past_key_values"] = past
+    with torch.no_grad():
+        return model.generate(**inputs, **kwargs)
+
+
+def new_tokens(out, inputs):
+    return out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def logits(out):
+    return torch.stack(out.logits)[:, 0]
+
+
+def cfg(**kw):
+    base = dict(retention=0.3, guard_tokens=2, chunk_size=3, pruning="uniform", completion="blocking")
+    base.update(kw)
+    return RaincheckConfig(**base)
+
+
+# ---------------------------------------------------------------- plain generate
+@pytest.mark.parametrize("make_inputs", [two_images, _video_conv], ids=["two_images", "image_video"])
+@pytest.mark.parametrize("config", [RaincheckConfig(retention=1.0), RaincheckConfig(policy="full")], ids=["rho1", "full"])
+def test_retention_one_and_full_reproduce_plain_generate(model, make_inputs, config):
+    inputs = make_inputs()
+    plain = generate(model, inputs, 10)
+    rc = generate(model, inputs, 10, config)
+    assert new_tokens(rc, inputs) == new_tokens(plain, inputs)
+    torch.testing.assert_close(logits(rc), logits(plain), **TOL)
+    cache = rc.past_key_values
+    assert cache.total_deferred == 0 and bool(cache.filled.all())
+    assert sorted(cache.gdn_states) == [0, 1, 3]
+    assert all(s.prefix is None for s in cache.gdn_states.values())
+
+
+def test_reference_without_deferral_is_plain_generate(model):
+    """Guards the reference itself: no plan, prefill + decode rows -> transformers' own logits."""
+    inputs = two_images()
+    n = 6
+    plain = generate(model, inputs, n)
+    conv = _extend(inputs, new_tokens(plain, inputs))
+    sched = build_schedule(inputs["input_ids"].shape[1], [], n)
+    ref = reference_logits(model, conv, sched.forwards, [])
+    torch.testing.assert_close(ref.at_many(sched.logit_rows), logits(plain), **TOL)
+
+
+# ---------------------------------------------------------------- against the reference
+def _check_two_turns(model, inputs, config, n1=8, n2=3, turn2_media=None):
+    """Turn 1 with a plan, turn 2 (text, or a new image) on the same cache; both compared with the reference."""
+    length = inputs["input_ids"].shape[1]
+    out1 = generate(model, inputs, n1, config)
+    cache = out1.past_key_values
+    plan1 = cache.plans[0]
+    d1, b1 = plan1.deferred.tolist(), plan1.boundary
+    sched1 = build_schedule(
+        length, d1, n1, chunk_size=config.chunk_size, guard_tokens=config.guard_tokens,
+        completion=config.completion, completion_chunk_size=config.completion_chunk_size, policy=config.policy,
+    )
+    assert cache.pending == len(sched1.pending)
+    conv = _extend(inputs, new_tokens(out1, inputs))
+    if turn2_media is None:
+        conv2 = _extend(conv, [5, 6, 7])
+    else:
+        conv2 = turn2_media(conv)
+    out2 = generate(model, conv2, n2, config, past=cache)
+    plans = [(d1, b1)]
+    d2 = []
+    if len(cache.plans) > 1:
+        plan2 = cache.plans[1]
+        d2 = plan2.deferred.tolist()
+        plans.append((d2, plan2.boundary))
+    length2 = conv2["input_ids"].shape[1]
+    sched2 = build_schedule(
+        length2, d2, n2, chunk_size=config.chunk_size, guard_tokens=config.guard_tokens,
+        completion="blocking", completion_chunk_size=config.completion_chunk_size,
+        new_start=length + n1 - 1, pending_before=sched1.pending, policy=config.policy,
+    )
+    full = _extend(conv2, new_tokens(out2, conv2))
+    ref = reference_logits(model, full, sched1.forwards + sched2.forwards, plans, config.visibility)
+    torch.testing.assert_close(logits(out1), ref.at_many(sched1.logit_rows), **TOL)
+    torch.testing.assert_close(logits(out2), ref.at_many(sched2.logit_rows), **TOL)
+    return cache, out2
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        cfg(),  # restoration during decode, the rest blocking
+        cfg(completion="next_turn"),  # the rest folded into turn 2's prefill
+        cfg(chunk_size=1, guard_tokens=0, completion="next_turn"),
+        cfg(chunk_size=31, guard_tokens=16, completion_chunk_size=4),  # everything after the answer
+        cfg(visibility="causal", completion="next_turn"),
+        cfg(pruning="random", retention=0.5, chunk_size=5),
+    ],
+    ids=["blocking", "next_turn", "chunk1", "after_answer", "causal", "random50"],
+)
+def test_steps_and_next_turn_match_reference(model, config):
+    cache, _ = _check_two_turns(model, two_images(), config)
+    assert cache.pending == 0
+    assert all(s.prefix is None for s in cache.gdn_states.values())  # checkpoints freed once restored
+
+
+def _add_image(conv):
+    """Turn 2 brings a new image (grid 1x8x8) after some text."""
+    gen = torch.Generator().manual_seed(11)
+    new = _conv([(1, 8, 8)], [2, 3], seed=12)
+    ids = torch.cat([conv["input_ids"], new["input_ids"]], dim=1)
+    return dict(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        mm_token_type_ids=torch.cat([conv["mm_token_type_ids"], new["mm_token_type_ids"]], dim=1),
+        pixel_values=torch.cat([conv["pixel_values"], torch.randn(64, 1536, generator=gen)]),
+        image_grid_thw=torch.cat([conv["image_grid_thw"], new["image_grid_thw"]]),
+    )
+
+
+@pytest.mark.parametrize("completion", ["next_turn", "blocking"])
+def test_new_image_in_turn_two_while_turn_one_pending(model, completion):
+    """Turn 1's leftover D is folded into turn 2's prefill, which also checkpoints turn 2's own boundary."""
+    config = cfg(completion=completion)
+    cache, _ = _check_two_turns(model, two_images(), config, n1=6, n2=8, turn2_media=_add_image)
+    assert len(cache.plans) == 2 and cache.plans[1].total_deferred > 0 and cache.pending == 0
+
+
+def test_video_matches_reference(model):
+    _check_two_turns(model, _video_conv(), cfg(retention=0.5, completion="next_turn"))
+
+
+def test_hard_matches_reference(model):
+    cache, _ = _check_two_turns(model, two_images(), cfg(policy="hard"))
+    assert cache.dropped == 22 and not cache.gdn_states[0].prefix
+
+
+# ---------------------------------------------------------------- bookkeeping
+def test_restored_state_does_not_depend_on_completion_chunks(model):
+    """Rule 5: after the answer, completing D in any chunking gives the same GDN states and next turn."""
+    inputs = two_images()
+    runs = []
+    for completion_chunk, split in [(1, None), (5, None), (256, None), (4, 7)]:
+        config = cfg(completion="next_turn", completion_chunk_size=completion_chunk)
+        out = generate(model, inputs, 1, config)
+        cache = out.past_key_values
+        if split is not None:
+            complete_deferred(model, cache, max_tokens=split)
+        complete_deferred(model, cache)
+        assert cache.pending == 0
+        conv2 = _extend(inputs, new_tokens(out, inputs) + [9, 8, 7])
+        runs.append((cache, logits(generate(model, conv2, 2, config, past=cache))))
+    base_cache, base_logits = runs[0]
+    for cache, next_logits in runs[1:]:
+        torch.testing.assert_close(next_logits, base_logits, **TOL)
+        for i, s in cache.gdn_states.items():
+            torch.testing.assert_close(s.recurrent, base_cache.gdn_states[i].recurrent, **TOL)
+            torch.testing.assert_close(s.conv, base_cache.gdn_states[i].conv, **TOL)
+
+
+def test_deferred_entries_do_not_depend_on_decode_schedule(model):
+    """Deferred rows see the prefix and earlier deferred rows only, so their KV is the same whatever the chunking
+    during decode (the answers themselves may differ: they see D at different steps)."""
+    inputs = two_images()
+    caches = []
+    for chunk, guard in [(1, 0), (3, 2), (7, 1), (31, 16)]:
+        out = generate(model, inputs, 6, cfg(chunk_size=chunk, guard_tokens=guard))
+        caches.append(out.past_key_values)
+    deferred = caches[0].plans[0].deferred
+    for cache in caches[1:]:
+        torch.testing.assert_close(cache.layers[2].keys[:, :, deferred], caches[0].layers[2].keys[:, :, deferred], **TOL)
+        torch.testing.assert_close(
+            cache.layers[2].values[:, :, deferred], caches[0].layers[2].values[:, :, deferred], **TOL
+        )
+
+
+def test_every_deferred_token_prefilled_once(model, monkeypatch):
+    from hf_raincheck.cache import SlotLayer
+
+    writes = []
+    original = SlotLayer.write
+
+    def counting(self, key_states, value_states, slots, kv_len):
+        if self is counted_layer[0]:
+            writes.extend(slots.tolist())
+        return original(self, key_states, value_states, slots, kv_len)
+
+    counted_layer = [None]
+    monkeypatch.setattr(SlotLayer, "write", counting)
+    inputs = two_images()
+    config = cfg(completion="next_turn", chunk_size=2)
+    cache = None
+    from hf_raincheck import DeferredPrefillCache
+
+    cache = DeferredPrefillCache(4)
+    counted_layer[0] = cache.layers[2]
+    out = generate(model, inputs, 6, config, past=cache)
+    assert cache.pending > 0
+    complete_deferred(model, cache, max_tokens=3)
+    conv = _extend(_extend(inputs, new_tokens(out, inputs)), [4, 4])
+    generate(model, conv, 2, config, past=cache)
+    deferred = cache.plans[0].deferred.tolist()
+    assert sorted(w for w in writes if w in set(deferred)) == deferred
+    assert len(writes) == len(set(writes))
+    assert cache.pending == 0 and bool(cache.filled.all())
+
+
+@pytest.mark.parametrize("selector", ["mmtok", "hiprune", "divprune", "visionzip", "uniform", "random"])
+@pytest.mark.parametrize("policy", ["hard", "raincheck"])
+def test_every_selector_runs_on_qwen3_5(model, selector, policy):
+    config = RaincheckConfig(policy=policy, pruning=selector, guard_tokens=1, chunk_size=4, completion="blocking")
+    for inputs in (two_images(), _video_conv()):
+        cache = generate(model, inputs, 4, config).past_key_values
+        kept = cache.plans[0].kept
+        assert cache.total_deferred > 0 and cache.pending == 0
+        assert torch.equal(kept, kept.sort().values)
+
+
+def test_static_cache_matches_dynamic(model):
+    inputs = two_images()
+    config = cfg(completion="next_turn")
+    dynamic = generate(model, inputs, 8, config)
+    with torch.no_grad():
+        static = model.generate(
+            **inputs, max_new_tokens=8, min_new_tokens=8, do_sample=False, output_logits=True,
+            return_dict_in_generate=True, raincheck_config=config, cache_implementation="static",
+        )
+    assert new_tokens(static, inputs) == new_tokens(dynamic, inputs)
+    torch.testing.assert_close(logits(static), logits(dynamic), **TOL)
