@@ -356,3 +356,84 @@ def test_worker_stops_cleanly_at_interpreter_exit(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
     assert result.stdout.splitlines() == ["pending at exit: 15", "outcome: interpreter exit restored: 3"]
+
+
+# ---------------------------------------------------------------- a hybrid model (Gated DeltaNet layers)
+def test_qwen3_5_background_and_preemption_match_blocking(worker_pauses_after_first_chunk):
+    from handmade_qwen3_5 import tiny_qwen3_5
+
+    first_chunk_done, calls = worker_pauses_after_first_chunk
+    hybrid = enable_raincheck(tiny_qwen3_5("eager"))
+    inputs = two_images()
+    results = {}
+    for mode in ("blocking", "preempt", "wait"):  # only the first worker chunk of the test pauses (preempt)
+        cfg = RaincheckConfig(completion="blocking" if mode == "blocking" else "background", pruning="uniform", **CFG)
+        cache = DeferredPrefillCache(len(hybrid.model.language_model.layers))
+        out = generate(hybrid, inputs, N1, cfg, past=cache)
+        if mode == "preempt":
+            assert first_chunk_done.wait(TIMEOUT) and cache.completion_running
+        elif mode == "wait":
+            assert cache.wait(TIMEOUT) and cache.stats.after_answer == 18
+        _, out2 = turn_two(hybrid, inputs, out, cfg)
+        assert cache.pending == 0 and bool(cache.filled.all())
+        results[mode] = (cache.turn_stats[1].restored_in_prefill, torch.stack(out2.logits))
+    assert calls[0] == 3 and [r[0] for r in results.values()] == [0, 15, 0]
+    torch.testing.assert_close(results["wait"][1], results["blocking"][1], **EXACT)
+    torch.testing.assert_close(results["preempt"][1], results["blocking"][1], atol=2e-5, rtol=1e-4)
+
+
+def test_qwen3_5_forward_failing_half_way_leaves_the_gdn_state_untouched():
+    """A failure after the GDN layers advanced (raised in the full-attention layer 2) is rolled back: in the
+    worker (raised on the next call) and in a decode step interrupted by KeyboardInterrupt."""
+    from handmade_qwen3_5 import tiny_qwen3_5
+
+    hybrid = enable_raincheck(tiny_qwen3_5("eager"))
+    inputs = two_images()
+    L = inputs["input_ids"].shape[1]
+    tol = dict(atol=2e-5, rtol=1e-4)
+
+    def failing_cache(when):
+        cache = DeferredPrefillCache(len(hybrid.model.language_model.layers))
+        update = cache.update
+
+        def failing(key_states, value_states, layer_idx, *args, **kwargs):
+            if when(cache):
+                raise when.error
+            return update(key_states, value_states, layer_idx, *args, **kwargs)
+
+        cache.update = failing
+        return cache
+
+    def second_turn(cache, cfg):
+        conv = dict(input_ids=torch.tensor([cache.token_ids + QUESTION]))
+        return torch.stack(generate(hybrid, conv, 3, cfg, past=cache).logits)
+
+    # the worker fails in its second chunk
+    blocking = RaincheckConfig(completion="blocking", pruning="uniform", **CFG)
+    reference = generate(hybrid, inputs, N1, blocking).past_key_values
+    expected = second_turn(reference, blocking)
+
+    def in_worker(cache):
+        return threading.current_thread().name == "raincheck-completion" and cache.plan.restored == 7
+    in_worker.error = FloatingPointError("injected")
+    cfg = RaincheckConfig(pruning="uniform", **CFG)
+    cache = failing_cache(in_worker)
+    generate(hybrid, inputs, N1, cfg, past=cache)
+    with pytest.raises(RuntimeError, match="background completion of this cache's deferred tokens failed"):
+        cache.wait(TIMEOUT)
+    assert cache.pending == 15
+    torch.testing.assert_close(second_turn(cache, cfg), expected, **tol)
+
+    # decode step 6 (feeding y_6, carrying 2 deferred tokens) is interrupted inside the forward
+    def in_step_six(cache):
+        return cache._write_slots is not None and int(cache._write_slots[-1]) == L + 5
+    in_step_six.error = KeyboardInterrupt()
+    cfg = RaincheckConfig(completion="next_turn", pruning="uniform", **CFG)
+    cache = failing_cache(in_step_six)
+    with pytest.raises(KeyboardInterrupt):
+        generate(hybrid, inputs, N1, cfg, past=cache)
+    assert cache.length == L + 5 and cache.plan.restored == 2 and not cache.completion_running
+    check_consistent(cache)
+    same = generate(hybrid, inputs, 6, cfg).past_key_values  # an answer that ended right before step 6
+    assert same.token_ids == cache.token_ids and same.plan.restored == 2
+    torch.testing.assert_close(second_turn(cache, cfg), second_turn(same, cfg), **tol)

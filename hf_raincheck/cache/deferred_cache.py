@@ -267,6 +267,19 @@ class DeferredPrefillCache(DynamicCache):
             state = self.gdn_states[layer_idx] = GDNLayerState()
         return state
 
+    def gdn_snapshot(self) -> dict:
+        """References to every GDN layer state, for `gdn_rollback` if a forward fails half-way."""
+        return {idx: state.snapshot() for idx, state in self.gdn_states.items()}
+
+    def gdn_rollback(self, snapshot: dict) -> None:
+        """Puts the GDN layer states back as they were at `snapshot` (a layer that had advanced its recurrent
+        state before a later layer raised would otherwise apply those rows twice when they are retried)."""
+        for idx in list(self.gdn_states):
+            if idx not in snapshot:
+                del self.gdn_states[idx]
+        for idx, state in snapshot.items():
+            self.gdn_states[idx].restore(state)
+
     def release_gdn_checkpoints(self) -> None:
         """Drops the prefix checkpoints and P_tail maps once the plan they serve has nothing pending."""
         for state in self.gdn_states.values():

@@ -56,6 +56,18 @@ class GDNLayerState:
         self.recurrent = self.recurrent + torch.matmul(prefix.transition, new_prefix - prefix.recurrent)
         prefix.recurrent = new_prefix
 
+    def snapshot(self) -> tuple:
+        """References to everything a forward may replace (updates build new tensors, never write in place)."""
+        prefix = self.prefix
+        fields = None if prefix is None else (prefix.recurrent, prefix.conv, prefix.transition)
+        return self.recurrent, self.conv, prefix, fields
+
+    def restore(self, snapshot: tuple) -> None:
+        """Undoes the updates of a forward that failed half-way (see `snapshot`)."""
+        self.recurrent, self.conv, self.prefix, fields = snapshot
+        if self.prefix is not None:
+            self.prefix.recurrent, self.prefix.conv, self.prefix.transition = fields
+
     def nbytes(self) -> int:
         tensors = [self.recurrent, self.conv]
         if self.prefix is not None:
