@@ -1,6 +1,7 @@
 """hf_raincheck: deferred multimodal prefill ("Raincheck") for Hugging Face transformers VLMs."""
 
-from .cache import DeferralPlan, DeferredPrefillCache
+from .cache import DeferralPlan, DeferredPrefillCache, TurnRestore
+from .chat import RaincheckChat, TurnStats
 from .config import RaincheckConfig
 from .generation import FixedChunkSchedule, complete_deferred, enable_raincheck
 
@@ -13,4 +14,7 @@ __all__ = [
     "DeferralPlan",
     "complete_deferred",
     "FixedChunkSchedule",
+    "RaincheckChat",
+    "TurnStats",
+    "TurnRestore",
 ]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
 POLICIES = ("full", "hard", "raincheck")
-COMPLETIONS = ("blocking", "next_turn")
+COMPLETIONS = ("background", "blocking", "next_turn")
 ATTN_BACKENDS = ("auto", "sdpa", "eager")
 VISIBILITIES = ("boundary", "causal")
 GDN_BACKENDS = ("auto", "torch", "fla")
@@ -43,9 +43,13 @@ class RaincheckConfig:
             names or bad values raise ``ValueError``. Options and defaults: each ``hf_raincheck.pruning.<name>``
             module docstring.
         completion: what happens to deferred tokens still pending when the answer ends:
-            ``"blocking"`` (prefill them before `generate` returns) or ``"next_turn"`` (fold them into the
-            next `generate` call on the same cache, or run `complete_deferred` yourself).
-        completion_chunk_size: tokens per forward when completing outside decoding (>= 1).
+            ``"background"`` (default: `generate` returns at once and a worker thread prefills them in
+            ``completion_chunk_size`` chunks, taking ``cache.lock`` per chunk; the next `generate` on the cache
+            stops it within one chunk and folds what is left into its own prefill; see ``cache.wait()`` /
+            ``cache.cancel()``), ``"blocking"`` (prefill them before `generate` returns) or ``"next_turn"``
+            (fold them into the next `generate` call on the same cache, or run `complete_deferred` yourself).
+        completion_chunk_size: tokens per forward when completing outside decoding (>= 1); also the most a
+            new request waits for a running background worker.
         attn_backend: attention for Raincheck's forwards: ``"auto"`` (sdpa), ``"sdpa"`` or ``"eager"``
             (the plain reference).
         visibility: what a deferred row sees: ``"boundary"`` (the whole prefix before the plan's boundary,
@@ -65,7 +69,7 @@ class RaincheckConfig:
     guard_tokens: int = 16
     pruning: Union[str, Callable[..., Any]] = "mmtok"
     pruning_options: dict = field(default_factory=dict)
-    completion: str = "blocking"
+    completion: str = "background"
     completion_chunk_size: int = 256
     attn_backend: str = "auto"
     visibility: str = "boundary"
@@ -84,11 +88,6 @@ class RaincheckConfig:
         _check_int("guard_tokens", self.guard_tokens, 0)
         _check_int("completion_chunk_size", self.completion_chunk_size, 1)
         _check_int("seed", self.seed, 0)
-        if self.completion == "background":
-            raise ValueError(
-                "RaincheckConfig.completion='background' is not available yet; use one of "
-                f"{list(COMPLETIONS)}"
-            )
         _check_choice("completion", self.completion, COMPLETIONS)
         _check_choice("attn_backend", self.attn_backend, ATTN_BACKENDS)
         _check_choice("visibility", self.visibility, VISIBILITIES)

@@ -95,10 +95,12 @@ CASES = {
     # restoration finishes inside decoding
     "in_decode": dict(cfg=dict(retention=0.3, chunk_size=3, guard_tokens=2), n=12),
     # the answer ends first, blocking completion
-    "blocking": dict(cfg=dict(retention=0.3, chunk_size=2, guard_tokens=4, completion_chunk_size=5), n=7),
+    "blocking": dict(cfg=dict(retention=0.3, chunk_size=2, guard_tokens=4, completion_chunk_size=5,
+                             completion="blocking"), n=7),
     # the answer ends first, the rest folds into the next turn's prefill
     "next_turn": dict(cfg=dict(retention=0.3, chunk_size=2, guard_tokens=4, completion="next_turn"), n=7),
-    "causal_visibility": dict(cfg=dict(retention=0.5, chunk_size=3, guard_tokens=1, visibility="causal"), n=6),
+    "causal_visibility": dict(cfg=dict(retention=0.5, chunk_size=3, guard_tokens=1, visibility="causal",
+                                      completion="blocking"), n=6),
     "random_selector": dict(cfg=dict(retention=0.4, chunk_size=5, guard_tokens=0, pruning="random", seed=3), n=5),
 }
 
@@ -221,7 +223,7 @@ def test_deferred_entries_and_next_turn_do_not_depend_on_completion_chunks(model
         for a, b in zip(keys, results[0][1]):
             torch.testing.assert_close(a, b, **TOL)
     # deferred entries do not depend on chunk_size / guard either (they see only the prefix)
-    other = generate(model, inputs, 6, RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=0))
+    other = generate(model, inputs, 6, RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=0, completion="blocking"))
     deferred = other.past_key_values.plan.deferred
     for a, b in zip([layer.keys[:, :, deferred] for layer in other.past_key_values.layers], results[0][1]):
         torch.testing.assert_close(a, b, **TOL)

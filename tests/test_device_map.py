@@ -95,11 +95,12 @@ def test_execution_device_prefers_the_hook():
 
 
 CONFIGS = {
-    "retention1": RaincheckConfig(retention=1.0),
+    # explicit blocking completion: stats are compared exactly (background completion's timing would vary)
+    "retention1": RaincheckConfig(retention=1.0, completion="blocking"),
     "raincheck_next_turn": RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=2, completion="next_turn"),
     "raincheck_hiprune": RaincheckConfig(retention=0.3, chunk_size=7, guard_tokens=1, pruning="hiprune",
-                                         pruning_options={"alpha": 2.0}),
-    "hard_visionzip": RaincheckConfig(policy="hard", retention=0.3, pruning="visionzip"),
+                                         pruning_options={"alpha": 2.0}, completion="blocking"),
+    "hard_visionzip": RaincheckConfig(policy="hard", retention=0.3, pruning="visionzip", completion="blocking"),
 }
 
 

@@ -39,7 +39,6 @@ CFG = RaincheckConfig(retention=0.5, chunk_size=2, guard_tokens=1)
         ("chunk_size", 2.5, "chunk_size must be an int >= 1"),
         ("guard_tokens", -1, "guard_tokens must be an int >= 0"),
         ("completion", "later", "completion must be one of"),
-        ("completion", "background", "completion='background' is not available yet"),
         ("completion_chunk_size", 0, "completion_chunk_size must be an int >= 1"),
         ("attn_backend", "flash", "attn_backend must be one of"),
         ("visibility", "all", "visibility must be one of"),

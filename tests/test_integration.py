@@ -28,7 +28,7 @@ def _inputs(processor, messages):
                                          return_tensors="pt")
 
 
-CFG = RaincheckConfig(retention=0.3, chunk_size=4, guard_tokens=2)
+CFG = RaincheckConfig(retention=0.3, chunk_size=4, guard_tokens=2, completion="blocking")
 
 
 def test_pipeline_accepts_raincheck_config(vl):

@@ -451,7 +451,8 @@ def test_every_selector_end_to_end(raincheck_vl, policy, make_inputs):
     model, processor = raincheck_vl
     inputs = make_inputs(processor)
     for name in available_selectors():
-        config = RaincheckConfig(policy=policy, retention=0.3, pruning=name, chunk_size=4, guard_tokens=1)
+        config = RaincheckConfig(policy=policy, retention=0.3, pruning=name, chunk_size=4, guard_tokens=1,
+                                 completion="blocking")
         out = _generate(model, inputs, config)
         plan = out.past_key_values.plan
         assert len(plan.spans) >= 2

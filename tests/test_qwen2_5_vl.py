@@ -209,7 +209,8 @@ def test_hard_equals_prefill_of_kept_tokens_with_logical_positions(model):
 # ---------------------------------------------------------------- raincheck against the reference
 CASES = {
     "in_decode": dict(cfg=dict(retention=0.3, chunk_size=4, guard_tokens=2), n=10),
-    "blocking": dict(cfg=dict(retention=0.3, chunk_size=2, guard_tokens=3, completion_chunk_size=5), n=6),
+    "blocking": dict(cfg=dict(retention=0.3, chunk_size=2, guard_tokens=3, completion_chunk_size=5,
+                             completion="blocking"), n=6),
     "next_turn": dict(cfg=dict(retention=0.3, chunk_size=2, guard_tokens=3, completion="next_turn"), n=6),
 }
 
@@ -286,7 +287,8 @@ def test_restored_cache_does_not_depend_on_chunk_size(model, make_inputs):
     L = inputs["input_ids"].shape[1]
     caches = []
     for chunk, guard, cchunk in [(4, 2, 256), (1, 0, 3), (7, 5, 2)]:
-        cfg = RaincheckConfig(retention=0.3, chunk_size=chunk, guard_tokens=guard, completion_chunk_size=cchunk)
+        cfg = RaincheckConfig(retention=0.3, chunk_size=chunk, guard_tokens=guard, completion_chunk_size=cchunk,
+                              completion="blocking")
         cache = generate(model, inputs, 4, cfg).past_key_values
         assert cache.pending == 0 and bool(cache.filled.all())
         caches.append(cache)

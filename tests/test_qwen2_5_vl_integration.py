@@ -149,7 +149,7 @@ def test_policies_with_every_selector(vl, policy, make_inputs):
     L = inputs["input_ids"].shape[1]
     for name, options in SELECTORS.items():
         cfg = RaincheckConfig(policy=policy, retention=0.3, pruning=name, pruning_options=options, chunk_size=4,
-                              guard_tokens=2)
+                              guard_tokens=2, completion="blocking")
         out = generate(model, inputs, 6, cfg)
         cache = out.past_key_values
         plan = cache.plan

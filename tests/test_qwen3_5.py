@@ -238,7 +238,7 @@ def test_every_deferred_token_prefilled_once(model, monkeypatch):
 @pytest.mark.parametrize("selector", ["mmtok", "hiprune", "divprune", "visionzip", "uniform", "random"])
 @pytest.mark.parametrize("policy", ["hard", "raincheck"])
 def test_every_selector_runs_on_qwen3_5(model, selector, policy):
-    config = RaincheckConfig(policy=policy, pruning=selector, guard_tokens=1, chunk_size=4)
+    config = RaincheckConfig(policy=policy, pruning=selector, guard_tokens=1, chunk_size=4, completion="blocking")
     for inputs in (two_images(), _video_conv()):
         cache = generate(model, inputs, 4, config).past_key_values
         kept = cache.plans[0].kept

@@ -1,7 +1,7 @@
 """The Raincheck cache: logical-slot KV layers plus the deferred store and plans."""
 
-from .deferred_cache import DeferredPrefillCache, RestoreStats
+from .deferred_cache import DeferredPrefillCache, RestoreStats, TurnRestore
 from .plan import DeferralPlan
 from .slot_layer import SlotLayer
 
-__all__ = ["DeferredPrefillCache", "DeferralPlan", "RestoreStats", "SlotLayer"]
+__all__ = ["DeferredPrefillCache", "DeferralPlan", "RestoreStats", "SlotLayer", "TurnRestore"]

@@ -24,7 +24,22 @@ class RestoreStats:
 
     during_prefill: int = 0  # folded into a later turn's prefill
     during_decode: int = 0  # carried by fused decode steps
-    after_answer: int = 0  # `complete_deferred` / blocking completion
+    after_answer: int = 0  # blocking / background completion, `complete_deferred`
+
+
+@dataclass
+class TurnRestore:
+    """Deferred-token accounting of one `generate` call on the cache (one entry of ``cache.turn_stats``).
+
+    For the plan of turn t (raincheck policy): ``deferred == restored_during_decode + pending_at_answer_end``
+    and ``pending_at_answer_end == restored_after_answer + (turn t+1).restored_in_prefill + still pending``.
+    """
+
+    deferred: int = 0  # deferred tokens of this call's new plan (0: no new image / video)
+    restored_in_prefill: int = 0  # an earlier plan's pending tokens folded into this call's prefill
+    restored_during_decode: int = 0  # carried by this call's fused decode steps
+    pending_at_answer_end: int = 0  # pending when the answer ended (before blocking / background completion)
+    restored_after_answer: int = 0  # restored after the answer and before the next call (any completion)
 
 
 class DeferredPrefillCache(DynamicCache):
@@ -34,15 +49,31 @@ class DeferredPrefillCache(DynamicCache):
     ``input_ids``); deferred slots stay empty and masked until restored, so a fully restored cache holds
     exactly the entries of a plain prefill and the next turn is a plain append.
 
-    Thread safety: ``lock`` (a re-entrant lock) is held by every Raincheck operation on the cache
-    (`generate`, `complete_deferred`); use one cache from one thread at a time, or hold ``cache.lock``.
+    Thread safety: use a cache from one thread at a time (the "user thread"). ``lock`` (a re-entrant lock) is
+    held by every Raincheck operation that writes the cache: `generate`, `complete_deferred`, and each chunk of
+    a background completion worker (``completion="background"``), which releases it between chunks. While a
+    worker runs, the user thread may read the counters (``pending``, ``stats``...) at any time; to read the KV
+    tensors hold ``cache.lock`` (or call ``wait()`` / ``cancel()`` first). A new `generate` or
+    `complete_deferred` on the cache stops the worker first (waiting for at most one chunk) and takes over
+    what is pending. On CUDA the worker runs on its own stream; it starts after the work queued on the user's
+    stream, finishes each chunk before releasing the lock, and whoever stops it makes its current stream wait
+    for the worker's.
+
+    Background completion:
+        ``completion_running``: whether a worker is prefilling the pending tokens now.
+        ``wait(timeout=None)``: blocks until the worker is done; True when nothing is pending.
+        ``cancel()``: stops the worker; ``pending`` stays exact (the next call folds it in).
+        A worker's exception is raised (chained) by the next ``generate`` / `complete_deferred` / ``wait``; the
+        cache stays consistent (the failed chunk is simply still pending). The worker holds the model and the
+        cache through weak references: if either is freed, or the interpreter exits, it stops cleanly.
 
     Attributes:
         config: the `RaincheckConfig` of the last `generate` call on this cache.
         plan: the current `DeferralPlan` (the most recent `generate` call with new images or video).
         total_deferred / pending: deferred tokens of the current plan, and those not yet prefilled.
         token_ids: the conversation's token ids for every slot the cache covers.
-        stats: `RestoreStats`.
+        stats: `RestoreStats` over the cache's life.
+        turn_stats: one `TurnRestore` per `generate` call on the cache.
     """
 
     def __init__(self, num_layers: int, static: bool = False, max_cache_len: int = 0):
@@ -60,6 +91,8 @@ class DeferredPrefillCache(DynamicCache):
         self.media_grids: dict[str, torch.Tensor] = {}  # grids of the cached conversation's media, by modality
         self.pending_media_grids: dict[str, torch.Tensor] = {}  # set by a turn, committed by its prefill
         self.stats = RestoreStats()
+        self.turn_stats: list[TurnRestore] = []
+        self._completion = None  # the background worker (hf_raincheck.generation.background), if any
         self._filled: torch.Tensor | None = None  # bool [capacity] on the model device
         self._model_ref = None
         # per-forward state read by `update`
@@ -95,6 +128,66 @@ class DeferredPrefillCache(DynamicCache):
         if self._filled is None:
             return torch.zeros(0, dtype=torch.bool)
         return self._filled[: self.length]
+
+    def record_restored(self, when: str, count: int) -> None:
+        """Counts `count` deferred tokens restored ``"during_prefill"``, ``"during_decode"`` or ``"after_answer"``."""
+        setattr(self.stats, when, getattr(self.stats, when) + count)
+        if self.turn_stats:
+            field_name = {"during_prefill": "restored_in_prefill", "during_decode": "restored_during_decode",
+                          "after_answer": "restored_after_answer"}[when]
+            record = self.turn_stats[-1]
+            setattr(record, field_name, getattr(record, field_name) + count)
+
+    # ------------------------------------------------------------------ background completion
+    @property
+    def completion_running(self) -> bool:
+        """Whether a background worker is prefilling this cache's pending deferred tokens now."""
+        return self._completion is not None and self._completion.running
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks until the background worker (if any) is done, at most `timeout` seconds.
+
+        Returns True when no deferred token is pending, False otherwise (timeout, cancelled worker, or
+        ``completion="next_turn"``). Raises the worker's error (chained) if it failed.
+        """
+        worker = self._completion
+        if worker is not None:
+            if not worker.join(timeout):
+                return False
+            self.raise_completion_error()
+        return self.pending == 0
+
+    def cancel(self) -> None:
+        """Stops the background worker (after its current chunk); ``pending`` stays exact, nothing is lost.
+
+        What is left is folded into the next `generate` call on this cache (or run `complete_deferred`). A
+        worker error is kept for the next call. No-op without a running worker.
+        """
+        self.stop_completion()
+
+    def stop_completion(self) -> None:
+        """Stops the background worker and waits for it (at most one chunk); the caller's stream takes over."""
+        worker = self._completion
+        if worker is None:
+            return
+        worker.stop()
+        worker.join(None)
+        if worker.error is None:
+            self._completion = None
+
+    def raise_completion_error(self) -> None:
+        """Raises the error of a finished background worker (once); the cache stays usable."""
+        worker = self._completion
+        if worker is None or worker.running:
+            return
+        self._completion = None
+        if worker.error is not None:
+            error = worker.error
+            raise RuntimeError(
+                f"background completion of this cache's deferred tokens failed ({type(error).__name__}: {error}); "
+                f"the cache is consistent: the {self.pending} tokens still pending are folded into the next "
+                "generate call on it (or run complete_deferred)"
+            ) from error
 
     # ------------------------------------------------------------------ transformers Cache interface
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -149,6 +242,11 @@ class DeferredPrefillCache(DynamicCache):
             self._model_ref = weakref.ref(model)
             return
         owner = self._model_ref()
+        if owner is None:
+            raise ValueError(
+                "past_key_values is a DeferredPrefillCache whose model was freed; start a new conversation "
+                "(no past_key_values)"
+            )
         if owner is not model:
             raise ValueError(
                 "past_key_values is a DeferredPrefillCache built by a different model; "
@@ -173,6 +271,19 @@ class DeferredPrefillCache(DynamicCache):
         if state is None:
             state = self.gdn_states[layer_idx] = GDNLayerState()
         return state
+
+    def gdn_snapshot(self) -> dict:
+        """References to every GDN layer state, for `gdn_rollback` if a forward fails half-way."""
+        return {idx: state.snapshot() for idx, state in self.gdn_states.items()}
+
+    def gdn_rollback(self, snapshot: dict) -> None:
+        """Puts the GDN layer states back as they were at `snapshot` (a layer that had advanced its recurrent
+        state before a later layer raised would otherwise apply those rows twice when they are retried)."""
+        for idx in list(self.gdn_states):
+            if idx not in snapshot:
+                del self.gdn_states[idx]
+        for idx, state in snapshot.items():
+            self.gdn_states[idx].restore(state)
 
     def release_gdn_checkpoints(self) -> None:
         """Drops the prefix checkpoints and P_tail maps once the plan they serve has nothing pending."""

@@ -69,7 +69,9 @@ class GDNLayerState:
         """S_live += P_tail (S_prefix_new - S_prefix_old); then S_prefix = S_prefix_new."""
         prefix = self.prefix
         update = torch.matmul(self.transition, new_prefix - prefix.recurrent)
-        self.recurrent.add_(update)
+        state = self.state.clone()  # a new tensor, never in place: `snapshot` keeps the old one for a rollback
+        state[..., : self.value_dim] += update
+        self.state = state
         prefix.recurrent = new_prefix
 
     def release(self) -> None:
@@ -77,6 +79,18 @@ class GDNLayerState:
         self.prefix = None
         if self.carry:
             self.state = self.state[..., : self.value_dim].contiguous()
+
+    def snapshot(self) -> tuple:
+        """References to everything a forward may replace (updates build new tensors, never write in place)."""
+        prefix = self.prefix
+        fields = None if prefix is None else (prefix.recurrent, prefix.conv)
+        return self.state, self.value_dim, self.conv, prefix, fields
+
+    def restore(self, snapshot: tuple) -> None:
+        """Undoes the updates of a forward that failed half-way (see `snapshot`)."""
+        self.state, self.value_dim, self.conv, self.prefix, fields = snapshot
+        if self.prefix is not None:
+            self.prefix.recurrent, self.prefix.conv = fields
 
     def nbytes(self) -> int:
         tensors = [self.state, self.conv]

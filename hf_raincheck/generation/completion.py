@@ -1,4 +1,4 @@
-"""Prefilling deferred tokens outside decoding: `complete_deferred`."""
+"""Prefilling deferred tokens outside decoding: `complete_deferred`, and the chunk loop it shares with the worker."""
 
 from __future__ import annotations
 
@@ -8,8 +8,32 @@ from ..cache import DeferredPrefillCache
 from .rows import deferred_rows, run_rows
 
 
+def prefill_pending(state, cache: DeferredPrefillCache, budget: int, chunk_size: int) -> int:
+    """Prefills up to `budget` pending deferred tokens of ``cache.plan`` in forwards of `chunk_size` rows.
+
+    The caller holds ``cache.lock``. Counts them as restored after the answer; returns how many were prefilled.
+    """
+    plan = cache.plan
+    if plan is None:
+        return 0
+    budget = min(budget, plan.pending)
+    config = cache.config
+    done = 0
+    with torch.no_grad():
+        while done < budget:
+            count = min(chunk_size, budget - done)
+            rows = deferred_rows(plan, count)
+            run_rows(state.adapter, cache, rows, plan, state.backend(config), config.visibility, want_logits=False)
+            done += count
+            cache.record_restored("after_answer", count)
+    return done
+
+
 def complete_deferred(model, cache: DeferredPrefillCache, max_tokens: int | None = None) -> int:
     """Prefills the deferred tokens of `cache` that are still pending, in ``completion_chunk_size`` chunks.
+
+    A background worker still running on the cache is stopped first (after its current chunk); an error it
+    raised is raised here (chained), once.
 
     Args:
         model: the model the cache belongs to (after `enable_raincheck`).
@@ -26,19 +50,11 @@ def complete_deferred(model, cache: DeferredPrefillCache, max_tokens: int | None
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0):
         raise ValueError(f"complete_deferred: max_tokens must be None or an int >= 0, got {max_tokens!r}")
     state = raincheck_state(model, "complete_deferred")
+    cache.bind_model(model)
+    cache.stop_completion()
+    cache.raise_completion_error()
     with cache.lock:
-        cache.bind_model(model)
-        plan = cache.plan
-        if plan is None or plan.pending == 0:
+        if cache.pending == 0:
             return 0
-        config = cache.config
-        budget = plan.pending if max_tokens is None else min(max_tokens, plan.pending)
-        done = 0
-        with torch.no_grad():
-            while done < budget:
-                count = min(config.completion_chunk_size, budget - done)
-                rows = deferred_rows(plan, count)
-                run_rows(state.adapter, cache, rows, plan, state.backend(config), config.visibility, want_logits=False)
-                done += count
-        cache.stats.after_answer += done
-        return done
+        budget = cache.pending if max_tokens is None else max_tokens
+        return prefill_pending(state, cache, budget, cache.config.completion_chunk_size)

@@ -11,10 +11,11 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .. import attention
 from ..gdn_state import patch as gdn_patch
-from ..cache import DeferredPrefillCache
+from ..cache import DeferredPrefillCache, TurnRestore
 from ..config import RaincheckConfig
 from ..models import ModelAdapter, get_adapter
-from .completion import complete_deferred
+from .background import start_background_completion
+from .completion import prefill_pending
 from .rows import Rows, concat_rows, deferred_rows, run_rows
 from .schedule import FixedChunkSchedule, carried_tokens
 from .turn import Turn, prepare_turn
@@ -157,11 +158,15 @@ def _generate(model, *args, raincheck_config: RaincheckConfig | None = None, **k
             f"earlier Raincheck generate (or None), got {type(past).__name__}"
         )
     kwargs["past_key_values"] = past
+    past.bind_model(model)
+    # a background worker still completing the previous turn gives way (within one chunk); what it left pending
+    # is folded into this call's prefill. An error it hit is raised now, once.
+    past.stop_completion()
+    past.raise_completion_error()
 
     schedule = raincheck_config.schedule or FixedChunkSchedule(raincheck_config.chunk_size, raincheck_config.guard_tokens)
     backend = state.backend(raincheck_config)
     with past.lock:
-        past.bind_model(model)
         with torch.no_grad():
             turn = prepare_turn(state.adapter, past, raincheck_config, input_ids, kwargs, schedule, backend)
         if past.static:
@@ -177,9 +182,16 @@ def _generate(model, *args, raincheck_config: RaincheckConfig | None = None, **k
         try:
             output = state.original_generate(*args, **kwargs)
         finally:
+            # also when generate raises (e.g. a stopping criterion interrupts it): every forward that ran is
+            # fully committed (slots, plan progress, token_ids), so the cache stays consistent; nothing is
+            # completed then, what is pending folds into the next call
             past._turn = None
+            if turn.record is not None:
+                turn.record.pending_at_answer_end = past.pending
         if raincheck_config.completion == "blocking":
-            complete_deferred(model, past)
+            prefill_pending(state, past, past.pending, raincheck_config.completion_chunk_size)
+        elif raincheck_config.completion == "background":
+            start_background_completion(model, past)
     return output
 
 
@@ -210,7 +222,9 @@ def _turn_step(state: RaincheckState, cache: DeferredPrefillCache, turn: Turn, i
         logits = run_rows(
             state.adapter, cache, turn.prefill, turn.prefill_plan, turn.backend, config.visibility, want_logits=True
         )
-        cache.stats.during_prefill += turn.prefill.restored
+        turn.record = TurnRestore(deferred=turn.plan.total_deferred if turn.plan is not None else 0)
+        cache.turn_stats.append(turn.record)
+        cache.record_restored("during_prefill", turn.prefill.restored)
         turn.restored_in_prefill = turn.prefill.restored
         cache.token_ids = cache.token_ids + turn.prompt_ids[cache.length :].tolist()
         if turn.plan is not None:
@@ -241,6 +255,6 @@ def _turn_step(state: RaincheckState, cache: DeferredPrefillCache, turn: Turn, i
     )
     rows = concat_rows([deferred_rows(plan, count), live]) if count else live
     logits = run_rows(state.adapter, cache, rows, plan if count else None, turn.backend, config.visibility, True)
-    cache.stats.during_decode += count
+    cache.record_restored("during_decode", count)
     cache.token_ids.append(int(token.reshape(-1)[0]))
     return logits

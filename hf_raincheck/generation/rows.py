@@ -130,8 +130,10 @@ def run_rows(
     )
     cache._write_slots, cache._kv_len = rows.slots, kv_len
     cache._slots_by_device = {rows.slots.device: rows.slots}
+    gdn_before = None
     if adapter.gdn_glue is not None:
         cache._gdn_step = gdn_step(cache, rows, plan, resolve_gdn_backend(cache.config.gdn_backend, device))
+        gdn_before = cache.gdn_snapshot()
     try:
         hidden = adapter.language_forward(
             rows.embeds[None],
@@ -142,6 +144,12 @@ def run_rows(
             rows.deepstack,
             backend,
         )
+    except BaseException:
+        # a forward that fails (or is interrupted) half-way leaves nothing behind: KV writes land in slots that
+        # stay unmarked and are rewritten by the retry; GDN states go back to where they were
+        if gdn_before is not None:
+            cache.gdn_rollback(gdn_before)
+        raise
     finally:
         cache._write_slots = None
         cache._slots_by_device = {}

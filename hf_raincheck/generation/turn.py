@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache import DeferralPlan, DeferredPrefillCache
+from ..cache import DeferralPlan, DeferredPrefillCache, TurnRestore
 from ..config import RaincheckConfig
 from ..models import ModelAdapter
 from ..pruning import SelectionContext, select_kept, selector_requirements
@@ -33,6 +33,7 @@ class Turn:
     step: int = 0  # decode steps run so far
     prefill_done: bool = False
     restored_in_prefill: int = 0
+    record: TurnRestore | None = None  # this call's entry of cache.turn_stats, from its prefill on
     events: list = field(default_factory=list)
 
 
