@@ -8,7 +8,13 @@ import pytest
 import torch
 
 # Importing the testing package lets AutoProcessor build Qwen3-VL / Qwen2.5-VL processors without torchvision.
-from hf_raincheck.testing import build_tiny_qwen2_5_vl, build_tiny_qwen3_vl, load_tiny_qwen2_5_vl, load_tiny_qwen3_vl
+from hf_raincheck.testing import (
+    build_tiny_qwen2_5_vl,
+    build_tiny_qwen3_5,
+    build_tiny_qwen3_vl,
+    load_tiny_qwen2_5_vl,
+    load_tiny_qwen3_vl,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -58,3 +64,9 @@ def tiny_qwen2_5_vl(tiny_qwen2_5_vl_path):
     Don't patch or modify this model in a test; load your own with ``load_tiny_qwen2_5_vl(tiny_qwen2_5_vl_path)``.
     """
     return load_tiny_qwen2_5_vl(tiny_qwen2_5_vl_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_path(tmp_path_factory) -> str:
+    """Directory of a tiny random Qwen3.5 checkpoint (seed 0, GDN + full attention), built once per test session."""
+    return build_tiny_qwen3_5(tmp_path_factory.mktemp("tiny_qwen3_5") / "seed0", seed=0)

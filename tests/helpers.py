@@ -82,3 +82,13 @@ def encode_qwen2_5_vl(model, inputs) -> Conversation:
         positions=positions[:, 0],
         input_ids=ids.clone(),
     )
+
+
+def whole_conversation(turns: list, input_ids: torch.Tensor) -> dict:
+    """Processor outputs of a whole conversation from those of its turns (each turn's new media only)."""
+    conv = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
+        parts = [turn[key] for turn in turns if turn.get(key) is not None]
+        if parts:
+            conv[key] = torch.cat(parts)
+    return conv

@@ -30,7 +30,7 @@ from transformers.vision_utils import get_vision_window_index
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from helpers import encode_qwen2_5_vl, generate, new_tokens, plan_of  # noqa: E402
+from helpers import encode_qwen2_5_vl, generate, new_tokens, plan_of, whole_conversation  # noqa: E402
 from reference_qwen3_vl import build_schedule, run_reference  # noqa: E402
 
 from hf_raincheck import DeferredPrefillCache, RaincheckConfig, complete_deferred, enable_raincheck  # noqa: E402
@@ -68,16 +68,6 @@ def video(processor, seed=5, text="What happens?"):
     messages = [{"role": "user", "content": [{"type": "video", "video": make_video(seed)}, {"type": "text", "text": text}]}]
     meta = VideoMetadata(total_num_frames=4, fps=VIDEO_FPS)
     return chat_inputs(processor, messages, processor_kwargs={"video_metadata": [meta]})
-
-
-def _whole_conversation(turns: list[dict], input_ids: torch.Tensor) -> dict:
-    """Processor outputs of a whole conversation from those of its turns (each turn's new media only)."""
-    conv = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
-    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
-        parts = [turn[key] for turn in turns if turn.get(key) is not None]
-        if parts:
-            conv[key] = torch.cat(parts)
-    return conv
 
 
 # ---------------------------------------------------------------------------------------------------- checkpoint
@@ -272,7 +262,7 @@ def test_new_image_in_turn_two_matches_the_eager_reference(vl):
     t2 = build_schedule(L2, d2, 6, chunk_size=3, guard_tokens=2, completion="next_turn", new_start=L1 + 5,
                         pending_before=t1.pending)
     assert cache.pending == len(t2.pending)
-    conv = _whole_conversation([turn1, turn2], out2.sequences)
+    conv = whole_conversation([turn1, turn2], out2.sequences)
     ref = run_reference(model, encode_qwen2_5_vl(model, conv), t1.forwards + t2.forwards, [(d1, b1), (d2, b2)])
     torch.testing.assert_close(torch.stack(out1.logits)[:, 0], ref.at_many(t1.logit_rows), **TOL)
     torch.testing.assert_close(torch.stack(out2.logits)[:, 0], ref.at_many(t2.logit_rows), **TOL)
@@ -331,7 +321,7 @@ def test_video_steps_match_the_eager_reference(vl):
     assert cache.pending == 0 and bool(cache.filled.all())
     t1 = build_schedule(L, d, 6, chunk_size=4, guard_tokens=1, completion="next_turn")
     t2 = build_schedule(turn2["input_ids"].shape[1], [], 3, new_start=L + 5, pending_before=t1.pending)
-    conv = _whole_conversation([inputs], out2.sequences)
+    conv = whole_conversation([inputs], out2.sequences)
     ref = run_reference(model, encode_qwen2_5_vl(model, conv), t1.forwards + t2.forwards, [(d, b)])
     torch.testing.assert_close(torch.stack(out.logits)[:, 0], ref.at_many(t1.logit_rows), **TOL)
     torch.testing.assert_close(torch.stack(out2.logits)[:, 0], ref.at_many(t2.logit_rows), **TOL)

@@ -20,6 +20,7 @@ from .tiny_qwen2_5_vl import (
     tiny_qwen2_5_vl,
     tiny_qwen2_5_vl_config,
 )
+from .tiny_qwen3_5 import build_tiny_qwen3_5, load_tiny_qwen3_5, tiny_qwen3_5, tiny_qwen3_5_config
 from .tiny_qwen3_vl import (
     BUILDER_VERSION,
     CHAT_TEMPLATE,
@@ -56,6 +57,10 @@ __all__ = [
     "load_tiny_qwen3_vl",
     "make_image",
     "make_video",
+    "build_tiny_qwen3_5",
+    "load_tiny_qwen3_5",
+    "tiny_qwen3_5",
+    "tiny_qwen3_5_config",
     "tiny_qwen2_5_vl",
     "tiny_qwen2_5_vl_config",
     "tiny_qwen3_vl",
