@@ -55,6 +55,9 @@ class RaincheckConfig:
         visibility: what a deferred row sees: ``"boundary"`` (the whole prefix before the plan's boundary,
             as in the paper) or ``"causal"`` (only cached entries at or before its own logical index). Applies
             to attention layers; Gated DeltaNet layers always continue the state at the boundary (rule 3).
+        fused: ``True`` (default): a decode step's deferred chunk rides in the step's own forward (decode row last).
+            ``False``: the chunk runs as a forward of its own just before the decode step (same result up to float
+            rounding; a control for benchmarks, to show what fusion buys).
         gdn_backend: kernels for Gated DeltaNet layers (Qwen3.5): ``"auto"`` (fla-core on CUDA when installed,
             else torch), ``"torch"`` (transformers' torch code, CPU and CUDA) or ``"fla"``.
         schedule: optional callable ``schedule(step, pending) -> int`` asked once per decode step how many
@@ -74,6 +77,7 @@ class RaincheckConfig:
     attn_backend: str = "auto"
     visibility: str = "boundary"
     gdn_backend: str = "auto"
+    fused: bool = True
     schedule: Callable[[int, int], int] | None = None
     seed: int = 0
 
@@ -92,6 +96,8 @@ class RaincheckConfig:
         _check_choice("attn_backend", self.attn_backend, ATTN_BACKENDS)
         _check_choice("visibility", self.visibility, VISIBILITIES)
         _check_choice("gdn_backend", self.gdn_backend, GDN_BACKENDS)
+        if not isinstance(self.fused, bool):
+            raise ValueError(f"RaincheckConfig.fused must be True or False, got {self.fused!r}")
         if not (isinstance(self.pruning, str) or callable(self.pruning)):
             raise ValueError(
                 f"RaincheckConfig.pruning must be a registered selector name or a callable, got {self.pruning!r}"

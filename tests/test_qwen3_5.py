@@ -257,3 +257,28 @@ def test_static_cache_matches_dynamic(model):
         )
     assert new_tokens(static, inputs) == new_tokens(dynamic, inputs)
     torch.testing.assert_close(logits(static), logits(dynamic), **TOL)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_vl"])
+def test_unfused_control_matches_reference_with_split_forwards(model, family):
+    """``fused=False``: each carried chunk is a forward of its own before the decode row (same semantics)."""
+    from handmade import _tiny_model
+    from reference_qwen3_vl import reference_logits as reference_vl
+
+    net, reference = (model, reference_logits) if family == "qwen3_5" else (enable_raincheck(_tiny_model()), reference_vl)
+    inputs = two_images()
+    length = inputs["input_ids"].shape[1]
+    config = cfg(fused=False, completion="next_turn")
+    out = generate(net, inputs, 8, config)
+    plan = out.past_key_values.plans[0]
+    sched = build_schedule(length, plan.deferred, 8, chunk_size=3, guard_tokens=2, completion="next_turn")
+    forwards = []
+    for fwd in sched.forwards:
+        if len(fwd) > 1 and fwd[-1] >= length:  # a fused step: chunk, then the decode row alone
+            forwards += [fwd[:-1], fwd[-1:]]
+        else:
+            forwards.append(fwd)
+    ref = reference(net, _extend(inputs, new_tokens(out, inputs)), forwards, [(plan.deferred, plan.boundary)])
+    torch.testing.assert_close(logits(out), ref.at_many(sched.logit_rows), **TOL)
+    fused = generate(net, inputs, 8, cfg(completion="next_turn"))
+    assert out.past_key_values.stats == fused.past_key_values.stats

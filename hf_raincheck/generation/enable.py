@@ -253,8 +253,12 @@ def _turn_step(state: RaincheckState, cache: DeferredPrefillCache, turn: Turn, i
         deferred=torch.zeros(1, dtype=torch.bool, device=device),
         max_slot=slot,
     )
-    rows = concat_rows([deferred_rows(plan, count), live]) if count else live
-    logits = run_rows(state.adapter, cache, rows, plan if count else None, turn.backend, config.visibility, True)
+    if count and not config.fused:  # the control of benchmarks: the chunk as a forward of its own, then the step
+        run_rows(state.adapter, cache, deferred_rows(plan, count), plan, turn.backend, config.visibility, False)
+        logits = run_rows(state.adapter, cache, live, None, turn.backend, config.visibility, True)
+    else:
+        rows = concat_rows([deferred_rows(plan, count), live]) if count else live
+        logits = run_rows(state.adapter, cache, rows, plan if count else None, turn.backend, config.visibility, True)
     cache.record_restored("during_decode", count)
     cache.token_ids.append(int(token.reshape(-1)[0]))
     return logits
