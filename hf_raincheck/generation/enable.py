@@ -248,7 +248,6 @@ def _turn_step(state: RaincheckState, cache: DeferredPrefillCache, turn: Turn, i
         slots=torch.tensor([slot], device=device),
         embeds=state.adapter.embed_tokens(token)[0],
         positions=torch.full((3, 1), slot + cache.rope_delta, dtype=torch.long, device=device),
-        visual=torch.zeros(1, dtype=torch.bool, device=device),
         deepstack=None,
         deferred=torch.zeros(1, dtype=torch.bool, device=device),
         max_slot=slot,

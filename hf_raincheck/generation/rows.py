@@ -20,8 +20,7 @@ class Rows:
     slots: torch.Tensor  # [q] long, logical indices
     embeds: torch.Tensor  # [q, H]
     positions: torch.Tensor  # [3, q] long
-    visual: torch.Tensor  # [q] bool: rows that receive DeepStack features
-    deepstack: list[torch.Tensor] | None  # per DeepStack layer [n_visual, H], in row order
+    deepstack: list[torch.Tensor] | None  # per DeepStack layer [q, H], zeros on non-visual rows (None: none)
     deferred: torch.Tensor  # [q] bool: rows restoring the plan's deferred tokens
     max_slot: int  # host-side max of `slots`
     restored: int = 0  # deferred rows carried (they lead the rows)
@@ -42,9 +41,11 @@ def concat_rows(parts: list[Rows]) -> Rows:
     deepstack = None
     if any(p.deepstack is not None for p in parts):
         n_layers = next(len(p.deepstack) for p in parts if p.deepstack is not None)
-        deepstack = []
-        for layer in range(n_layers):
-            deepstack.append(torch.cat([p.deepstack[layer] for p in parts if p.deepstack is not None], dim=0))
+        like = next(p.deepstack[0] for p in parts if p.deepstack is not None)
+        deepstack = [
+            torch.cat([p.deepstack[k] if p.deepstack is not None else like.new_zeros(p.size, like.shape[1]) for p in parts])
+            for k in range(n_layers)
+        ]
     checkpoints = [p for p in parts if p.checkpoint_plan is not None]
     if checkpoints and checkpoints[0] is not parts[-1]:
         raise RuntimeError("rows with a plan boundary must come last")
@@ -54,7 +55,6 @@ def concat_rows(parts: list[Rows]) -> Rows:
         slots=torch.cat([p.slots for p in parts]),
         embeds=torch.cat([p.embeds for p in parts]),
         positions=torch.cat([p.positions for p in parts], dim=1),
-        visual=torch.cat([p.visual for p in parts]),
         deepstack=deepstack,
         deferred=torch.cat([p.deferred for p in parts]),
         max_slot=max(p.max_slot for p in parts),
@@ -72,7 +72,6 @@ def deferred_rows(plan: DeferralPlan, count: int) -> Rows:
         slots=slots,
         embeds=plan.store_embeds[start:stop],
         positions=plan.store_positions[:, start:stop],
-        visual=torch.ones(count, dtype=torch.bool, device=device),
         deepstack=deepstack,
         deferred=torch.ones(count, dtype=torch.bool, device=device),
         max_slot=int(plan.deferred[stop - 1]),
@@ -140,7 +139,6 @@ def run_rows(
             rows.positions[:, None, :],
             mask,
             cache,
-            rows.visual[None],
             rows.deepstack,
             backend,
         )

@@ -164,7 +164,6 @@ def prepare_turn(
 
     new_ids_t = input_ids[0, old:].to(device)
     new_embeds = adapter.embed_tokens(new_ids_t[None])[0]
-    visual_new = torch.zeros(len(ids) - old, dtype=torch.bool, device=device)
     deepstack_new = None
 
     # what the selector needs from the vision tower, asked for only when it will select something
@@ -210,7 +209,6 @@ def prepare_turn(
                 )
             new_embeds[where] = feats.embeds.to(new_embeds.device, new_embeds.dtype)
             extras_parts.append((where, feats.extras))
-            visual_new[where] = True
             if feats.deepstack is not None:
                 if deepstack_layers is None:
                     deepstack_layers = [
@@ -277,7 +275,6 @@ def prepare_turn(
     # rows of the prefill: the earlier plan's pending deferred tokens, then I_0 in source order
     live_local = (~deferred_local).nonzero().squeeze(1).to(device)
     live_slots = live_local + old
-    visual_live = visual_new[live_local]
     checkpoint_plan = None
     if plan is not None and plan.policy == "raincheck" and plan.total_deferred and adapter.gdn_glue is not None:
         # GDN layers checkpoint their state at the boundary: after the live rows before it
@@ -288,8 +285,7 @@ def prepare_turn(
         slots=live_slots,
         embeds=new_embeds[live_local],
         positions=positions[:, live_slots],
-        visual=visual_live,
-        deepstack=None if deepstack_new is None else [f[live_local][visual_live] for f in deepstack_new],
+        deepstack=None if deepstack_new is None else [f[live_local] for f in deepstack_new],
         deferred=torch.zeros(live_local.numel(), dtype=torch.bool, device=device),
         max_slot=len(ids) - 1,
     )

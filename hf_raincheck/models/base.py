@@ -120,9 +120,34 @@ class ModelAdapter:
                 ids.update(int(v) for v in value)
         return ids
 
-    def language_forward(self, embeds, positions, mask, cache, visual_rows, deepstack, backend):
-        """Runs the decoder over rows ``embeds [1, q, H]`` and returns final hidden states ``[1, q, H]``."""
-        raise NotImplementedError
+    def layer_mask(self, layer_idx: int, mask):
+        """The attention mask a decoder layer gets (attention-only models: the visibility mask everywhere)."""
+        return mask
+
+    def language_forward(self, embeds, positions, mask, cache, deepstack, backend):
+        """Runs the decoder over rows ``embeds [1, q, H]`` and returns final hidden states ``[1, q, H]``.
+
+        transformers' text-model loop (rotary embeddings, decoder layers, final norm) without its mask creation
+        and with DeepStack added densely: ``deepstack[k]`` ``[q, H]`` (zeros on non-visual rows) is added to the
+        output of layer k, which equals transformers' boolean-indexed add without its data-dependent shapes
+        (no host sync, one graph for torch.compile). Keep in step with the pinned transformers' text models.
+        """
+        text = self.text
+        hidden = embeds
+        position_embeddings = text.rotary_emb(hidden, positions)
+        for i, layer in enumerate(text.layers[: text.config.num_hidden_layers]):
+            hidden = layer(
+                hidden,
+                attention_mask=self.layer_mask(i, mask),
+                position_ids=None,
+                past_key_values=cache,
+                position_embeddings=position_embeddings,
+                use_cache=True,
+                raincheck_backend=backend,
+            )
+            if deepstack is not None and i < len(deepstack):
+                hidden = hidden + deepstack[i].to(hidden.device, hidden.dtype)[None]
+        return text.norm(hidden)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -179,14 +179,3 @@ class Qwen2_5_VLAdapter(Qwen3VLAdapter):
 
     def raster_to_window(self, grid_thw, x, dim: int = 0, level: str = "merged") -> torch.Tensor:
         return raster_to_window(self.config.vision_config, grid_thw, x, dim=dim, level=level)
-
-    def language_forward(self, embeds, positions, mask, cache, visual_rows, deepstack, backend):
-        out = self.text(
-            inputs_embeds=embeds,
-            position_ids=positions,  # [3, 1, q]: no text row, so transformers derives nothing from it
-            attention_mask=mask,  # 4D: passed through as is by transformers' mask creation
-            past_key_values=cache,
-            use_cache=True,
-            raincheck_backend=backend,
-        )
-        return out.last_hidden_state

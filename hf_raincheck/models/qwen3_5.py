@@ -80,13 +80,6 @@ class Qwen3_5Adapter(Qwen3VLAdapter):
     def gdn_modules(self) -> dict:
         return {i: layer.linear_attn for i, layer in self._layers_of("linear_attention")}
 
-    def language_forward(self, embeds, positions, mask, cache, visual_rows, deepstack, backend):
-        out = self.text(
-            inputs_embeds=embeds,
-            position_ids=positions,
-            attention_mask={"full_attention": mask, "linear_attention": None},
-            past_key_values=cache,
-            use_cache=True,
-            raincheck_backend=backend,
-        )
-        return out.last_hidden_state
+    def layer_mask(self, layer_idx: int, mask):
+        """Gated DeltaNet layers take no mask (their rows are handled by `hf_raincheck.gdn_state`)."""
+        return mask if self.text.config.layer_types[layer_idx] == "full_attention" else None

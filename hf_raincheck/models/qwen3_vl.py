@@ -167,19 +167,5 @@ class Qwen3VLAdapter(ModelAdapter):
             deepstack = [torch.cat(list(feat), dim=0).to(device) for feat in out.deepstack_features]
         return VisionFeatures(embeds=embeds, deepstack=deepstack, extras=extras)
 
-    def language_forward(self, embeds, positions, mask, cache, visual_rows, deepstack, backend):
-        has_visual = deepstack is not None and visual_rows is not None and bool(visual_rows.any())
-        out = self.text(
-            inputs_embeds=embeds,
-            position_ids=positions,
-            attention_mask=mask,
-            past_key_values=cache,
-            use_cache=True,
-            visual_pos_masks=visual_rows if has_visual else None,
-            deepstack_visual_embeds=deepstack if has_visual else None,
-            raincheck_backend=backend,
-        )
-        return out.last_hidden_state
-
     def lm_head(self, hidden):
         return self.model.lm_head(hidden)
