@@ -85,7 +85,8 @@ class DeferredPrefillCache(DynamicCache):
         self.config: RaincheckConfig | None = None
         self.plan: DeferralPlan | None = None
         self.plans: list[DeferralPlan] = []
-        self.token_ids: list[int] = []
+        self._token_ids: list[int] = []
+        self._token_tail: list[torch.Tensor] = []  # decode tokens fed since, still on the device (no host sync)
         self.positions: torch.Tensor | None = None  # [3, length] logical positions of the covered slots
         self.rope_delta: int = 0
         self.media_grids: dict[str, torch.Tensor] = {}  # grids of the cached conversation's media, by modality
@@ -94,6 +95,8 @@ class DeferredPrefillCache(DynamicCache):
         self.turn_stats: list[TurnRestore] = []
         self._completion = None  # the background worker (hf_raincheck.generation.background), if any
         self._filled: torch.Tensor | None = None  # bool [capacity] on the model device
+        self._slot_index: torch.Tensor | None = None  # arange(capacity) on the model device
+        self._scratch_slots: torch.Tensor | None = None  # static compiled steps: where padding rows write
         self._model_ref = None
         # per-forward state read by `update`
         self._write_slots: torch.Tensor | None = None
@@ -107,7 +110,23 @@ class DeferredPrefillCache(DynamicCache):
     @property
     def length(self) -> int:
         """Logical slots covered (conversation tokens fed so far, deferred slots included)."""
-        return len(self.token_ids)
+        return len(self._token_ids) + len(self._token_tail)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The conversation's token ids for every slot the cache covers (a host list)."""
+        if self._token_tail:  # one device-to-host copy for every decode token fed since the last read
+            self._token_ids.extend(torch.cat(self._token_tail).reshape(-1).tolist())
+            self._token_tail = []
+        return self._token_ids
+
+    @token_ids.setter
+    def token_ids(self, ids: list[int]) -> None:
+        self._token_ids, self._token_tail = list(ids), []
+
+    def append_fed_token(self, token: torch.Tensor) -> None:
+        """Records a decode step's input token ``[1, 1]`` (kept on its device until `token_ids` is read)."""
+        self._token_tail.append(token.reshape(1))
 
     @property
     def total_deferred(self) -> int:
@@ -216,10 +235,12 @@ class DeferredPrefillCache(DynamicCache):
                 "this DeferredPrefillCache is written only by Raincheck's forwards; call `generate` with "
                 "`raincheck_config=` (after `enable_raincheck(model)`) to use it"
             )
-        device = key_states.device
-        slots = self._slots_by_device.get(device)
-        if slots is None:  # once per device per forward (layers on other GPUs of a device_map)
-            slots = self._slots_by_device[device] = self._write_slots.to(device)
+        slots = self._write_slots
+        if slots.device != key_states.device:  # a layer on another GPU of a device_map: one copy per forward
+            moved = self._slots_by_device.get(key_states.device)
+            if moved is None:
+                moved = self._slots_by_device[key_states.device] = slots.to(key_states.device)
+            slots = moved
         return self.layers[layer_idx].write(key_states, value_states, slots, self._kv_len)
 
     def reset(self) -> None:
@@ -255,15 +276,29 @@ class DeferredPrefillCache(DynamicCache):
 
     def reserve(self, needed: int, device: torch.device) -> None:
         """Room for slots ``[0, needed)`` in the bookkeeping (KV buffers grow on their layer's device)."""
-        for layer in self.layers:
-            if layer.static and needed > layer.capacity:
-                layer.reserve(needed)
+        if self.static and needed > self.layers[0].capacity:
+            # geometric growth in multiples of 256: a chat's later turns rarely change the shapes that compiled
+            # steps were built for (each capacity is a new graph)
+            current = self.layers[0].capacity
+            target = -(-max(needed, current + current // 2) // 256) * 256
+            for layer in self.layers:
+                layer.reserve(target)
+            needed = target
         if self._filled is None:
             self._filled = torch.zeros(max(needed, 256), dtype=torch.bool, device=device)
         elif needed > self._filled.numel():
             grown = torch.zeros(max(needed, 2 * self._filled.numel()), dtype=torch.bool, device=device)
             grown[: self._filled.numel()] = self._filled
             self._filled = grown
+        else:
+            return
+        self._slot_index = torch.arange(self._filled.numel(), device=device)
+        if self.static:  # compiled steps read these in place (CUDA graphs keep their addresses)
+            torch._dynamo.mark_static_address(self._filled, guard=False)
+
+    def slot_tensor(self, slot: int) -> torch.Tensor:
+        """``[slot]`` as a long tensor on the model device: a view of a persistent index (no host-to-device copy)."""
+        return self._slot_index[slot : slot + 1]
 
     def gdn_state(self, layer_idx: int) -> GDNLayerState:
         """The state of Gated DeltaNet layer `layer_idx` (created on first use, on that layer's device)."""

@@ -39,6 +39,8 @@ class DeferralPlan:
     # device-side helpers: deferred slots as a mask over logical indices [0, boundary), and `deferred` itself
     deferred_slot_mask: torch.Tensor | None = field(default=None, repr=False)
     deferred_on_device: torch.Tensor | None = field(default=None, repr=False)
+    # compiled static steps: the store padded by one chunk (see hf_raincheck.generation.decode.StaticStep)
+    padded_store: dict | None = field(default=None, repr=False)
 
     @property
     def total_deferred(self) -> int:
@@ -54,3 +56,4 @@ class DeferralPlan:
     def release_store(self) -> None:
         """Frees the deferred store once every deferred token is in the cache (or dropped)."""
         self.store_embeds = self.store_deepstack = self.store_positions = self.deferred_on_device = None
+        self.padded_store = None

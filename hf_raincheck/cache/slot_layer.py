@@ -31,6 +31,12 @@ class SlotLayer(DynamicLayer):
         self.keys = key_states.new_zeros((b, h, self.capacity, dk))
         self.values = value_states.new_zeros((b, h, self.capacity, dv))
         self.is_initialized = True
+        self._mark_static()
+
+    def _mark_static(self) -> None:
+        if self.static:  # compiled steps write these in place (CUDA graphs keep their addresses)
+            torch._dynamo.mark_static_address(self.keys, guard=False)
+            torch._dynamo.mark_static_address(self.values, guard=False)
 
     def reserve(self, needed: int) -> None:
         """Makes room for slots ``[0, needed)``."""
@@ -45,6 +51,7 @@ class SlotLayer(DynamicLayer):
             keys[:, :, :old] = self.keys
             values[:, :, :old] = self.values
             self.keys, self.values = keys, values
+            self._mark_static()
         self.capacity = new_capacity
 
     def write(
@@ -52,9 +59,8 @@ class SlotLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if kv_len > self.keys.shape[2]:
+        if not self.static and kv_len > self.keys.shape[2]:  # static buffers are reserved before each turn
             self.reserve(kv_len)
-        slots = slots.to(self.keys.device)
         self.keys.index_copy_(2, slots, key_states.to(self.keys.dtype))
         self.values.index_copy_(2, slots, value_states.to(self.values.dtype))
         if self.static:

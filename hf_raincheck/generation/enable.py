@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -18,6 +18,7 @@ from .background import start_background_completion
 from .completion import prefill_pending
 from .rows import Rows, concat_rows, deferred_rows, run_rows
 from .schedule import FixedChunkSchedule, carried_tokens
+from .decode import StaticStep, decode_step
 from .turn import Turn, prepare_turn
 
 _STATE_ATTR = "_raincheck_state"
@@ -45,6 +46,7 @@ class RaincheckState:
     adapter: ModelAdapter
     original_generate: object
     original_forward: object
+    static_steps: dict = field(default_factory=dict)  # compiled static steps by compile options
 
     @staticmethod
     def backend(config: RaincheckConfig) -> str:
@@ -173,9 +175,15 @@ def _generate(model, *args, raincheck_config: RaincheckConfig | None = None, **k
             max_new = gen_config.max_new_tokens
             if max_new is None:
                 max_new = max(gen_config.max_length - input_ids.shape[1], 1)
-            past.reserve(input_ids.shape[1] + max_new, turn.prefill.embeds.device)
+            turn.static_step = _static_step(model, state, gen_config, turn.prefill.embeds.device)
+            scratch = raincheck_config.chunk_size if turn.static_step is not None else 0
+            past.reserve(input_ids.shape[1] + max_new + scratch, turn.prefill.embeds.device)
+            turn.rope_delta_tensor = torch.tensor(turn.rope_delta, device=turn.prefill.embeds.device)
         for key in _MEDIA_KWARGS:
             kwargs.pop(key, None)
+        # Raincheck compiles its own steps (above); transformers' auto-compile never applies to this cache
+        kwargs.pop("compile_config", None)
+        kwargs["disable_compile"] = True
         kwargs["attention_mask"] = torch.ones_like(input_ids)
         past.config = raincheck_config
         past._turn = turn
@@ -193,6 +201,25 @@ def _generate(model, *args, raincheck_config: RaincheckConfig | None = None, **k
         elif raincheck_config.completion == "background":
             start_background_completion(model, past)
     return output
+
+
+def _static_step(model, state: RaincheckState, gen_config, device: torch.device) -> StaticStep | None:
+    """The compiled step for a static cache, as transformers decides for its own static caches: unless
+    ``disable_compile``, on accelerators (or any device when ``compile_config._compile_all_devices``), with
+    ``compile_config`` (default: transformers' `CompileConfig`). Models with GDN layers run their steps eager."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    if gen_config.disable_compile or state.adapter.gdn_glue is not None:
+        return None
+    compile_config = gen_config.compile_config or CompileConfig()
+    if device.type not in ("cuda", "xpu") and not compile_config._compile_all_devices:
+        return None
+    options = compile_config.to_dict()
+    key = repr(sorted(options.items()))
+    step = state.static_steps.get(key)
+    if step is None:
+        step = state.static_steps[key] = StaticStep(state.adapter, options)
+    return step
 
 
 def _forward(model, *args, past_key_values=None, **kwargs):
@@ -237,27 +264,4 @@ def _turn_step(state: RaincheckState, cache: DeferredPrefillCache, turn: Turn, i
         return logits
 
     # a decode step: feed y_j, carrying deferred tokens after the guard
-    turn.step += 1
-    plan = cache.plan
-    pending = plan.pending if plan is not None else 0
-    count = carried_tokens(turn.schedule, turn.step, pending)
-    slot = cache.length
-    device = turn.positions.device
-    token = input_ids[:, -1:].to(device)
-    live = Rows(
-        slots=torch.tensor([slot], device=device),
-        embeds=state.adapter.embed_tokens(token)[0],
-        positions=torch.full((3, 1), slot + cache.rope_delta, dtype=torch.long, device=device),
-        deepstack=None,
-        deferred=torch.zeros(1, dtype=torch.bool, device=device),
-        max_slot=slot,
-    )
-    if count and not config.fused:  # the control of benchmarks: the chunk as a forward of its own, then the step
-        run_rows(state.adapter, cache, deferred_rows(plan, count), plan, turn.backend, config.visibility, False)
-        logits = run_rows(state.adapter, cache, live, None, turn.backend, config.visibility, True)
-    else:
-        rows = concat_rows([deferred_rows(plan, count), live]) if count else live
-        logits = run_rows(state.adapter, cache, rows, plan if count else None, turn.backend, config.visibility, True)
-    cache.record_restored("during_decode", count)
-    cache.token_ids.append(int(token.reshape(-1)[0]))
-    return logits
+    return decode_step(state.adapter, cache, turn, input_ids[:, -1:].to(turn.positions.device))

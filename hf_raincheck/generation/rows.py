@@ -128,7 +128,7 @@ def run_rows(
         width,
     )
     cache._write_slots, cache._kv_len = rows.slots, kv_len
-    cache._slots_by_device = {rows.slots.device: rows.slots}
+    cache._slots_by_device = {}
     gdn_before = None
     if adapter.gdn_glue is not None:
         cache._gdn_step = gdn_step(cache, rows, plan, resolve_gdn_backend(cache.config.gdn_backend, device))

@@ -35,6 +35,8 @@ class Turn:
     restored_in_prefill: int = 0
     record: TurnRestore | None = None  # this call's entry of cache.turn_stats, from its prefill on
     events: list = field(default_factory=list)
+    static_step: object = None  # the compiled step (static caches), or None: eager steps
+    rope_delta_tensor: torch.Tensor | None = None
 
 
 def _split_runs(runs: list[Span], counts: dict[str, list[int]]) -> list[Span]:

@@ -5,6 +5,30 @@ from __future__ import annotations
 import torch
 
 
+def visible(present, row_slots, deferred_rows, boundary, deferred_slots, mode: str) -> torch.Tensor:
+    """Boolean ``[q, width]``: tensors only (no host values), so compiled steps trace it into one graph.
+
+    Args:
+        present: bool ``[width]`` slots that hold an entry after this forward's writes.
+        row_slots: ``[q]`` logical index (slot) of each row.
+        deferred_rows: bool ``[q]`` rows that restore the plan's deferred tokens, or None (no such rows).
+        boundary: the plan's boundary (int or 0-d tensor).
+        deferred_slots: bool ``[width]``: the plan's deferred slots (False from the boundary on).
+        mode: ``"boundary"`` or ``"causal"``.
+
+    A live row (prompt, tail, generated token) at logical index i sees every present entry j <= i. A deferred
+    row at d sees, under ``"boundary"``, every present entry before the boundary except deferred entries after d
+    (its later chunk-mates); under ``"causal"`` it follows the live rule.
+    """
+    keys = torch.arange(present.shape[0], device=present.device)[None, :]
+    rows = row_slots[:, None]
+    live = present[None, :] & (keys <= rows)
+    if deferred_rows is None or mode != "boundary":
+        return live
+    restoring = present[None, :] & (keys < boundary) & ~(deferred_slots[None, :] & (keys > rows))
+    return torch.where(deferred_rows[:, None], restoring, live)
+
+
 def visibility_mask(
     filled: torch.Tensor,
     row_slots: torch.Tensor,
@@ -14,30 +38,15 @@ def visibility_mask(
     mode: str,
     width: int,
 ) -> torch.Tensor:
-    """Boolean ``[1, 1, q, width]`` mask for one forward.
+    """Boolean ``[1, 1, q, width]`` mask for one forward (see `visible`).
 
-    Args:
-        filled: bool ``[>= width]`` slots that held an entry before this forward.
-        row_slots: ``[q]`` logical index of each row (its slot).
-        deferred_rows: bool ``[q]``: rows that restore deferred tokens of the plan being restored, or None.
-        boundary: that plan's boundary.
-        deferred_slots: bool ``[>= boundary]``: the plan's deferred slots.
-        mode: ``"boundary"`` or ``"causal"``.
-        width: key width (the slots the attention reads).
-
-    A live row (prompt, tail, generated token) at logical index i sees every entry j <= i present after this
-    forward's writes. A deferred row at d sees, under ``"boundary"``, every present entry before the boundary
-    except deferred entries after d (its later chunk-mates); under ``"causal"`` it follows the live rule.
+    `filled` is bool ``[>= width]`` (slots that held an entry before this forward); `deferred_slots` bool
+    ``[>= boundary]`` (the plan's deferred slots, read up to the boundary).
     """
-    device = row_slots.device
     present = filled[:width].clone()
     present[row_slots] = True
-    keys = torch.arange(width, device=device)
-    rows = row_slots[:, None]
-    visible = present[None, :] & (keys[None, :] <= rows)
+    slots_mask = None
     if deferred_rows is not None and mode == "boundary":
-        later_deferred = torch.zeros(width, dtype=torch.bool, device=device)
-        later_deferred[:boundary] = deferred_slots[:boundary]
-        restoring = present[None, :] & (keys[None, :] < boundary) & ~(later_deferred[None, :] & (keys[None, :] > rows))
-        visible = torch.where(deferred_rows[:, None], restoring, visible)
-    return visible[None, None]
+        slots_mask = torch.zeros(width, dtype=torch.bool, device=present.device)
+        slots_mask[:boundary] = deferred_slots[:boundary]
+    return visible(present, row_slots, deferred_rows, boundary, slots_mask, mode)[None, None]

@@ -1,0 +1,107 @@
+"""Compiled decode / fused steps on a static cache (CPU: dynamo with the eager backend, ``fullgraph=True``, so a
+graph break fails the test; the H200 run uses inductor with CUDA graphs, see benchmarks/latency.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch._dynamo
+from transformers.generation.configuration_utils import CompileConfig
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from handmade import _conv, _extend, _tiny_model, _video_conv  # noqa: E402
+from helpers import generate, new_tokens  # noqa: E402
+
+from hf_raincheck import RaincheckConfig, enable_raincheck  # noqa: E402
+
+TOL = dict(atol=2e-5, rtol=1e-4)
+
+
+def compile_config():
+    config = CompileConfig(backend="eager", fullgraph=True, dynamic=False)
+    config._compile_all_devices = True  # compile on the CPU too (transformers' own switch)
+    return config
+
+
+@pytest.fixture(scope="module")
+def model():
+    return enable_raincheck(_tiny_model("eager"))
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles afresh (the tests' different capacities would add up past dynamo's recompile limit)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def two_images(seed=0):
+    return _conv([(1, 8, 8), (1, 8, 8)], [3, 2, 4], seed=seed)
+
+
+def graphs():
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def run(model, inputs, n, cfg, past=None, static=True):
+    kw = dict(cache_implementation="static", compile_config=compile_config()) if static else {}
+    return generate(model, inputs, n, cfg, past=past, **kw)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=2, pruning="uniform", completion="blocking"),
+        RaincheckConfig(retention=0.5, chunk_size=4, guard_tokens=0, completion="next_turn"),
+        RaincheckConfig(policy="hard", retention=0.3, pruning="uniform"),
+        RaincheckConfig(retention=0.3, chunk_size=6, guard_tokens=1, pruning="uniform", completion="blocking",
+                        schedule=lambda step, pending: 2 if step % 2 else 0),  # partial chunks
+    ],
+    ids=["blocking", "next_turn", "hard", "partial_chunks"],
+)
+@pytest.mark.parametrize("make_inputs", [two_images, _video_conv], ids=["images", "video"])
+def test_compiled_static_equals_eager_dynamic(model, cfg, make_inputs):
+    inputs = make_inputs()
+    eager = run(model, inputs, 12, cfg, static=False)
+    compiled = run(model, inputs, 12, cfg)
+    assert new_tokens(compiled, inputs) == new_tokens(eager, inputs)
+    torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(eager.logits), **TOL)
+    a, b = compiled.past_key_values, eager.past_key_values
+    assert a.stats == b.stats and a.pending == b.pending
+    assert torch.equal(a.filled, b.filled)  # padding rows never mark a slot
+    # the next turn continues from either cache alike
+    nxt = _extend(_extend(inputs, new_tokens(eager, inputs)), [7, 8, 9])
+    eager2 = run(model, nxt, 3, cfg, past=b, static=False)
+    compiled2 = run(model, nxt, 3, cfg, past=a)
+    torch.testing.assert_close(torch.stack(compiled2.logits), torch.stack(eager2.logits), **TOL)
+
+
+def test_two_graphs_and_no_recompilation_across_steps_and_conversations(model):
+    """One graph for plain decode steps, one for fused steps; a new conversation of the same capacity reuses them."""
+    cfg = RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=2, pruning="uniform", completion="blocking")
+    run(model, two_images(seed=0), 12, cfg)
+    assert graphs() == 2
+    run(model, two_images(seed=1), 12, cfg)  # other pixels, other plan, same shapes
+    assert graphs() == 2
+
+
+def test_later_turns_reuse_the_graphs_while_capacity_lasts(model):
+    """Static capacity grows geometrically in multiples of 256, so short follow-up turns keep the same graphs."""
+    cfg = RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=2, pruning="uniform", completion="next_turn")
+    inputs = two_images()
+    out = run(model, inputs, 8, cfg)
+    cache = out.past_key_values
+    capacity = cache.layers[0].capacity
+    assert capacity % 256 == 0
+    conv = _extend(inputs, new_tokens(out, inputs))
+    for turn in range(3):
+        conv = _extend(conv, [5 + turn, 6])
+        out = run(model, conv, 4, cfg, past=cache)
+        conv = _extend(conv, new_tokens(out, conv))
+    assert cache.layers[0].capacity == capacity and graphs() == 2
