@@ -146,19 +146,26 @@ def decode_step_ms(model, inputs, n, sync):
 
 
 def end_to_end(model, inputs, n):
-    out = {}
-    for backend in ("torch", "fla"):
-        cfg = RaincheckConfig(retention=0.3, pruning="uniform", gdn_backend=backend, completion="blocking")
-        res = model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, raincheck_config=cfg)
-        out[backend] = res
-    a, b = torch.stack(out["torch"].logits).float(), torch.stack(out["fla"].logits).float()
-    same = (out["torch"].sequences == out["fla"].sequences).all().item()
-    first_diff = next((i for i, (x, y) in enumerate(zip(out["torch"].sequences[0].tolist(),
-                                                        out["fla"].sequences[0].tolist())) if x != y), None)
-    return dict(same_tokens=bool(same), first_differing_index=first_diff,
-                first_logits_max_abs_diff=float((a[0] - b[0]).abs().max()), logits_scale=float(a[0].abs().max()),
-                restored_during_decode=out["fla"].past_key_values.stats.during_decode)
+    """Raincheck with each kernel backend, and Full with each (the kernels' own bf16 disagreement, for scale)."""
+    report = {}
+    for policy in ("full", "raincheck"):
+        out = {}
+        for backend in ("torch", "fla"):
+            cfg = RaincheckConfig(policy=policy, retention=0.3, pruning="uniform", gdn_backend=backend,
+                                  completion="blocking")
+            out[backend] = model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                          output_logits=True, return_dict_in_generate=True, raincheck_config=cfg)
+        a, b = torch.stack(out["torch"].logits).float(), torch.stack(out["fla"].logits).float()
+        seq_a, seq_b = out["torch"].sequences[0].tolist(), out["fla"].sequences[0].tolist()
+        report[policy] = dict(
+            same_tokens=seq_a == seq_b,
+            first_differing_index=next((i for i, (x, y) in enumerate(zip(seq_a, seq_b)) if x != y), None),
+            prompt_length=inputs["input_ids"].shape[1],
+            first_logits_max_abs_diff=float((a[0] - b[0]).abs().max()),
+            logits_scale=float(a[0].abs().max()),
+            restored_during_decode=out["fla"].past_key_values.stats.during_decode,
+        )
+    return report
 
 
 def main(argv=None):

@@ -290,3 +290,13 @@ def test_later_turn_may_pass_only_its_new_media(model):
             conv2["image_grid_thw"] = torch.cat([inputs["image_grid_thw"], img2["image_grid_thw"]])
         logits.append(torch.stack(generate(model, conv2, 4, cfg, past=out.past_key_values).logits))
     torch.testing.assert_close(logits[0], logits[1], **TOL)
+
+
+def test_prompt_longer_than_the_initial_slot_buffer(model):
+    """A prompt past the bookkeeping's initial 256 slots: decode steps grow it before using the next slot."""
+    inputs = _conv([(1, 8, 8)], [290, 5])
+    plain = generate(model, inputs, 4)
+    rc = generate(model, inputs, 4, RaincheckConfig(retention=0.5, guard_tokens=0, chunk_size=3, completion="blocking"))
+    assert inputs["input_ids"].shape[1] > 256
+    assert rc.past_key_values.stats.during_decode == rc.past_key_values.total_deferred == 8
+    assert new_tokens(rc, inputs)[:1] == new_tokens(plain, inputs)[:1]

@@ -24,6 +24,7 @@ from .visibility import visible
 def live_row(adapter, cache: DeferredPrefillCache, token: torch.Tensor) -> Rows:
     """The decode row of the fed token ``[1, 1]`` at the next slot (positions: slot + rope delta on all axes)."""
     slot = cache.length
+    cache.reserve(slot + 1, token.device)
     slot_t = cache.slot_tensor(slot)
     return Rows(
         slots=slot_t,
@@ -79,8 +80,7 @@ def _step_graph(adapter, cache, token, slot, rope_delta, chunk, backend: str, vi
             deepstack = [torch.cat([f, f.new_zeros(1, f.shape[-1])]) for f in d_deepstack]
         flags = torch.cat([d_valid, torch.zeros_like(d_valid[:1])])
         valid = torch.cat([d_valid, torch.ones_like(d_valid[:1])])
-    present = filled.clone()
-    present[slots] = True
+    present = filled.clone().index_fill_(0, slots, True)
     mask = visible(present, slots, flags, boundary, deferred_slots, visibility)[None, None]
     cache._write_slots = slots
     hidden = adapter.language_forward(embeds, positions, mask, cache, deepstack, backend)
@@ -130,7 +130,7 @@ class StaticStep:
             slots=pad(plan.deferred_on_device, 0),
             valid=valid,
             deepstack=None if plan.store_deepstack is None else [pad(f, 0) for f in plan.store_deepstack],
-            boundary=torch.tensor(plan.boundary, device=device),
+            boundary=torch.full((), plan.boundary, dtype=torch.long, device=device),
             deferred_slots=deferred_slots,
         )
 
@@ -141,7 +141,7 @@ class StaticStep:
         rope_delta = turn.rope_delta_tensor
         chunk = None
         if count:
-            self.prepare(cache, plan, turn.config.chunk_size)
+            self.prepare(cache, plan, turn.config.chunk_size)  # done after the prefill already; a no-op here
             store = plan.padded_store
             window = slice(plan.restored, plan.restored + turn.config.chunk_size)
             valid = store["valid"][window]

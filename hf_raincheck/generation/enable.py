@@ -178,7 +178,7 @@ def _generate(model, *args, raincheck_config: RaincheckConfig | None = None, **k
             turn.static_step = _static_step(model, state, gen_config, turn.prefill.embeds.device)
             scratch = raincheck_config.chunk_size if turn.static_step is not None else 0
             past.reserve(input_ids.shape[1] + max_new + scratch, turn.prefill.embeds.device)
-            turn.rope_delta_tensor = torch.tensor(turn.rope_delta, device=turn.prefill.embeds.device)
+            turn.rope_delta_tensor = torch.full((), turn.rope_delta, dtype=torch.long, device=turn.prefill.embeds.device)
         for key in _MEDIA_KWARGS:
             kwargs.pop(key, None)
         # Raincheck compiles its own steps (above); transformers' auto-compile never applies to this cache
@@ -261,6 +261,8 @@ def _turn_step(state: RaincheckState, cache: DeferredPrefillCache, turn: Turn, i
         cache.media_grids = dict(cache.pending_media_grids)
         turn.prefill_done = True
         turn.prefill = None  # free the prompt's rows
+        if turn.static_step is not None:  # pad the plan's store and place scratch slots now, not in a step
+            turn.static_step.prepare(cache, cache.plan, config.chunk_size)
         return logits
 
     # a decode step: feed y_j, carrying deferred tokens after the guard

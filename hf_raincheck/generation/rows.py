@@ -152,7 +152,7 @@ def run_rows(
         cache._write_slots = None
         cache._slots_by_device = {}
         cache._gdn_step = None
-    cache._filled[rows.slots] = True
+    cache._filled.index_fill_(0, rows.slots, True)
     if plan is not None and rows.restored:
         plan.restored += rows.restored
         if plan.pending == 0:

@@ -43,8 +43,7 @@ def visibility_mask(
     `filled` is bool ``[>= width]`` (slots that held an entry before this forward); `deferred_slots` bool
     ``[>= boundary]`` (the plan's deferred slots, read up to the boundary).
     """
-    present = filled[:width].clone()
-    present[row_slots] = True
+    present = filled[:width].clone().index_fill_(0, row_slots, True)  # (a scalar fill: no host-to-device copy)
     slots_mask = None
     if deferred_rows is not None and mode == "boundary":
         slots_mask = torch.zeros(width, dtype=torch.bool, device=present.device)
