@@ -37,7 +37,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from latency import SHAPES, Timer, build_inputs, build_model  # noqa: E402
+from latency import Timer  # noqa: E402
+from shapes import SHAPES, build_inputs, build_model  # noqa: E402
 
 from hf_raincheck import RaincheckConfig, complete_deferred, enable_raincheck  # noqa: E402
 

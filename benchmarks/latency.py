@@ -1,120 +1,759 @@
-"""Latency of Full, Hard and Raincheck side by side: TTFT, TPOT, end-to-end, peak memory (random weights).
+"""Latency of plain generate, Full, Hard and Raincheck side by side (issue 5): TTFT, TPOT, restoration steps, E2E, memory.
 
-    python benchmarks/latency.py --shape tiny --device cpu                 # smoke run, seconds
-    python benchmarks/latency.py --shape qwen3-vl-8b --device cuda         # the real shape on a GPU
-    python benchmarks/latency.py --shape qwen3.5-9b --device cuda          # hybrid GDN model
+    python benchmarks/latency.py --device cuda --save --profile     # the H200 run: <= 8 min (--budget-s 400)
+    python benchmarks/latency.py --device cuda --save --merge --workloads video16,image1024   # what it skipped
+    python benchmarks/latency.py --quick                             # tiny shapes on the CPU, seconds (CI smoke run)
 
-Latency does not depend on weight values, so the model is built from a config with random weights; answer
-lengths are forced with ``min_new_tokens``. Writes a JSON table (``--out``) and prints a Markdown table with
-ratios to Full.
+Random-weight models of the Qwen3-VL-8B and Qwen3.5-9B shapes (``shapes.py``; latency does not depend on weight
+values), bf16. Workloads: one 1024-token image, one 4096-token image, a 16-frame video (8 temporal groups of 256
+tokens, each its own span), ~40 text tokens; ``--new-tokens`` (256) forced with ``min_new_tokens``. Per model,
+workload and cache kind the policies run side by side:
+
+* ``plain``: transformers' own generate (no ``raincheck_config``);
+* ``full``, ``hard``: ``RaincheckConfig(policy=...)``;
+* ``raincheck``: retention 0.3, chunk 31, guard 16, selector ``--pruning`` (``uniform``: selection cost is
+  measured by ``selector_speed.py``), blocking completion so that E2E includes finishing D;
+* ``raincheck`` with ``fused=False``: the control (the carried chunk as its own forward before the decode step);
+* ``--chunk-sweep``: Raincheck with other chunk sizes on ``--sweep-workload``.
+
+Cache kinds: ``dynamic`` (eager decode) and ``static``. On a static cache transformers compiles plain generate's
+decode step (``reduce-overhead``: CUDA graphs); the script hands it one ``StaticCache`` per model, sized for the
+largest workload and emptied before each call, so one graph is recorded once (a new cache per call, as
+``cache_implementation="static"`` builds, would re-record it during every answer). Raincheck's policies get
+``cache_implementation="static"`` and run however the package runs them (eager until its compiled path lands;
+the console shows the count of compiled graphs).
+
+Measurements (each after a warm-up call of the same shapes, which also absorbs compilation):
+
+* ``ttft_ms``: inputs already on the device -> first token (vision, selection and prefill included): median over
+  ``--ttft-repeats`` calls stopped after the first token plus the answer runs;
+* ``tpot_ms``: over the whole answer (first to last token); ``restore_step_ms`` / ``decode_step_ms``: mean
+  duration of the decode steps that carried deferred tokens / of the other decode steps. A streamer's ``put``
+  timestamps every token after a device synchronisation; decode step j feeds token j and ends with token j+1;
+* ``e2e_ms``: the generate call (blocking completion of what the answer left pending included);
+  ``restored_at_token``: the output token produced by the step that carried the last deferred chunk (None: the
+  answer ended first); ``peak_mem_gib``: ``torch.cuda.max_memory_allocated`` over the answer run;
+* medians over ``--repeats`` answer runs, ratios against Full on the same cache kind, and the issue's targets
+  (Raincheck TTFT <= 1.03 x Hard and <= 0.80 x Full on image4096; TPOT <= 1.03 x Full; restoration step <= 1.15 x a
+  decode-only step on the dynamic cache, <= 1.25 x on the static one).
+
+Time budget (``--budget-s``): runs go in priority order (per model: each workload's Full, Raincheck, Hard, control,
+plain, dynamic cache first; the chunk sweep last); a run whose estimated time does not fit the model's share of
+what is left is skipped and listed under ``skipped`` in the JSON. Files go to ``--results-dir``
+(``benchmarks/results``): with ``--save`` the JSON (``latency.json``, rewritten after every run, so a run cut short
+still leaves its results; ``--merge`` keeps the file's records that this call does not measure again) and the PNG
+(``latency.png``, needs matplotlib: ``pip install -e .[bench]``); with ``--profile`` a torch.profiler table of one
+fused step and one decode-only step of Raincheck (first model and workload, each cache kind),
+``latency_profile.txt``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import datetime
+import gc
 import json
+import os
+import platform
 import statistics
+import sys
 import time
+import traceback
 
 import torch
+import transformers
+from transformers import StaticCache, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from hf_raincheck import RaincheckConfig, enable_raincheck
-from shapes import SHAPES, build_inputs, build_model  # noqa: F401  (benchmarks/ is the script's directory)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from shapes import SHAPES, build_inputs, build_model, build_video_inputs  # noqa: E402
+
+import hf_raincheck  # noqa: E402
+from hf_raincheck import FixedChunkSchedule, RaincheckConfig, enable_raincheck  # noqa: E402
+from hf_raincheck.generation.schedule import carried_tokens  # noqa: E402
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RECORD_KEYS = ("model", "workload", "policy", "chunk_size", "fused", "ttft_ms", "tpot_ms", "restore_step_ms",
+               "decode_step_ms", "e2e_ms", "restored_at_token", "peak_mem_gib", "cache")
+TEXT_BEFORE, QUESTION = 10, 30  # ~40 text tokens around the media
+TARGET_WORKLOAD = "image4096"  # where the TTFT targets are checked
+# a first run of a kind has no measured estimate: assume this much (s) when deciding whether it fits the budget
+FIRST_RUN_GUESS_S = {"eager": 20.0, "compiled": 120.0}
+
+
+# ---------------------------------------------------------------------------------------------------- workloads
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One image of ``side x side`` merged tokens, or a video of `frames` frames of ``side x side`` per group."""
+
+    name: str
+    side: int
+    frames: int = 0  # 0: an image
+
+    @property
+    def spans(self) -> int:
+        return max(self.frames // 2, 1)  # two frames per temporal patch: one span per temporal group
+
+    @property
+    def visual_tokens(self) -> int:
+        return self.side * self.side * self.spans
+
+    @property
+    def prompt_tokens(self) -> int:
+        return TEXT_BEFORE + QUESTION + self.visual_tokens + 2 * self.spans  # <vision_start> / <vision_end>
+
+    def inputs(self, device: str, dtype: torch.dtype) -> dict:
+        if self.frames:
+            return build_video_inputs(self.frames, self.side, TEXT_BEFORE, QUESTION, device, dtype)
+        return build_inputs(self.side * self.side, TEXT_BEFORE, QUESTION, device, dtype)
+
+
+WORKLOADS = {"image1024": Workload("image1024", 32), "image4096": Workload("image4096", 64),
+             "video16": Workload("video16", 16, frames=16)}
+QUICK_WORKLOADS = {"image1024": Workload("image1024", 8), "image4096": Workload("image4096", 12),
+                   "video16": Workload("video16", 4, frames=16)}
+
+
+# ---------------------------------------------------------------------------------------------------- policies
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    name: str  # the record's `policy`: plain | full | hard | raincheck
+    config: RaincheckConfig | None
+
+    @property
+    def chunk_size(self) -> int | None:
+        return self.config.chunk_size if self.name == "raincheck" else None
+
+    @property
+    def fused(self) -> bool | None:
+        return self.config.fused if self.name == "raincheck" else None
+
+    @property
+    def label(self) -> str:
+        if self.name != "raincheck":
+            return self.name
+        return ("raincheck" if self.fused else "raincheck unfused") + f" c{self.chunk_size}"
+
+
+def raincheck_policy(args, chunk_size: int, fused: bool = True) -> Policy:
+    return Policy("raincheck", RaincheckConfig(
+        retention=args.retention, chunk_size=chunk_size, guard_tokens=args.guard_tokens, pruning=args.pruning,
+        completion="blocking", fused=fused))
+
+
+def main_policies(args) -> list[Policy]:
+    """Priority order: what the ratios need first (Full, Raincheck), the references last."""
+    return [
+        Policy("full", RaincheckConfig(policy="full", completion="blocking")),
+        raincheck_policy(args, args.chunk_size),
+        Policy("hard", RaincheckConfig(policy="hard", retention=args.retention, pruning=args.pruning,
+                                       completion="blocking")),
+        raincheck_policy(args, args.chunk_size, fused=False),
+        Policy("plain", None),
+    ]
+
+
+def run_plan(args) -> list[tuple[str, str, Policy]]:
+    """(workload, cache, policy) for one model, in priority order."""
+    plan = [(w, c, p) for w in args.workloads for c in args.caches for p in main_policies(args)]
+    sweep = [size for size in args.chunk_sweep if size != args.chunk_size]
+    plan += [(args.sweep_workload, c, raincheck_policy(args, size)) for c in args.caches for size in sweep]
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------------- timing
 class Timer(BaseStreamer):
-    def __init__(self, sync):
-        self.sync, self.times, self.start = sync, [], None
+    """Timestamps of ``put`` after a device sync: ``times[0]`` the prompt, ``times[k]`` output token k.
+
+    `hook(k)` (optional) runs right after token k's timestamp (k = 0 for the prompt).
+    """
+
+    def __init__(self, sync, hook=None):
+        self.sync, self.hook, self.times = sync, hook, []
 
     def put(self, value):
         self.sync()
         self.times.append(time.perf_counter())
+        if self.hook is not None:
+            self.hook(len(self.times) - 1)
 
     def end(self):
         pass
 
 
-def run_once(model, inputs, cfg, n, sync):
-    timer = Timer(sync)
-    sync()
-    start = time.perf_counter()
-    kwargs = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, streamer=timer, return_dict_in_generate=True)
-    if cfg is not None:
-        kwargs["raincheck_config"] = cfg
-    out = model.generate(**inputs, **kwargs)
-    sync()
-    end = time.perf_counter()
-    generated = timer.times[1:]  # the first put is the prompt
-    ttft = generated[0] - start
-    tpot = (generated[-1] - generated[0]) / max(len(generated) - 1, 1)
-    cache = out.past_key_values
-    restored = None
-    if cfg is not None and cfg.policy == "raincheck":
-        restored = dict(decode=cache.stats.during_decode, after=cache.stats.after_answer)
-    return dict(ttft_ms=1e3 * ttft, tpot_ms=1e3 * tpot, e2e_ms=1e3 * (end - start), restored=restored)
+class StopAfter(StoppingCriteria):
+    """Stops once `length` tokens (prompt included) exist; lets a short call keep the long call's shapes."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        done = input_ids.shape[-1] >= self.length
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
 
-def main(argv=None):
+@contextlib.contextmanager
+def no_gc():
+    """No garbage-collector pauses inside a timed call (collecting first is cheap: the model is frozen)."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+class Bench:
+    """One built model, the run's settings, and how to time calls on it."""
+
+    def __init__(self, model, name: str, args, cuda: bool):
+        self.model, self.name, self.args, self.cuda = model, name, args, cuda
+        self._static_cache = None
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def plain_static_cache(self) -> StaticCache:
+        """One `StaticCache` (emptied) for every plain static call on this model.
+
+        ``cache_implementation="static"`` would build a new cache per call: new buffer addresses make the compiled
+        decode step re-record its CUDA graph during each answer. Reusing one cache of one size (the largest
+        workload's) keeps a single graph per model, recorded during the first warm-up.
+        """
+        if self._static_cache is None:
+            self._static_cache = StaticCache(config=self.model.config.get_text_config(decoder=True),
+                                             max_cache_len=self.args.max_cache_len)
+        self._static_cache.reset()
+        return self._static_cache
+
+    def generate_kwargs(self, policy: Policy, inputs: dict, cache: str, stop_after: int | None) -> dict:
+        """Keyword arguments of one generate call; `stop_after` output tokens (None: the full forced answer).
+
+        Short calls keep ``max_new_tokens`` (so static caches get the answer run's size) and stop with a criterion;
+        they leave deferred tokens pending (``completion="next_turn"``), which costs nothing as the cache is dropped.
+        """
+        n = self.args.new_tokens
+        kwargs = dict(inputs, max_new_tokens=n, do_sample=False, return_dict_in_generate=True)
+        if stop_after is None:
+            kwargs["min_new_tokens"] = n
+        else:
+            kwargs["stopping_criteria"] = StoppingCriteriaList([StopAfter(inputs["input_ids"].shape[1] + stop_after)])
+        if policy.config is None:
+            if cache == "static":
+                kwargs["past_key_values"] = self.plain_static_cache()
+        else:
+            config = policy.config if stop_after is None else dataclasses.replace(policy.config, completion="next_turn")
+            kwargs["raincheck_config"] = config
+            if cache == "static":
+                kwargs["cache_implementation"] = "static"  # Raincheck sizes its own static cache
+        return kwargs
+
+    def generate(self, inputs, policy, cache, stop_after=None, hook=None):
+        """(output, Timer, start, end) of one generate call; start/end after a device sync."""
+        timer = Timer(self.sync, hook)
+        kwargs = self.generate_kwargs(policy, inputs, cache, stop_after)
+        with no_gc(), torch.no_grad():
+            self.sync()
+            start = time.perf_counter()
+            out = self.model.generate(**kwargs, streamer=timer)
+            self.sync()
+            end = time.perf_counter()
+        return out, timer, start, end
+
+
+def carry_counts(config: RaincheckConfig, deferred: int, steps: int) -> list[int]:
+    """Deferred tokens carried by decode steps 1..steps (DESIGN.md rule 4, the package's own schedule)."""
+    schedule = config.schedule or FixedChunkSchedule(config.chunk_size, config.guard_tokens)
+    counts, pending = [], deferred
+    for step in range(1, steps + 1):
+        count = carried_tokens(schedule, step, pending)
+        counts.append(count)
+        pending -= count
+    return counts
+
+
+def restoration(out, policy: Policy, steps: int) -> tuple[list[int], int | None]:
+    """Per decode step carried counts and ``restored_at_token`` (checked against the cache's own stats)."""
+    if policy.name != "raincheck":
+        return [0] * steps, None
+    record = out.past_key_values.turn_stats[-1]
+    counts = carry_counts(policy.config, record.deferred, steps)
+    if sum(counts) != record.restored_during_decode:
+        print(f"  warning: the schedule carries {sum(counts)} deferred tokens, the cache counted "
+              f"{record.restored_during_decode}")
+    if record.deferred == 0 or sum(counts) < record.deferred:
+        return counts, None
+    last_step = max(j for j, count in enumerate(counts, start=1) if count)
+    return counts, last_step + 1  # step j produces output token j + 1
+
+
+def mean_ms(values: list[float]) -> float | None:
+    return 1e3 * statistics.fmean(values) if values else None
+
+
+def median_or_none(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def answer_run(bench: Bench, inputs, policy, cache) -> dict:
+    """One forced answer of ``--new-tokens`` tokens: every metric of a record (TTFT: one sample)."""
+    if bench.cuda:
+        torch.cuda.reset_peak_memory_stats()
+    out, timer, start, end = bench.generate(inputs, policy, cache)
+    tokens = timer.times[1:]
+    if len(tokens) != bench.args.new_tokens:
+        raise RuntimeError(f"expected {bench.args.new_tokens} tokens, the streamer saw {len(tokens)}")
+    steps = [b - a for a, b in zip(tokens, tokens[1:])]  # steps[j-1]: decode step j
+    counts, restored_at = restoration(out, policy, len(steps))
+    del out
+    return dict(
+        ttft_ms=1e3 * (tokens[0] - start),
+        tpot_ms=1e3 * (tokens[-1] - tokens[0]) / max(len(steps), 1),
+        restore_step_ms=mean_ms([s for s, c in zip(steps, counts) if c]),
+        decode_step_ms=mean_ms([s for s, c in zip(steps, counts) if not c]),
+        e2e_ms=1e3 * (end - start),
+        restored_at_token=restored_at,
+        peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if bench.cuda else None,
+    )
+
+
+def ttft_run(bench: Bench, inputs, policy, cache) -> float:
+    _, timer, start, _ = bench.generate(inputs, policy, cache, stop_after=1)
+    return 1e3 * (timer.times[1] - start)
+
+
+def measure(bench: Bench, workload: str, inputs, policy: Policy, cache: str) -> tuple[dict, float]:
+    """One record: a warm-up (compiles, captures graphs), TTFT calls, answer runs; medians. Also the warm-up's s."""
+    args = bench.args
+    t0 = time.perf_counter()
+    bench.generate(inputs, policy, cache, stop_after=args.guard_tokens + 3)
+    warmup_s = time.perf_counter() - t0
+    ttfts = [ttft_run(bench, inputs, policy, cache) for _ in range(args.ttft_repeats)]
+    answers = [answer_run(bench, inputs, policy, cache) for _ in range(args.repeats)]
+    record = dict(model=bench.name, workload=workload, policy=policy.name, chunk_size=policy.chunk_size,
+                  fused=policy.fused, cache=cache)
+    record["ttft_ms"] = statistics.median(ttfts + [a["ttft_ms"] for a in answers])
+    for key in ("tpot_ms", "restore_step_ms", "decode_step_ms", "e2e_ms", "restored_at_token"):
+        record[key] = median_or_none([a[key] for a in answers])
+    record["peak_mem_gib"] = max((a["peak_mem_gib"] for a in answers if a["peak_mem_gib"] is not None), default=None)
+    return {key: record[key] for key in RECORD_KEYS}, warmup_s
+
+
+# ---------------------------------------------------------------------------------------------------- profile
+def profile_steps(bench: Bench, inputs, cache: str) -> str:
+    """torch.profiler tables of decode step `guard` (decode only) and step `guard + 2` (fused) of Raincheck."""
+    from torch.profiler import ProfilerActivity, profile
+
+    args = bench.args
+    policy = raincheck_policy(args, args.chunk_size)
+    bench.generate(inputs, policy, cache, stop_after=args.guard_tokens + 4)  # warm-up
+    steps = {"decode-only": args.guard_tokens, "fused": args.guard_tokens + 2}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.cuda else [])
+    profilers, walls = {}, {}
+
+    def hook(k):  # decode step j runs between the puts of tokens j and j + 1 (both after a sync)
+        for name, step in steps.items():
+            if k == step and step >= 1:
+                profilers[name] = profile(activities=activities)
+                profilers[name].start()
+                walls[name] = time.perf_counter()
+            elif k == step + 1 and name in profilers:
+                walls[name] = time.perf_counter() - walls[name]
+                profilers[name].stop()
+
+    bench.generate(inputs, policy, cache, stop_after=args.guard_tokens + 4, hook=hook)
+    sort_by = "device_time_total" if bench.cuda else "cpu_time_total"
+    parts = []
+    for name, prof in profilers.items():
+        parts.append(f"## {name} step ({cache} cache): wall {1e3 * walls[name]:.2f} ms{kernel_busy(prof)}\n")
+        parts.append(prof.key_averages().table(sort_by=sort_by, row_limit=args.profile_rows))
+    return "\n".join(parts)
+
+
+def kernel_busy(prof) -> str:
+    """', GPU kernels busy X ms' (host-bound when far below the wall time), or '' without CUDA events."""
+    try:
+        busy = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    except Exception:  # noqa: BLE001  (profiler internals differ between versions; the table still comes)
+        return ""
+    return f", GPU kernels busy {busy / 1e3:.2f} ms" if busy else ""
+
+
+# ---------------------------------------------------------------------------------------------------- reporting
+def group_key(record: dict) -> tuple:
+    return record["model"], record["workload"], record["cache"]
+
+
+LABELS = ("plain", "full", "hard", "raincheck", "raincheck unfused")
+
+
+def label_of(record: dict) -> str:
+    if record["policy"] != "raincheck":
+        return record["policy"]
+    return "raincheck" if record["fused"] else "raincheck unfused"
+
+
+def find(records, model, workload, cache, policy, chunk_size=None, fused=None) -> dict | None:
+    for r in records:
+        if (r["model"], r["workload"], r["cache"], r["policy"]) == (model, workload, cache, policy) and (
+            chunk_size is None or (r["chunk_size"] == chunk_size and r["fused"] == fused)
+        ):
+            return r
+    return None
+
+
+def ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def check_targets(records: list[dict], chunk_size: int) -> list[dict]:
+    """The issue's targets per (model, workload, cache), each against Full (or Hard) on the same cache kind."""
+    checks = []
+    for model, workload, cache in sorted({group_key(r) for r in records}):
+        rc = find(records, model, workload, cache, "raincheck", chunk_size, True)
+        if rc is None:
+            continue
+        full = find(records, model, workload, cache, "full")
+        hard = find(records, model, workload, cache, "hard")
+        step_limit = 1.15 if cache == "dynamic" else 1.25
+        candidates = [("TPOT <= 1.03 x full", ratio(rc["tpot_ms"], full and full["tpot_ms"]), 1.03),
+                      (f"restore step <= {step_limit} x decode step",
+                       ratio(rc["restore_step_ms"], rc["decode_step_ms"]), step_limit)]
+        if workload == TARGET_WORKLOAD:
+            candidates = [("TTFT <= 1.03 x hard", ratio(rc["ttft_ms"], hard and hard["ttft_ms"]), 1.03),
+                          ("TTFT <= 0.80 x full", ratio(rc["ttft_ms"], full and full["ttft_ms"]), 0.80)] + candidates
+        for target, value, limit in candidates:
+            if value is not None:
+                checks.append(dict(model=model, workload=workload, cache=cache, target=target, value=round(value, 4),
+                                   limit=limit, met=value <= limit))
+    return checks
+
+
+def fmt(value, digits=1) -> str:
+    return "" if value is None else f"{value:.{digits}f}"
+
+
+def markdown_tables(records: list[dict], checks: list[dict]) -> str:
+    order = {label: i for i, label in enumerate(LABELS)}
+    records = sorted(records, key=lambda r: (group_key(r), order[label_of(r)], r["chunk_size"] or 0))
+    lines = ["| model | workload | cache | policy | chunk | fused | TTFT ms | TPOT ms | restore step ms | "
+             "decode step ms | E2E ms | restored at | peak GiB | TTFT / full | TPOT / full |",
+             "| " + " | ".join(["---"] * 15) + " |"]
+    for r in records:
+        full = find(records, r["model"], r["workload"], r["cache"], "full")
+        lines.append("| " + " | ".join([
+            r["model"], r["workload"], r["cache"], r["policy"], fmt(r["chunk_size"], 0),
+            "" if r["fused"] is None else str(r["fused"]), fmt(r["ttft_ms"]), fmt(r["tpot_ms"], 2),
+            fmt(r["restore_step_ms"], 2), fmt(r["decode_step_ms"], 2), fmt(r["e2e_ms"], 0),
+            fmt(r["restored_at_token"], 0), fmt(r["peak_mem_gib"], 2),
+            fmt(ratio(r["ttft_ms"], full and full["ttft_ms"]), 3),
+            fmt(ratio(r["tpot_ms"], full and full["tpot_ms"]), 3)]) + " |")
+    lines += ["", "| model | workload | cache | target | value | met |", "| --- | --- | --- | --- | --- | --- |"]
+    for c in checks:
+        lines.append(f"| {c['model']} | {c['workload']} | {c['cache']} | {c['target']} | {c['value']:.3f} | "
+                     f"{'met' if c['met'] else '**missed**'} |")
+    return "\n".join(lines)
+
+
+def plot(records: list[dict], chunk_size: int, path: str) -> None:
+    """TTFT and TPOT bars per policy per workload; one row per model, two panels per cache kind."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e .[bench]): no plot")
+        return
+    main = [r for r in records if r["policy"] != "raincheck" or r["chunk_size"] == chunk_size]
+    models = list(dict.fromkeys(r["model"] for r in main))
+    caches = list(dict.fromkeys(r["cache"] for r in main))
+    fig, axes = plt.subplots(len(models), 2 * len(caches), figsize=(6 * len(caches) * 2, 3.6 * len(models)),
+                             squeeze=False)
+    for row, model in enumerate(models):
+        for col, (cache, metric) in enumerate((c, m) for c in caches for m in ("ttft_ms", "tpot_ms")):
+            bar_panel(axes[row][col], [r for r in main if r["model"] == model and r["cache"] == cache], metric)
+            axes[row][col].set_title(f"{model}, {cache} cache: {metric[:4].upper()} (ms)", fontsize=9)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def bar_panel(ax, records: list[dict], metric: str) -> None:
+    workloads = list(dict.fromkeys(r["workload"] for r in records))
+    labels = [label for label in LABELS if any(label_of(r) == label for r in records)]
+    width = 0.8 / max(len(labels), 1)
+    for i, label in enumerate(labels):
+        xs, ys = [], []
+        for w, workload in enumerate(workloads):
+            match = [r for r in records if r["workload"] == workload and label_of(r) == label]
+            if match and match[0][metric] is not None:
+                xs.append(w + i * width)
+                ys.append(match[0][metric])
+        ax.bar(xs, ys, width, label=label)
+    ax.set_xticks([w + 0.4 - width / 2 for w in range(len(workloads))], workloads, fontsize=8)
+
+
+# ---------------------------------------------------------------------------------------------------- output
+def header(args, cuda: bool, workloads: dict) -> dict:
+    return dict(
+        torch=torch.__version__, transformers=transformers.__version__, hf_raincheck=hf_raincheck.__version__,
+        gpu=torch.cuda.get_device_name() if cuda else None, cpu=platform.processor() or platform.machine(),
+        device=args.device, dtype="bfloat16" if cuda else "float32",
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        command=" ".join(sys.argv), quick=args.quick,
+        settings=dict(new_tokens=args.new_tokens, repeats=args.repeats, ttft_repeats=args.ttft_repeats,
+                      retention=args.retention, chunk_size=args.chunk_size, guard_tokens=args.guard_tokens,
+                      pruning=args.pruning, completion="blocking", static_max_cache_len=args.max_cache_len,
+                      budget_s=args.budget_s),
+        workloads={name: dict(visual_tokens=workloads[name].visual_tokens, prompt_tokens=workloads[name].prompt_tokens,
+                              spans=workloads[name].spans)
+                   for name in dict.fromkeys(w for w, _, _ in run_plan(args))},
+    )
+
+
+def record_key(record: dict) -> tuple:
+    return tuple(record[k] for k in ("model", "workload", "policy", "chunk_size", "fused", "cache"))
+
+
+def merge_into(previous: list[dict], records: list[dict]) -> list[dict]:
+    """The records of `previous` that `records` does not measure again, then `records`."""
+    new = {record_key(r) for r in records}
+    return [r for r in previous if record_key(r) not in new] + records
+
+
+def load_report(path: str) -> dict:
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_json(path: str, head: dict, records: list[dict], skipped: list, errors: list) -> None:
+    report = dict(header=dict(head, skipped=skipped, errors=errors), records=records,
+                  targets=check_targets(records, head["settings"]["chunk_size"]))
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------------- driver
+class Budget:
+    """Wall-clock budget, shared fairly between models; per-kind estimates of a run's duration."""
+
+    def __init__(self, seconds: float):
+        self.deadline = time.perf_counter() + seconds
+        self.model_deadline = self.deadline
+        self.estimates: dict = {}
+
+    def start_model(self, models_left: int) -> None:
+        now = time.perf_counter()
+        self.model_deadline = now + max(self.deadline - now, 0.0) / models_left
+
+    @staticmethod
+    def kind(policy: Policy, cache: str, cuda: bool) -> tuple:
+        compiled = cuda and cache == "static" and policy.config is None
+        return policy.name, policy.fused, cache, "compiled" if compiled else "eager"
+
+    def fits(self, kind: tuple) -> bool:
+        guess = self.estimates.get(kind, FIRST_RUN_GUESS_S[kind[-1]])
+        return time.perf_counter() + guess <= self.model_deadline
+
+    def record(self, kind: tuple, seconds: float, warmup_s: float) -> None:
+        """The next run of this kind: as long, but with a warm-up that no longer compiles (capped at 10 s)."""
+        self.estimates[kind] = 1.1 * (seconds - warmup_s) + min(warmup_s, 10.0) + 2.0
+
+
+class Results:
+    """What the run produced so far; with ``--save`` the JSON is rewritten after every record."""
+
+    def __init__(self, args, head: dict):
+        self.args, self.head = args, head
+        self.records, self.skipped, self.errors, self.profile = [], [], [], None
+        self.path = os.path.join(args.results_dir, "latency.json")
+        previous = load_report(self.path) if args.save and args.merge else {}
+        self.previous = previous.get("records", [])
+        if previous:  # the header describes this call; earlier calls' workloads and commands stay listed
+            old = previous["header"]
+            head["workloads"] = {**old.get("workloads", {}), **head["workloads"]}
+            head["earlier_calls"] = old.get("earlier_calls", []) + [dict(date=old.get("date"), command=old.get("command"))]
+
+    def all_records(self) -> list[dict]:
+        return merge_into(self.previous, self.records)
+
+    def save(self) -> None:
+        if self.args.save:
+            write_json(self.path, self.head, self.all_records(), self.skipped, self.errors)
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile produced for the current model (0: nothing ran compiled)."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def set_compile_limits() -> None:
+    """Room for one decode graph per shape and cache kind (and Raincheck's own graphs) without falling back."""
+    config = torch._dynamo.config
+    for name, value in (("recompile_limit", 64), ("cache_size_limit", 64),
+                        ("accumulated_recompile_limit", 1024), ("accumulated_cache_size_limit", 1024)):
+        if hasattr(config, name):
+            setattr(config, name, value)
+
+
+def run_plan_item(bench: Bench, inputs: dict, workload: str, cache: str, policy: Policy, budget: Budget,
+                  results: Results) -> None:
+    what = dict(model=bench.name, workload=workload, cache=cache, policy=policy.label)
+    kind = budget.kind(policy, cache, bench.cuda)
+    if not budget.fits(kind):
+        results.skipped.append(what)
+        print(f"  skipped (time budget): {workload} {cache} {policy.label}", flush=True)
+        return
+    t0 = time.perf_counter()
+    try:
+        record, warmup_s = measure(bench, workload, inputs[workload], policy, cache)
+    except Exception as error:  # noqa: BLE001  (one failing run must not lose the others)
+        results.errors.append(dict(what, error=f"{type(error).__name__}: {error}"))
+        print(f"  FAILED {workload} {cache} {policy.label}: {type(error).__name__}: {error}", flush=True)
+        traceback.print_exc(limit=3)
+        if bench.cuda:
+            torch.cuda.empty_cache()
+        return
+    seconds = time.perf_counter() - t0
+    budget.record(kind, seconds, warmup_s)
+    results.records.append(record)
+    results.save()
+    print(f"  {workload:9s} {cache:7s} {policy.label:22s} TTFT {record['ttft_ms']:8.1f} ms  "
+          f"TPOT {record['tpot_ms']:7.2f} ms  ({seconds:.0f} s, warm-up {warmup_s:.0f} s, "
+          f"compiled graphs {compiled_graphs()})", flush=True)
+
+
+def run_model(model_name: str, args, workloads: dict, budget: Budget, results: Results, cuda: bool) -> None:
+    """Builds one model and runs its plan (the profile first, on the first model)."""
+    started = time.perf_counter()
+    dtype = torch.bfloat16 if cuda else torch.float32
+    bench = Bench(enable_raincheck(build_model(model_name, args.device, dtype)), model_name, args, cuda)
+    torch._dynamo.utils.counters.clear()
+    gc.collect()
+    gc.freeze()  # the model's objects leave the collector's view: a collection before each timed call is ~free
+    print(f"\n== {model_name}: built in {time.perf_counter() - started:.1f} s", flush=True)
+    plan = run_plan(args)
+    inputs = {name: workloads[name].inputs(args.device, dtype) for name in dict.fromkeys(w for w, _, _ in plan)}
+    if args.profile and results.profile is None:
+        first = args.workloads[0]
+        try:
+            text = "\n".join(profile_steps(bench, inputs[first], cache) for cache in args.caches)
+        except Exception as error:  # noqa: BLE001
+            text = f"profile failed: {type(error).__name__}: {error}"
+            print(f"  {text}")
+        results.profile = f"# {model_name}, {first}, Raincheck chunk {args.chunk_size}\n\n" + text
+    for workload, cache, policy in plan:
+        run_plan_item(bench, inputs, workload, cache, policy, budget, results)
+    results.head.setdefault("compiled_graphs", {})[model_name] = compiled_graphs()
+    del bench, inputs
+    gc.unfreeze()
+    gc.collect()
+    torch._dynamo.reset()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--image-tokens", type=int, default=1024)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU, seconds (smoke run)")
+    parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    parser.add_argument("--models", default=None, help=f"comma list of {sorted(SHAPES)} (default: the two 8B-class)")
+    parser.add_argument("--workloads", default="image4096,image1024,video16",
+                        help="comma list of image1024, image4096, video16 (priority order)")
+    parser.add_argument("--caches", default="dynamic,static", help="comma list of dynamic, static")
+    parser.add_argument("--chunk-sweep", default=None,
+                        help="Raincheck chunk sizes on --sweep-workload (7,15,31,63; --quick 15,31; '' off)")
+    parser.add_argument("--sweep-workload", default="image4096")
+    parser.add_argument("--repeats", type=int, default=1, help="forced answers per run (each a mean over its steps)")
+    parser.add_argument("--ttft-repeats", type=int, default=None, help="extra first-token-only calls (4; --quick 1)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="forced answer length (256; --quick 24)")
     parser.add_argument("--retention", type=float, default=0.3)
     parser.add_argument("--chunk-size", type=int, default=31)
     parser.add_argument("--guard-tokens", type=int, default=16)
-    parser.add_argument("--pruning", default="mmtok", help="selector of hard and raincheck (default: the package's)")
-    parser.add_argument("--out", default="latency.json")
+    parser.add_argument("--pruning", default="uniform", help="selector of hard and raincheck")
+    parser.add_argument("--budget-s", type=float, default=400.0,
+                        help="wall-clock budget of the runs (s): what does not fit is skipped")
+    parser.add_argument("--profile", action="store_true", help="torch.profiler tables of one fused step")
+    parser.add_argument("--profile-rows", type=int, default=30)
+    parser.add_argument("--save", action="store_true", help="write latency.json and latency.png to --results-dir")
+    parser.add_argument("--merge", action="store_true", help="with --save: keep the existing file's other records")
+    parser.add_argument("--results-dir", default=RESULTS_DIR)
     args = parser.parse_args(argv)
+    args.device = args.device or ("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
+    args.models = (args.models or ("tiny,tiny-qwen3.5" if args.quick else "qwen3-vl-8b,qwen3.5-9b")).split(",")
+    args.new_tokens = args.new_tokens or (24 if args.quick else 256)
+    args.ttft_repeats = args.ttft_repeats if args.ttft_repeats is not None else (1 if args.quick else 4)
+    if args.chunk_sweep is None:
+        args.chunk_sweep = "15,31" if args.quick else "7,15,31,63"
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    args.caches = [c for c in args.caches.split(",") if c]
+    args.chunk_sweep = [int(c) for c in args.chunk_sweep.split(",") if c]
+    for name, values, allowed in (("models", args.models, SHAPES), ("workloads", args.workloads, WORKLOADS),
+                                  ("caches", args.caches, ("dynamic", "static")),
+                                  ("sweep-workload", [args.sweep_workload], WORKLOADS)):
+        unknown = [v for v in values if v not in allowed]
+        if unknown:
+            parser.error(f"--{name}: unknown {unknown}; choose from {sorted(allowed)}")
+    if args.new_tokens < args.guard_tokens + 4:
+        parser.error(f"--new-tokens must be at least guard + 4 = {args.guard_tokens + 4}")
+    return args
 
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    model = enable_raincheck(build_model(args.shape, args.device, dtype))
-    inputs = build_inputs(args.image_tokens, 30, 30, args.device, dtype)
-    policies = {
-        "plain generate": None,
-        "full": RaincheckConfig(policy="full"),
-        "hard": RaincheckConfig(policy="hard", retention=args.retention, pruning=args.pruning),
-        "raincheck": RaincheckConfig(retention=args.retention, chunk_size=args.chunk_size, pruning=args.pruning,
-                                     guard_tokens=args.guard_tokens, completion="blocking"),
-    }
-    rows = {}
-    with torch.no_grad():
-        # agreement: policy="full" through Raincheck's path vs plain generate (same tokens expected up to fp noise)
-        common = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, output_logits=True,
-                      return_dict_in_generate=True)
-        plain = model.generate(**inputs, **common)
-        full = model.generate(**inputs, raincheck_config=policies["full"], **common)
-        agreement = dict(
-            first_logits_max_abs_diff=float((plain.logits[0] - full.logits[0]).abs().max()),
-            first_logits_scale=float(plain.logits[0].abs().max()),
-            same_tokens=int((plain.sequences == full.sequences).all()),
-        )
-        print("full-vs-plain agreement:", agreement)
-        for name, cfg in policies.items():
-            run_once(model, inputs, cfg, 8, sync)  # warm-up
-            if args.device.startswith("cuda"):
-                torch.cuda.reset_peak_memory_stats()
-            runs = [run_once(model, inputs, cfg, args.new_tokens, sync) for _ in range(args.repeats)]
-            row = {k: statistics.median(r[k] for r in runs) for k in ("ttft_ms", "tpot_ms", "e2e_ms")}
-            row["restored"] = runs[-1]["restored"]
-            if args.device.startswith("cuda"):
-                row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            rows[name] = row
-    base = rows["full"]
-    print(f"\nshape {args.shape}, {args.device}, prompt {inputs['input_ids'].shape[1]} tokens "
-          f"({args.image_tokens} visual), {args.new_tokens} new tokens, retention {args.retention}, "
-          f"chunk {args.chunk_size}, guard {args.guard_tokens}, selector {args.pruning}, median of {args.repeats}\n")
-    print("| policy | TTFT ms | TPOT ms | E2E ms | TTFT / full | TPOT / full | restored (decode / after) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for name, row in rows.items():
-        restored = "" if not row["restored"] else f"{row['restored']['decode']} / {row['restored']['after']}"
-        print(f"| {name} | {row['ttft_ms']:.1f} | {row['tpot_ms']:.2f} | {row['e2e_ms']:.0f} | "
-              f"{row['ttft_ms'] / base['ttft_ms']:.3f} | {row['tpot_ms'] / base['tpot_ms']:.3f} | {restored} |")
-    with open(args.out, "w") as f:
-        json.dump(dict(args=vars(args), rows=rows, agreement=agreement), f, indent=2)
-    return 0
+
+def report(args, results: Results) -> None:
+    """The Markdown tables, what was skipped or failed, and the files."""
+    records = results.records
+    print(f"\n{args.new_tokens} forced tokens, retention {args.retention}, guard {args.guard_tokens}, selector "
+          f"{args.pruning}; median of {args.repeats} answer(s) (TTFT: of {args.repeats + args.ttft_repeats} calls); "
+          f"{results.head['elapsed_s']:.0f} s\n")
+    print(markdown_tables(records, check_targets(records, args.chunk_size)))
+    if results.skipped:
+        print(f"\nskipped for the time budget ({len(results.skipped)}): "
+              + "; ".join(f"{s['model']} {s['workload']} {s['cache']} {s['policy']}" for s in results.skipped))
+    if results.errors:
+        print(f"\nfailed ({len(results.errors)}): " + "; ".join(
+            f"{e['model']} {e['workload']} {e['cache']} {e['policy']}: {e['error']}" for e in results.errors))
+    if results.profile:
+        path = os.path.join(args.results_dir, "latency_profile.txt")
+        with open(path, "w") as f:
+            f.write(results.profile)
+        print(f"\nwrote {path}")
+    if args.save:
+        results.save()
+        print(f"wrote {results.path}")
+        plot(results.all_records(), args.chunk_size, os.path.join(args.results_dir, "latency.png"))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    if args.quick:
+        torch.set_num_threads(1)  # tiny matmuls: more threads only fight over a shared CPU
+    workloads = QUICK_WORKLOADS if args.quick else WORKLOADS
+    # plain generate's static cache gets one size for every workload: one compiled decode graph per model
+    args.max_cache_len = max(workloads[w].prompt_tokens for w, _, _ in run_plan(args)) + args.new_tokens
+    set_compile_limits()
+    os.makedirs(args.results_dir, exist_ok=True)
+    results = Results(args, header(args, cuda, workloads))
+    budget = Budget(args.budget_s)
+    started = time.perf_counter()
+    for i, model_name in enumerate(args.models):
+        budget.start_model(len(args.models) - i)
+        run_model(model_name, args, workloads, budget, results, cuda)
+    results.head["elapsed_s"] = round(time.perf_counter() - started, 1)
+    report(args, results)
+    return 1 if results.errors else 0
 
 
 if __name__ == "__main__":

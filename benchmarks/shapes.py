@@ -1,4 +1,4 @@
-"""Random-weight models of the real shapes (DESIGN.md) and synthetic image prompts, shared by the benchmarks.
+"""Random-weight models of the real shapes (DESIGN.md) and synthetic image / video prompts, shared by the benchmarks.
 
 Latency does not depend on weight values, so benchmarks build models from configs; ``tiny*`` shapes run on a
 CPU in seconds (smoke runs of every script).
@@ -82,6 +82,10 @@ def build_model(shape: str, device: str, dtype: torch.dtype, attn: str = "sdpa")
     return model
 
 
+def _text(count: int, gen: torch.Generator) -> list[int]:
+    return torch.randint(0, 1000, (count,), generator=gen).tolist()
+
+
 def build_inputs(image_tokens: int, text_before: int, question: int, device: str, dtype: torch.dtype):
     """``text, <vision_start>, image (a square grid of `image_tokens` merged tokens), <vision_end>, question``."""
     side = int(round(image_tokens ** 0.5))
@@ -89,11 +93,7 @@ def build_inputs(image_tokens: int, text_before: int, question: int, device: str
         raise ValueError(f"image_tokens must be a square, got {image_tokens}")
     patches = (2 * side) ** 2
     gen = torch.Generator().manual_seed(0)
-    ids = (
-        torch.randint(0, 1000, (text_before,), generator=gen).tolist()
-        + [VSTART] + [IMAGE] * image_tokens + [VEND]
-        + torch.randint(0, 1000, (question,), generator=gen).tolist()
-    )
+    ids = _text(text_before, gen) + [VSTART] + [IMAGE] * image_tokens + [VEND] + _text(question, gen)
     input_ids = torch.tensor([ids], device=device)
     return dict(
         input_ids=input_ids,
@@ -101,4 +101,32 @@ def build_inputs(image_tokens: int, text_before: int, question: int, device: str
         mm_token_type_ids=(input_ids == IMAGE).int(),
         pixel_values=torch.randn(patches, 3 * 2 * 16 * 16, generator=gen).to(device, dtype),
         image_grid_thw=torch.tensor([[1, 2 * side, 2 * side]], device=device),
+    )
+
+
+def build_video_inputs(frames: int, side: int, text_before: int, question: int, device: str, dtype: torch.dtype):
+    """``text, (<vision_start>, frame, <vision_end>) x T, question``: one video of `frames` frames.
+
+    Two frames make one temporal patch (temporal_patch_size 2), so the video has ``T = frames // 2`` temporal
+    groups of ``side x side`` merged tokens (``video_grid_thw = [[T, 2 side, 2 side]]``), each its own span.
+    The Qwen3-VL processor also writes a timestamp (``<t seconds>``) before each group; it is plain text and
+    left out here: `get_rope_index` only needs the groups to be separate runs of video tokens (the
+    ``<vision_start>`` / ``<vision_end>`` around each one).
+    """
+    if frames < 2 or frames % 2:
+        raise ValueError(f"frames must be an even number >= 2 (two frames per temporal patch), got {frames}")
+    groups = frames // 2
+    gen = torch.Generator().manual_seed(0)
+    ids = _text(text_before, gen)
+    for _ in range(groups):
+        ids += [VSTART] + [VIDEO] * (side * side) + [VEND]
+    ids += _text(question, gen)
+    input_ids = torch.tensor([ids], device=device)
+    patches = groups * (2 * side) ** 2
+    return dict(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        mm_token_type_ids=(input_ids == VIDEO).int() * 2,
+        pixel_values_videos=torch.randn(patches, 3 * 2 * 16 * 16, generator=gen).to(device, dtype),
+        video_grid_thw=torch.tensor([[groups, 2 * side, 2 * side]], device=device),
     )

@@ -1,0 +1,49 @@
+"""Smoke run of the latency benchmark (`benchmarks/latency.py --quick`: tiny shapes on the CPU, ~20 s)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECORD_KEYS = {"model", "workload", "policy", "chunk_size", "fused", "ttft_ms", "tpot_ms", "restore_step_ms",
+               "decode_step_ms", "e2e_ms", "restored_at_token", "peak_mem_gib", "cache"}
+
+
+def test_latency_quick_writes_the_issue_records(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "latency.py"), "--quick", "--save", "--profile",
+           "--results-dir", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "| model | workload | cache | policy |" in done.stdout
+
+    report = json.loads((tmp_path / "latency.json").read_text())
+    header, records = report["header"], report["records"]
+    assert {"torch", "transformers", "hf_raincheck", "gpu"} <= set(header)
+    assert header["errors"] == [] and header["skipped"] == []
+    assert records and all(set(r) == RECORD_KEYS for r in records)
+    # every model x workload x cache has the five policies side by side, and the sweep adds chunk 15
+    groups = {(r["model"], r["workload"], r["cache"]) for r in records}
+    assert len(groups) == 2 * 3 * 2
+    for group in groups:
+        rows = [(r["policy"], r["fused"]) for r in records if (r["model"], r["workload"], r["cache"]) == group]
+        assert {("plain", None), ("full", None), ("hard", None), ("raincheck", True), ("raincheck", False)} <= set(rows)
+    assert {r["chunk_size"] for r in records if r["policy"] == "raincheck"} == {15, 31}
+    for r in records:
+        assert r["ttft_ms"] > 0 and r["tpot_ms"] > 0 and r["e2e_ms"] >= r["ttft_ms"]
+        if r["policy"] == "raincheck":  # the quick prompts are restored within the 24-token answer
+            workload = header["workloads"][r["workload"]]
+            per_span = workload["visual_tokens"] // workload["spans"]
+            deferred = workload["spans"] * math.floor(0.7 * per_span + 1e-9)
+            # guard steps, then ceil(D / chunk) carrying steps; the last one produces the next token
+            assert r["restored_at_token"] == 16 + math.ceil(deferred / r["chunk_size"]) + 1
+            assert r["restore_step_ms"] > 0
+        else:
+            assert r["restored_at_token"] is None and r["restore_step_ms"] is None
+    assert {t["target"] for t in report["targets"]} >= {"TTFT <= 1.03 x hard", "TPOT <= 1.03 x full"}
+    assert "fused step" in (tmp_path / "latency_profile.txt").read_text()
