@@ -1,0 +1,357 @@
+"""Train a GridQA checkpoint (tiny Qwen3-VL or Qwen3.5) from scratch and save it like a Hub checkpoint.
+
+    python scripts/train_gridqa.py --arch qwen3_vl --out ckpt/gridqa-qwen3-vl --device cuda --time-budget 300
+    python scripts/train_gridqa.py --arch qwen3_5 --out ckpt/gridqa-qwen3_5 --device cuda --steps 3000
+    python scripts/train_gridqa.py --arch qwen3_vl --out /tmp/smoke --device cpu --steps 3 --batch 4 --eval-dialogues 4
+    python scripts/train_gridqa.py --eval-only hf_raincheck/assets/gridqa-qwen3-vl --device cpu   # re-evaluate
+
+Measured (H200, both archs started in parallel, the first task format): Qwen3-VL ran at 98 ms/step at batch 128
+(1880 steps in 185 s); Qwen3.5 crashed in fla's backward (since fixed, see below).
+
+Full-image inputs only: the model never sees pruning. Loss: cross-entropy on the assistant tokens (each answer and
+the ``<|im_end|>`` that closes it) of whole 3-4 turn dialogues, one image each (``hf_raincheck.gridqa.task``,
+split ``"train"``, dialogue ``step * batch + i`` at step ``step``: the data order is fixed by the arguments).
+AdamW, linear warm-up then cosine decay to 5%, gradient clipping at 1, fixed seed.
+
+``--steps 0`` (default) sizes the run to ``--time-budget`` seconds: after ``--calibrate`` steps the measured step
+time fixes the total step count (and so the schedule); the count is written to the stats, and ``--steps N``
+reruns the same schedule. Every ``--eval-every`` steps a teacher-forced check on held-out dialogues (split
+``"test"``) logs per-turn exact match; training stops early once every turn is at least ``--stop-at``.
+
+The vision tower's learned position table starts from a strong separable (row + column) random code
+(``--position-code-std 1``, see ``gridqa.checkpoint.init_position_code``): every GridQA question needs to know
+where a cell is, and with transformers' default init (std 0.02) that information is ~40x below the pixel content.
+On the GPU, fla-core is hidden from transformers (its Triton GDN backward refuses Hopper with Triton < 3.7.1):
+Qwen3.5's GDN layers take transformers' torch path (``GRIDQA_ALLOW_FLA=1`` lets fla load).
+
+At the end the weights are rounded to bf16 (what is saved), then evaluated with greedy ``generate`` on
+``--eval-dialogues`` held-out dialogues through the real processor and chat template, turn after turn with the
+model's own earlier answers in the history (batched, left padding; ``--eval-dialogues 0`` skips it, and
+``--eval-only CKPT`` runs it later on a saved checkpoint, e.g. on CPU), and saved with ``save_pretrained`` +
+``processor.save_pretrained``, with ``training_stats.json`` (steps, wall times, device, held-out accuracy per
+turn and per question kind, the loss / accuracy log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("GRIDQA_ALLOW_FLA") != "1":
+    # fla-core 0.6 with Triton < 3.7.1 refuses the GDN backward on Hopper (wrong gradients, its own check raises);
+    # hide it so that transformers' Qwen3.5 layers take their torch path (fine for a model this small).
+    sys.modules.setdefault("fla", None)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hf_raincheck.gridqa import batching, checkpoint, task  # noqa: E402
+
+
+class TrainBatches(torch.utils.data.Dataset):
+    """Batch ``step``: train dialogues ``[step * batch, (step + 1) * batch)`` as numpy arrays."""
+
+    def __init__(self, tokenizer, batch: int, length: int = 10**8, allowed=None, turns=None):
+        self.encoder = batching.DialogueEncoder(tokenizer)
+        self.batch = batch
+        self.length = length
+        self.allowed = allowed
+        self.turns = turns
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, step):
+        ds = task.dialogues("train", step * self.batch, self.batch, allowed=self.allowed, num_turns=self.turns)
+        ids, labels = self.encoder.batch(ds)
+        cells = np.stack([d.cells for d in ds])
+        return ids, labels, cells
+
+
+def loss_and_hits(model, atlas, ids, labels, cells, device):
+    ids = torch.as_tensor(ids, device=device)
+    labels = torch.as_tensor(labels, device=device)
+    pixel_values, grid = atlas(cells)
+    positions = batching.mrope_positions(ids.shape[0], ids.shape[1], device)
+    hidden = model.model(input_ids=ids, pixel_values=pixel_values, image_grid_thw=grid, position_ids=positions,
+                         use_cache=False).last_hidden_state
+    target_mask = labels[:, 1:]
+    logits = model.lm_head(hidden[:, :-1][target_mask]).float()
+    targets = ids[:, 1:][target_mask]
+    loss = torch.nn.functional.cross_entropy(logits, targets)
+    return loss, logits.argmax(-1) == targets, target_mask
+
+
+@torch.no_grad()
+def teacher_forced_eval(model, atlas, encoder, dialogues, device, chunk=128):
+    """Per-turn share of answers whose every token (and the closing <|im_end|>) is the argmax."""
+    model.eval()
+    right = np.zeros(4)
+    total = np.zeros(4)
+    for s in range(0, len(dialogues), chunk):
+        part = dialogues[s : s + chunk]
+        ids, labels = encoder.batch(part)
+        cells = np.stack([d.cells for d in part])
+        with batching.batched_vision_attention(model):
+            _, hits, mask = loss_and_hits(model, atlas, ids, labels, cells, device)
+        hits_full = torch.zeros_like(mask)
+        hits_full[mask] = hits
+        hits_full, mask = hits_full.cpu().numpy(), mask.cpu().numpy()
+        for b in range(len(part)):
+            # answers are maximal runs of label positions
+            pos = np.flatnonzero(mask[b])
+            runs = np.split(pos, np.flatnonzero(np.diff(pos) > 1) + 1)
+            for turn, run in enumerate(runs):
+                total[turn] += 1
+                right[turn] += bool(hits_full[b, run].all())
+    model.train()
+    return [float(r / t) if t else None for r, t in zip(right, total)]
+
+
+@torch.no_grad()
+def greedy_eval(model, processor, dialogues, device, batch: int = 128, max_new_tokens: int = 64):
+    """Greedy ``generate`` through the processor, turn by turn with the model's own answers in the history."""
+    model.eval()
+    answers = [[] for _ in dialogues]
+    for turn in range(max(len(d.turns) for d in dialogues)):
+        todo = [i for i, d in enumerate(dialogues) if len(d.turns) > turn]
+        for s in range(0, len(todo), batch):
+            part = todo[s : s + batch]
+            texts, images = [], []
+            for i in part:
+                d = dialogues[i]
+                messages = []
+                for j in range(turn + 1):
+                    content = [{"type": "text", "text": d.turns[j].question}]
+                    if j == 0:
+                        content.insert(0, {"type": "image"})
+                    messages.append({"role": "user", "content": content})
+                    if j < turn:
+                        messages.append({"role": "assistant", "content": [{"type": "text", "text": answers[i][j]}]})
+                texts.append(processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+                images.append(d.image())
+            inputs = processor(text=texts, images=images, padding=True, padding_side="left", return_tensors="pt")
+            inputs = inputs.to(device)
+            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+            new = out[:, inputs["input_ids"].shape[1] :]
+            for k, i in enumerate(part):
+                answers[i].append(processor.decode(new[k], skip_special_tokens=True).strip())
+    per_turn = {}
+    per_kind = {}
+    for d, ans in zip(dialogues, answers):
+        for j, (t, a) in enumerate(zip(d.turns, ans)):
+            ok = task.is_correct(a, t.answer)
+            per_turn.setdefault(j + 1, []).append(ok)
+            per_kind.setdefault(t.kind, []).append(ok)
+    wrong = [
+        {"index": d.index, "turn": j + 1, "question": t.question, "answer": t.answer, "got": a}
+        for d, ans in zip(dialogues, answers)
+        for j, (t, a) in enumerate(zip(d.turns, ans))
+        if not task.is_correct(a, t.answer)
+    ]
+    return {
+        "per_turn": {str(k): {"accuracy": float(np.mean(v)), "n": len(v)} for k, v in sorted(per_turn.items())},
+        "per_kind": {k: {"accuracy": float(np.mean(v)), "n": len(v)} for k, v in sorted(per_kind.items())},
+        "overall": float(np.mean([x for v in per_turn.values() for x in v])),
+        "examples_wrong": wrong[:20],
+    }
+
+
+def run_heldout_eval(model, processor, args, device):
+    if args.eval_dialogues <= 0:
+        return None, 0.0
+    t0 = time.perf_counter()
+    result = greedy_eval(model, processor, task.dialogues("test", 0, args.eval_dialogues), device, batch=args.eval_batch)
+    eval_s = time.perf_counter() - t0
+    print(f"[{args.arch}] held-out greedy accuracy per turn: "
+          f"{ {k: round(v['accuracy'], 4) for k, v in result['per_turn'].items()} } overall {result['overall']:.4f} "
+          f"({eval_s:.0f}s on {device})", flush=True)
+    heldout = {"split": "test", "dialogues": args.eval_dialogues, "history": "own answers",
+               "weights": "the saved bf16 values, computed in fp32", "device": str(device),
+               "wall_s": round(eval_s, 1), **result}
+    return heldout, eval_s
+
+
+def eval_only(args):
+    """Greedy held-out eval of a saved checkpoint; writes it into the checkpoint's training_stats.json."""
+    device = torch.device(args.device)
+    model, processor = checkpoint.load_checkpoint(args.eval_only, device=str(device))
+    args.arch = model.config.model_type
+    heldout, _ = run_heldout_eval(model, processor, args, device)
+    path = os.path.join(args.eval_only, "training_stats.json")
+    stats = {}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            stats = json.load(f)
+    stats["heldout_greedy"] = heldout
+    stats["eval_command"] = "python scripts/train_gridqa.py " + " ".join(sys.argv[1:])
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(stats, f, indent=2)
+        f.write("\n")
+    return 0
+
+
+def lr_at(step, total, warmup, peak):
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", choices=checkpoint.ARCHS, default="qwen3_vl")
+    parser.add_argument("--out")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=0, help="0: size the run to --time-budget")
+    parser.add_argument("--time-budget", type=float, default=300.0, help="seconds of training when --steps 0")
+    parser.add_argument("--calibrate", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--weight-decay", type=float, default=0.01)
+    parser.add_argument("--warmup", type=int, default=200, help="warm-up steps")
+    parser.add_argument("--eval-every", type=int, default=250)
+    parser.add_argument("--tf-dialogues", type=int, default=256, help="held-out dialogues of the periodic check")
+    parser.add_argument("--stop-at", type=float, default=0.995)
+    parser.add_argument("--eval-dialogues", type=int, default=500)
+    parser.add_argument("--position-code-std", type=float, default=1.0,
+                        help="std of the separable init of the vision position table (0: transformers' init)")
+    parser.add_argument("--kinds", default=None, help="comma-separated question kinds to train on (default: all)")
+    parser.add_argument("--turns", type=int, default=None, help="turns per training dialogue (default: 3 or 4)")
+    parser.add_argument("--eval-batch", type=int, default=128)
+    parser.add_argument("--eval-only", default=None, metavar="CKPT",
+                        help="only run the greedy held-out eval of a saved checkpoint and update its stats")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    if args.eval_only:
+        return eval_only(args)
+    if not args.out:
+        parser.error("--out is required")
+    torch.manual_seed(args.seed)
+    np.random.seed(args.seed)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+    tokenizer = checkpoint.build_tokenizer()
+    processor = checkpoint.build_processor(tokenizer)
+    allowed = args.kinds.split(",") if args.kinds else None
+    data = TrainBatches(tokenizer, args.batch, allowed=allowed, turns=args.turns)
+    loader = torch.utils.data.DataLoader(
+        data, batch_size=None, shuffle=False, num_workers=args.workers, prefetch_factor=4 if args.workers else None,
+        persistent_workers=False,
+    )
+    batches = iter(loader)
+
+    model = checkpoint.build_model(args.arch, tokenizer, seed=args.seed,
+                                   position_code_std=args.position_code_std).to(device)
+    model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    atlas = batching.PixelAtlas(device)
+    encoder = batching.DialogueEncoder(tokenizer)
+    # disjoint from the final eval's 0..N
+    tf_dialogues = task.dialogues("test", 10**6, args.tf_dialogues, allowed=allowed, num_turns=args.turns)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.98), eps=1e-8,
+    )
+    print(f"[{args.arch}] {n_params / 1e6:.2f}M parameters, device {device}, batch {args.batch}", flush=True)
+
+    total = args.steps if args.steps > 0 else None
+    log = []
+    start = time.perf_counter()
+    t_calib = None
+    step = 0
+    stopped_early = False
+    running = []
+    while total is None or step < total:
+        if total is None and step == args.calibrate:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            per_step = (time.perf_counter() - t_calib) / (args.calibrate - 10)
+            remaining = args.time_budget - (time.perf_counter() - start)
+            total = max(step + 1, step + int(remaining / per_step))
+            print(f"[{args.arch}] calibrated: {per_step * 1000:.1f} ms/step -> {total} steps", flush=True)
+        if total is None and step == 10:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t_calib = time.perf_counter()
+        lr = lr_at(step, total or 10**9, args.warmup, args.lr)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        ids, labels, cells = next(batches)
+        with batching.batched_vision_attention(model):
+            loss, hits, _ = loss_and_hits(model, atlas, ids, labels, cells, device)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        running.append(loss.detach())
+        step += 1
+        if step % args.eval_every == 0 or step == total:
+            mean_loss = float(torch.stack(running).mean())
+            running = []
+            acc = teacher_forced_eval(model, atlas, encoder, tf_dialogues, device)
+            elapsed = time.perf_counter() - start
+            log.append({"step": step, "loss": mean_loss, "lr": lr, "tf_turn_accuracy": acc, "time_s": elapsed})
+            print(f"[{args.arch}] step {step}/{total} loss {mean_loss:.4f} lr {lr:.2e} tf-acc/turn {acc} "
+                  f"{elapsed:.0f}s", flush=True)
+            if all(a is None or a >= args.stop_at for a in acc) and step < (total or 0):
+                print(f"[{args.arch}] every turn >= {args.stop_at}: stopping early", flush=True)
+                stopped_early = True
+                break
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    train_s = time.perf_counter() - start
+    del batches, loader
+
+    # what is saved: bf16 weights; evaluate exactly those values (in fp32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).to(p.dtype))
+    model.eval()
+    heldout, eval_s = run_heldout_eval(model, processor, args, device)
+    import transformers
+
+    stats = {
+        "arch": args.arch,
+        "command": "python scripts/train_gridqa.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "steps": step,
+        "planned_steps": total,
+        "stopped_early": stopped_early,
+        "batch_dialogues": args.batch,
+        "dialogues_seen": step * args.batch,
+        "lr": args.lr,
+        "seed": args.seed,
+        "parameters": n_params,
+        "train_wall_s": round(train_s, 1),
+        "eval_wall_s": round(eval_s, 1),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "saved_dtype": "bfloat16",
+        "heldout_greedy": heldout,
+        "log": log,
+    }
+    checkpoint.save_checkpoint(model, processor, args.out, stats=stats)
+    print(f"[{args.arch}] saved to {args.out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

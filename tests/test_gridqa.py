@@ -1,0 +1,204 @@
+"""GridQA: the task generator, the tokenizer / processor / checkpoint plumbing, the fast training batches, and the
+shipped trained checkpoints (skipped where ``hf_raincheck/assets`` holds none yet)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from hf_raincheck import gridqa
+from hf_raincheck.gridqa import batching, checkpoint, task
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return checkpoint.build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def processor(tokenizer):
+    return checkpoint.build_processor(tokenizer)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# task
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _content(cells, name):
+    r, c = task.ROW_NAMES.index(name[0]), int(name[1:]) - 1
+    return int(cells[r, c])
+
+
+def test_dialogues_are_deterministic_and_splits_differ():
+    a, b = task.make_dialogue(7, "test"), task.make_dialogue(7, "test")
+    assert np.array_equal(a.cells, b.cells) and [t.__dict__ for t in a.turns] == [t.__dict__ for t in b.turns]
+    assert not np.array_equal(task.make_dialogue(7, "train").cells, a.cells)
+    with pytest.raises(ValueError):
+        task.make_dialogue(0, "validation")
+
+
+def test_answers_follow_from_the_grid():
+    kinds = set()
+    for d in task.dialogues("test", 0, 60):
+        assert 3 <= len(d.turns) <= 4
+        rows_seen = set()
+        for t in d.turns:
+            kinds.add(t.kind)
+            if t.kind == "cell":
+                name = re.search(r"in ([A-H]\d)\?", t.question).group(1)
+                assert t.answer == f"{name} {task.describe(_content(d.cells, name))}"
+            elif t.kind in ("row", "column"):
+                items = t.answer.split(", ")
+                assert len(items) == task.GRID
+                for item in items:
+                    name, what = item.split(" ", 1)
+                    assert what == task.describe(_content(d.cells, name))
+            elif t.kind == "count":
+                parts = t.answer.split(", ")
+                assert len(parts) == task.GRID + 1 and parts[-1].startswith("total ")
+                running = [int(p.split(" ")[1]) for p in parts[:-1]]
+                assert running == sorted(running) and running[-1] == int(parts[-1].split(" ")[1])
+            elif t.kind == "larger":
+                a, b = re.findall(r"([A-H]\d)", t.question)
+                da, db = (task.cell_content(_content(d.cells, x))[1] for x in (a, b))
+                assert t.answer == f"{a} {da}, {b} {db}, so {a if int(da) > int(db) else b}"
+            elif t.kind == "colour":
+                a, b = re.findall(r"([A-H]\d)", t.question)
+                ca, cb = (task.cell_content(_content(d.cells, x))[0] for x in (a, b))
+                assert t.answer == f"{a} {ca}, {b} {cb}, so {'yes' if ca == cb else 'no'}"
+            elif t.kind == "find":
+                obj = t.question[len("where is the ") : -1]
+                where = [f"{task.ROW_NAMES[r]}{c + 1}" for r in range(8) for c in range(8)
+                         if task.describe(int(d.cells[r, c])) == obj]
+                assert t.answer == (where[0] if len(where) == 1 else "nowhere") and len(where) <= 1
+            # a row question targets a row no earlier turn targeted (the generator's region rule)
+            if t.kind in ("row", "cell") or (t.kind == "count" and "row" in t.question):
+                assert not (set(t.rows) & rows_seen)
+            rows_seen.update(t.rows)
+    assert kinds == set(task.QUESTION_KINDS)
+
+
+def test_image_is_one_token_per_cell(processor):
+    d = task.make_dialogue(3)
+    image = d.image()
+    assert image.size == (256, 256)
+    assert np.array_equal(np.asarray(image), task.render_cells(d.cells))
+    inputs = processor.apply_chat_template(d.messages(upto=1, with_answers=False), add_generation_prompt=True,
+                                           tokenize=True, return_dict=True, return_tensors="pt")
+    assert inputs["image_grid_thw"].tolist() == [[1, 16, 16]]
+    assert int((inputs["input_ids"] == processor.image_token_id).sum()) == 64
+    # each cell's sprite differs from every other cell id's (legible content, one token each)
+    atlas = task.sprite_atlas().reshape(task.NUM_CELL_IDS, -1).astype(np.int16)
+    assert len({row.tobytes() for row in atlas}) == task.NUM_CELL_IDS
+
+
+def test_answers_compare_loosely():
+    assert task.is_correct(" C1 Red circle ,C2 empty ", "C1 red circle, C2 empty")
+    assert not task.is_correct("C1 red circle", "C1 red square")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# tokenizer, processor, checkpoints
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def test_every_task_word_is_one_token(tokenizer):
+    for d in task.dialogues("test", 0, 40):
+        for t in d.turns:
+            for text in (t.question, t.answer):
+                pieces = tokenizer.tokenize(text)
+                # a word -> one token; a digit after a space -> "Ġ" + digit (Qwen's pre-tokenizer splits them)
+                words = re.findall(r"[A-H](?=\d)|\b[A-H]\b|\d|[a-z]+|[,.?]", text)
+                assert len([p for p in pieces if p != "Ġ"]) == len(words), (text, pieces)
+                assert tokenizer.decode(tokenizer.encode(text)) == text
+    ids = tokenizer.convert_tokens_to_ids(list(checkpoint.SPECIAL_TOKENS))
+    assert ids == list(range(ids[0], ids[0] + len(ids)))
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+
+
+@pytest.mark.parametrize("arch,tok_class,model_class", [
+    ("qwen3_vl", "Qwen2Tokenizer", "Qwen3VLForConditionalGeneration"),
+    ("qwen3_5", "Qwen3_5Tokenizer", "Qwen3_5ForConditionalGeneration"),
+])
+def test_checkpoint_round_trip_through_auto_classes(tmp_path, tokenizer, processor, arch, tok_class, model_class):
+    from transformers import AutoConfig
+
+    model = checkpoint.build_model(arch, tokenizer, seed=0)
+    path = checkpoint.save_checkpoint(model, processor, tmp_path / arch)
+    assert AutoConfig.from_pretrained(path).model_type == arch
+    loaded, proc = checkpoint.load_checkpoint(path)
+    assert type(loaded).__name__ == model_class and loaded.dtype == torch.float32
+    assert type(proc).__name__ == "Qwen3VLProcessor" and type(proc.tokenizer).__name__ == tok_class
+    if arch == "qwen3_5":
+        types = loaded.config.text_config.layer_types
+        assert "linear_attention" in types and "full_attention" in types
+    else:
+        assert loaded.config.vision_config.deepstack_visual_indexes
+    d = task.make_dialogue(0)
+    text = processor.apply_chat_template(d.messages(), tokenize=False)
+    assert proc.tokenizer.encode(text) == tokenizer.encode(text)
+    # weights are the bf16-rounded values of the trained fp32 ones
+    sd = loaded.state_dict()
+    for name, p in model.state_dict().items():
+        assert torch.equal(sd[name], p.to(torch.bfloat16).float()), name
+
+
+def test_fast_batches_equal_processor_and_model_positions(tokenizer, processor):
+    encoder = batching.DialogueEncoder(tokenizer)
+    atlas = batching.PixelAtlas()
+    ds = task.dialogues("test", 0, 3)
+    model = checkpoint.build_model("qwen3_vl", tokenizer, seed=0).eval()
+    for d in ds:
+        inputs = processor.apply_chat_template(d.messages(), tokenize=True, return_dict=True, return_tensors="pt")
+        ids, labels = encoder.encode(d)
+        assert inputs["input_ids"][0].tolist() == ids
+        labelled = tokenizer.decode([i for i, keep in zip(ids, labels) if keep])
+        assert labelled == "".join(t.answer + "<|im_end|>" for t in d.turns)
+        pixel_values, grid = atlas(d.cells[None])
+        assert torch.equal(pixel_values, inputs["pixel_values"]) and torch.equal(grid, inputs["image_grid_thw"])
+        pos, _ = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"])
+        assert torch.equal(pos, batching.mrope_positions(1, len(ids)))
+    ids, _ = encoder.batch(ds)
+    pixel_values, grid = atlas(np.stack([d.cells for d in ds]))
+    kwargs = dict(input_ids=torch.as_tensor(ids), pixel_values=pixel_values, image_grid_thw=grid,
+                  position_ids=batching.mrope_positions(len(ds), ids.shape[1]))
+    with torch.no_grad():
+        plain = model(**kwargs).logits
+        with batching.batched_vision_attention(model):
+            fast = model(**kwargs).logits
+    torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the shipped trained checkpoints
+# ------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["qwen3_vl", "qwen3_5"])
+def test_shipped_checkpoint_answers_held_out_dialogues(arch):
+    if not gridqa.has_default(arch):
+        pytest.skip(f"no trained {arch} checkpoint in {gridqa.default_path(arch)} yet")
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path = gridqa.default_path(arch)
+    model, processor = gridqa.load_default(arch)
+    assert isinstance(model, type(AutoModelForImageTextToText.from_pretrained(path)))
+    assert type(AutoProcessor.from_pretrained(path)).__name__ == "Qwen3VLProcessor"
+    right = total = 0
+    for d in task.dialogues("test", 0, 4):
+        answers = []
+        for j, turn in enumerate(d.turns):
+            messages = d.messages(upto=j + 1, with_answers=True)[:-1]  # history with the model's own answers
+            for k, previous in enumerate(answers):
+                messages[2 * k + 1]["content"] = [{"type": "text", "text": previous}]
+            inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=True, return_tensors="pt")
+            out = model.generate(**inputs, max_new_tokens=64, do_sample=False)
+            answers.append(processor.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
+            right += task.is_correct(answers[-1], turn.answer)
+            total += 1
+    assert right / total >= 0.9, f"{right}/{total}"
