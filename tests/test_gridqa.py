@@ -1,5 +1,5 @@
 """GridQA: the task generator, the tokenizer / processor / checkpoint plumbing, the fast training batches, and the
-shipped trained checkpoints (skipped where ``hf_raincheck/assets`` holds none yet)."""
+shipped trained checkpoints: their test comes with the checkpoints (issue 7; none trained yet)."""
 
 from __future__ import annotations
 
@@ -171,34 +171,3 @@ def test_fast_batches_equal_processor_and_model_positions(tokenizer, processor):
         with batching.batched_vision_attention(model):
             fast = model(**kwargs).logits
     torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# the shipped trained checkpoints
-# ------------------------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("arch", ["qwen3_vl", "qwen3_5"])
-def test_shipped_checkpoint_answers_held_out_dialogues(arch):
-    if not gridqa.has_default(arch):
-        pytest.skip(f"no trained {arch} checkpoint in {gridqa.default_path(arch)} yet")
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    path = gridqa.default_path(arch)
-    model, processor = gridqa.load_default(arch)
-    assert isinstance(model, type(AutoModelForImageTextToText.from_pretrained(path)))
-    assert type(AutoProcessor.from_pretrained(path)).__name__ == "Qwen3VLProcessor"
-    right = total = 0
-    for d in task.dialogues("test", 0, 4):
-        answers = []
-        for j, turn in enumerate(d.turns):
-            messages = d.messages(upto=j + 1, with_answers=True)[:-1]  # history with the model's own answers
-            for k, previous in enumerate(answers):
-                messages[2 * k + 1]["content"] = [{"type": "text", "text": previous}]
-            inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                   return_dict=True, return_tensors="pt")
-            out = model.generate(**inputs, max_new_tokens=64, do_sample=False)
-            answers.append(processor.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
-            right += task.is_correct(answers[-1], turn.answer)
-            total += 1
-    assert right / total >= 0.9, f"{right}/{total}"
