@@ -105,3 +105,39 @@ def test_later_turns_reuse_the_graphs_while_capacity_lasts(model):
         out = run(model, conv, 4, cfg, past=cache)
         conv = _extend(conv, new_tokens(out, conv))
     assert cache.layers[0].capacity == capacity and graphs() == 2
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    from handmade_qwen3_5 import tiny_qwen3_5
+
+    return enable_raincheck(tiny_qwen3_5("eager"))
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=2, pruning="uniform", completion="blocking"),
+        RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=1, pruning="uniform", completion="next_turn"),
+        RaincheckConfig(retention=0.3, chunk_size=6, guard_tokens=1, pruning="uniform", completion="blocking",
+                        schedule=lambda step, pending: 2 if step % 2 else 0),
+    ],
+    ids=["blocking", "next_turn", "partial_chunks"],
+)
+def test_compiled_gdn_steps_equal_eager(hybrid, cfg):
+    """Qwen3.5: compiled steps update the GDN states in place; padding rows leave them alone (beta = g = 0, the
+    conv window taken at the last real row)."""
+    inputs = two_images()
+    eager = run(hybrid, inputs, 12, cfg, static=False)
+    compiled = run(hybrid, inputs, 12, cfg)
+    assert new_tokens(compiled, inputs) == new_tokens(eager, inputs)
+    torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(eager.logits), **TOL)
+    a, b = compiled.past_key_values, eager.past_key_values
+    assert a.stats == b.stats and a.pending == b.pending and graphs() == 2
+    for i, state in b.gdn_states.items():
+        torch.testing.assert_close(a.gdn_states[i].recurrent, state.recurrent, **TOL)
+        torch.testing.assert_close(a.gdn_states[i].conv, state.conv, **TOL)
+    nxt = _extend(_extend(inputs, new_tokens(eager, inputs)), [7, 8, 9])
+    eager2 = run(hybrid, nxt, 4, cfg, past=b, static=False)
+    compiled2 = run(hybrid, nxt, 4, cfg, past=a)
+    torch.testing.assert_close(torch.stack(compiled2.logits), torch.stack(eager2.logits), **TOL)

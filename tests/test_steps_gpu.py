@@ -64,15 +64,19 @@ def test_decode_steps_do_not_synchronize(monkeypatch, family, static):
     assert len(steps) == 11 and out.past_key_values.stats.during_decode > 0
 
 
-def test_compiled_static_steps_equal_eager_on_cuda():
-    model = _model("qwen3_vl")
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_compiled_static_steps_equal_eager_on_cuda(family):
+    from transformers.generation.configuration_utils import CompileConfig
+
+    model = _model(family)
     inputs = _inputs()
     cfg = RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=2, pruning="uniform", completion="blocking")
     eager = generate(model, inputs, 16, cfg)
     torch._dynamo.reset()  # (other tests compiled the same step function for models of the same shapes)
     torch._dynamo.utils.counters.clear()
-    compiled = generate(model, inputs, 16, cfg, cache_implementation="static")
-    compiled_again = generate(model, inputs, 16, cfg, cache_implementation="static")
+    kw = dict(cache_implementation="static", compile_config=CompileConfig())  # (GDN models: compile when asked)
+    compiled = generate(model, inputs, 16, cfg, **kw)
+    compiled_again = generate(model, inputs, 16, cfg, **kw)
     diff = float((torch.stack(compiled.logits) - torch.stack(eager.logits)).abs().max())
     print(f"\ncompiled (inductor) vs eager logits: max abs diff {diff:.2e}; "
           f"graphs {torch._dynamo.utils.counters['stats']['unique_graphs']}")

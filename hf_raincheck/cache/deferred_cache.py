@@ -105,6 +105,7 @@ class DeferredPrefillCache(DynamicCache):
         self._gdn_step = None  # a `GDNStep` during a Raincheck forward of a model with GDN layers
         self._turn = None
         self.gdn_states: dict[int, GDNLayerState] = {}  # Gated DeltaNet layers' states, by layer index
+        self.gdn_fixed_layout = False  # compiled static steps: GDN states keep one shape (see GDNLayerState)
 
     # ------------------------------------------------------------------ public bookkeeping
     @property
@@ -304,8 +305,14 @@ class DeferredPrefillCache(DynamicCache):
         """The state of Gated DeltaNet layer `layer_idx` (created on first use, on that layer's device)."""
         state = self.gdn_states.get(layer_idx)
         if state is None:
-            state = self.gdn_states[layer_idx] = GDNLayerState()
+            state = self.gdn_states[layer_idx] = GDNLayerState(fixed=self.gdn_fixed_layout)
         return state
+
+    def use_fixed_gdn_layout(self, key_dims: dict) -> None:
+        """GDN states keep one shape from now on (compiled static steps); `key_dims`: key head dim by layer."""
+        self.gdn_fixed_layout = True
+        for idx, state in self.gdn_states.items():
+            state.make_fixed(key_dims[idx])
 
     def gdn_snapshot(self) -> dict:
         """References to every GDN layer state, for `gdn_rollback` if a forward fails half-way."""

@@ -7,12 +7,13 @@
 """
 
 from .kernels import BACKENDS, advance, fla_available, gated_delta, resolve
-from .layer import GDNGlue, GDNStep, gdn_rows_forward
+from .layer import GDNGlue, GDNGraphStep, GDNStep, gdn_rows_forward, gdn_rows_forward_graph
 from .state import GDNLayerState, PrefixCheckpoint
 
 __all__ = [
     "BACKENDS",
     "GDNGlue",
+    "GDNGraphStep",
     "GDNLayerState",
     "GDNStep",
     "PrefixCheckpoint",
@@ -20,5 +21,6 @@ __all__ = [
     "fla_available",
     "gated_delta",
     "gdn_rows_forward",
+    "gdn_rows_forward_graph",
     "resolve",
 ]

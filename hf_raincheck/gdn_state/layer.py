@@ -54,6 +54,12 @@ class GDNGlue:
     def conv(self, module, mixed_qkv, window):  # -> conv_out [1, T, C], new window [1, C, kernel]
         raise NotImplementedError
 
+    def conv_full(self, module, full):  # causal conv over ``full`` [1, C, L] (zero left padding) -> [1, L, C]
+        raise NotImplementedError
+
+    def conv_step_(self, module, mixed_qkv, window):  # one row [1, C, 1]; updates `window` in place -> [1, 1, C]
+        raise NotImplementedError
+
     def factors(self, module, conv_out, a, b):  # -> q, k, v, g, beta
         raise NotImplementedError
 
@@ -74,7 +80,9 @@ def _segment(glue, module, backend, qkv, a, b, state, window, carry=0):
 def gdn_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layer: GDNLayerState, step: GDNStep):
     """The layer's output ``[1, T, hidden]`` for the rows of one Raincheck forward; updates `layer`."""
     qkv, z, b, a = glue.project(module, hidden)
-    value_dim = glue.dims(module)[2]
+    num_v_heads, key_dim, value_dim, channels, kernel = glue.dims(module)
+    if layer.fixed and layer.state is None:
+        layer.init_fixed(num_v_heads, key_dim, value_dim, (1, channels, kernel), hidden.device, qkv.dtype)
     total = hidden.shape[1]
     outs = []
     n = step.num_restore
@@ -98,7 +106,6 @@ def gdn_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layer: GDNLaye
             layer.set_state(state, value_dim)
             outs.append(out)
         if step.checkpoint_plan is not None:
-            num_v_heads, key_dim, _, channels, kernel = glue.dims(module)
             layer.checkpoint(
                 step.checkpoint_plan, num_v_heads, key_dim, value_dim, (1, channels, kernel), hidden.device, qkv.dtype
             )
@@ -112,5 +119,58 @@ def gdn_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layer: GDNLaye
             )
             layer.set_state(state, value_dim)
             outs.append(out)
+    core = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return glue.output(module, core, z)
+
+
+@dataclass
+class GDNGraphStep:
+    """The rows of a compiled static step, for every GDN layer (tensors and shapes only, see `gdn_rows_forward_graph`).
+
+    Attributes:
+        valid: bool ``[chunk]``: which of the leading chunk rows are real deferred rows (None: a plain decode step,
+            one row).
+        count: 0-d long tensor: how many are (the conv window after the chunk ends at the last real row).
+        backend: ``"torch"`` or ``"fla"``.
+    """
+
+    valid: torch.Tensor | None
+    count: torch.Tensor | None
+    backend: str
+
+
+def gdn_rows_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, layer: GDNLayerState, step: GDNGraphStep):
+    """`gdn_rows_forward` for compiled static steps: fixed shapes, no host values, every update in place.
+
+    Rows: ``chunk`` deferred rows (padding after the real ones: ``beta = 0`` and ``g = 0`` make a padding row the
+    identity on the state, and the conv window after the chunk is taken at the last real row) then one decode row;
+    or the decode row alone. The layer is in the fixed layout (``[S | P_tail]`` always).
+    """
+    qkv, z, b, a = glue.project(module, hidden)
+    value_dim = layer.value_dim
+    outs = []
+    if step.valid is not None:
+        n = step.valid.shape[0]
+        prefix = layer.prefix
+        window = prefix.conv
+        full = torch.cat([window, qkv[..., :n]], dim=-1)
+        conv_out = glue.conv_full(module, full)[:, -n:]
+        where = step.count + torch.arange(window.shape[-1], device=full.device)
+        new_window = full.index_select(-1, where)
+        q, k, v, g, beta = glue.factors(module, conv_out, a[:, :n], b[:, :n])
+        valid = step.valid[None, :, None]
+        g = torch.where(valid, g, torch.zeros_like(g))
+        beta = torch.where(valid, beta, torch.zeros_like(beta))
+        out, new_prefix = advance(step.backend, q, k, v, g, beta, prefix.recurrent)
+        update = torch.matmul(layer.state[..., value_dim:], new_prefix - prefix.recurrent)
+        layer.state[..., :value_dim] += update
+        prefix.recurrent.copy_(new_prefix)
+        prefix.conv.copy_(new_window)
+        outs.append(out)
+    conv_out = glue.conv_step_(module, qkv[..., -1:], layer.conv)
+    q, k, v, g, beta = glue.factors(module, conv_out, a[:, -1:], b[:, -1:])
+    out, state = advance(step.backend, q, k, v, g, beta, layer.state, layer.carry)
+    layer.state.copy_(state)
+    outs.append(out)
     core = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return glue.output(module, core, z)

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import functools
 
-from .layer import gdn_rows_forward
+from .layer import GDNGraphStep, gdn_rows_forward, gdn_rows_forward_graph
 
 
 def _raincheck_gdn_forward(original, glue, module, hidden_states, cache_params=None, attention_mask=None, **kwargs):
     step = getattr(cache_params, "_gdn_step", None)
     if step is None:
         return original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
-    return gdn_rows_forward(glue, module, hidden_states, cache_params.gdn_state(module.layer_idx), step)
+    layer = cache_params.gdn_state(module.layer_idx)
+    if isinstance(step, GDNGraphStep):
+        return gdn_rows_forward_graph(glue, module, hidden_states, layer, step)
+    return gdn_rows_forward(glue, module, hidden_states, layer, step)
 
 
 def install(modules: dict, glue) -> None:

@@ -29,13 +29,41 @@ class GDNLayerState:
     hold P_tail, the product of the transitions of every row after the plan's boundary (latest on the left),
     advanced by the same kernel call as the state (`kernels.advance`). ``conv`` is the short-conv window
     ``[1, C, kernel]`` (the model's dtype).
+
+    ``fixed=True`` (compiled static steps): P_tail's columns stay in ``state`` even when no plan is pending, so the
+    shapes never change, and every tensor is marked as a static address (compiled steps update them in place).
     """
 
-    def __init__(self):
+    def __init__(self, fixed: bool = False):
         self.state: torch.Tensor | None = None
         self.conv: torch.Tensor | None = None
         self.prefix: PrefixCheckpoint | None = None
         self.value_dim = 0
+        self.fixed = fixed
+
+    def _static(self) -> None:
+        if self.fixed:  # CUDA graphs of compiled steps keep these addresses (re-recorded when a turn replaces one)
+            for t in (self.state, self.conv) + ((self.prefix.recurrent, self.prefix.conv) if self.prefix else ()):
+                if t is not None:
+                    torch._dynamo.mark_static_address(t, guard=False)
+
+    def make_fixed(self, key_dim: int) -> None:
+        """Switches to the fixed layout (adds P_tail's columns if missing)."""
+        if not self.fixed:
+            self.fixed = True
+            if self.state is not None and self.carry == 0:
+                s = self.state
+                eye = torch.eye(key_dim, dtype=s.dtype, device=s.device).expand(*s.shape[:2], key_dim, key_dim)
+                self.state = torch.cat([s, eye], dim=-1)
+            self._static()
+
+    def init_fixed(self, num_v_heads: int, key_dim: int, value_dim: int, conv_shape, device, dtype) -> None:
+        """Zero state with P_tail = I and a zero conv window (what a first prefill starts from), fixed layout."""
+        zeros = torch.zeros(1, num_v_heads, key_dim, value_dim, dtype=torch.float32, device=device)
+        eye = torch.eye(key_dim, dtype=torch.float32, device=device).expand(1, num_v_heads, key_dim, key_dim)
+        self.set_state(torch.cat([zeros, eye], dim=-1), value_dim)
+        self.conv = torch.zeros(conv_shape, dtype=dtype, device=device)
+        self._static()
 
     @property
     def carry(self) -> int:
@@ -54,6 +82,7 @@ class GDNLayerState:
 
     def set_state(self, state: torch.Tensor, value_dim: int) -> None:
         self.state, self.value_dim = state, value_dim
+        self._static()
 
     def checkpoint(self, plan_id: int, num_v_heads: int, key_dim: int, value_dim: int, conv_shape, device, dtype):
         """Copies the live state as the boundary checkpoint of plan `plan_id` and starts P_tail = I."""
@@ -64,6 +93,7 @@ class GDNLayerState:
         self.prefix = PrefixCheckpoint(plan_id=plan_id, recurrent=recurrent.clone(), conv=self.conv.clone())
         eye = torch.eye(key_dim, dtype=torch.float32, device=recurrent.device).expand(1, num_v_heads, key_dim, key_dim)
         self.state = torch.cat([recurrent, eye], dim=-1)
+        self._static()
 
     def join(self, new_prefix: torch.Tensor) -> None:
         """S_live += P_tail (S_prefix_new - S_prefix_old); then S_prefix = S_prefix_new."""
@@ -73,11 +103,12 @@ class GDNLayerState:
         state[..., : self.value_dim] += update
         self.state = state
         prefix.recurrent = new_prefix
+        self._static()
 
     def release(self) -> None:
         """Drops the checkpoint and P_tail (the plan has nothing pending)."""
         self.prefix = None
-        if self.carry:
+        if self.carry and not self.fixed:
             self.state = self.state[..., : self.value_dim].contiguous()
 
     def snapshot(self) -> tuple:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 
 from ..cache import DeferralPlan, DeferredPrefillCache
+from ..gdn_state import GDNGraphStep
+from ..gdn_state import resolve as resolve_gdn_backend
 from .rows import Rows, concat_rows, deferred_rows, run_rows
 from .schedule import carried_tokens
 from .visibility import visible
@@ -156,11 +158,22 @@ class StaticStep:
                 store["boundary"],
                 store["deferred_slots"],
             )
-        logits = self.compiled(
-            self.adapter, cache, token, cache.slot_tensor(slot), rope_delta, chunk, turn.backend, turn.config.visibility
-        )
+        if self.adapter.gdn_glue is not None:  # GDN layers read how the rows split (tensors only)
+            cache._gdn_step = GDNGraphStep(
+                valid=chunk[3] if count else None,
+                count=cache._slot_index[count] if count else None,
+                backend=resolve_gdn_backend(turn.config.gdn_backend, token.device),
+            )
+        try:
+            logits = self.compiled(
+                self.adapter, cache, token, cache.slot_tensor(slot), rope_delta, chunk, turn.backend,
+                turn.config.visibility,
+            )
+        finally:
+            cache._gdn_step = None
         if count:
             plan.restored += count
             if plan.pending == 0:
                 plan.release_store()
+                cache.release_gdn_checkpoints()
         return logits

@@ -47,6 +47,17 @@ class Qwen3_5GDNGlue(GDNGlue):
             window = window.contiguous()
         return out.transpose(1, 2), window
 
+    def conv_full(self, module, full):
+        fns = self._functions(module)
+        out = fns.causal_conv1d_fn(full, module.conv1d.weight.squeeze(1), module.conv1d.bias, activation=module.activation)
+        return out.transpose(1, 2)
+
+    def conv_step_(self, module, mixed_qkv, window):
+        fns = self._functions(module)
+        out = fns.causal_conv1d_update(mixed_qkv, window, module.conv1d.weight.squeeze(1), module.conv1d.bias,
+                                       module.activation)
+        return out.transpose(1, 2)
+
     def factors(self, module, conv_out, a, b):
         batch, seq_len, _ = conv_out.shape
         query, key, value = torch.split(conv_out, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
