@@ -141,3 +141,17 @@ def test_compiled_gdn_steps_equal_eager(hybrid, cfg):
     eager2 = run(hybrid, nxt, 4, cfg, past=b, static=False)
     compiled2 = run(hybrid, nxt, 4, cfg, past=a)
     torch.testing.assert_close(torch.stack(compiled2.logits), torch.stack(eager2.logits), **TOL)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_compiled_unfused_control_equals_eager(model, hybrid, family):
+    """``fused=False`` on a static cache: the chunk as a compiled forward of its own (a third graph), then the step."""
+    net = model if family == "qwen3_vl" else hybrid
+    cfg = RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=2, pruning="uniform", completion="blocking",
+                          fused=False)
+    inputs = two_images()
+    eager = run(net, inputs, 12, cfg, static=False)
+    compiled = run(net, inputs, 12, cfg)
+    assert new_tokens(compiled, inputs) == new_tokens(eager, inputs)
+    torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(eager.logits), **TOL)
+    assert compiled.past_key_values.stats == eager.past_key_values.stats and graphs() == 2  # chunk-only + decode

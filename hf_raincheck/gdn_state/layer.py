@@ -131,11 +131,13 @@ class GDNGraphStep:
         valid: bool ``[chunk]``: which of the leading chunk rows are real deferred rows (None: a plain decode step,
             one row).
         count: 0-d long tensor: how many are (the conv window after the chunk ends at the last real row).
+        live: whether a decode row follows (False: the chunk alone, the unfused control).
         backend: ``"torch"`` or ``"fla"``.
     """
 
     valid: torch.Tensor | None
     count: torch.Tensor | None
+    live: bool
     backend: str
 
 
@@ -167,10 +169,11 @@ def gdn_rows_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, layer: G
         prefix.recurrent.copy_(new_prefix)
         prefix.conv.copy_(new_window)
         outs.append(out)
-    conv_out = glue.conv_step_(module, qkv[..., -1:], layer.conv)
-    q, k, v, g, beta = glue.factors(module, conv_out, a[:, -1:], b[:, -1:])
-    out, state = advance(step.backend, q, k, v, g, beta, layer.state, layer.carry)
-    layer.state.copy_(state)
-    outs.append(out)
+    if step.live:
+        conv_out = glue.conv_step_(module, qkv[..., -1:], layer.conv)
+        q, k, v, g, beta = glue.factors(module, conv_out, a[:, -1:], b[:, -1:])
+        out, state = advance(step.backend, q, k, v, g, beta, layer.state, layer.carry)
+        layer.state.copy_(state)
+        outs.append(out)
     core = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return glue.output(module, core, z)

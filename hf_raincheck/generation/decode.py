@@ -63,30 +63,41 @@ def decode_step(adapter, cache: DeferredPrefillCache, turn, token: torch.Tensor)
 def _step_graph(adapter, cache, token, slot, rope_delta, chunk, backend: str, visibility: str):
     """The traced body of a static step. `chunk` is None (a plain decode step) or a tuple of tensors:
     ``(embeds [c, H], positions [3, c], slots [c], valid [c], deepstack [c, H] per layer or None, boundary 0-d,
-    deferred_slots [width])`` where rows past the chunk's real tokens are padding (``valid`` False)."""
+    deferred_slots [width])`` where rows past the chunk's real tokens are padding (``valid`` False). `token` None:
+    the chunk alone (the unfused control), no logits."""
     width = cache.layers[0].capacity
     filled = cache._filled[:width]
-    live_embeds = adapter.embed_tokens(token)  # [1, 1, H]
-    live_positions = (slot + rope_delta).view(1, 1, 1).expand(3, 1, 1)
-    if chunk is None:
-        embeds, positions, slots, deepstack, flags = live_embeds, live_positions, slot, None, None
-        valid = torch.ones_like(slot, dtype=torch.bool)
-        boundary, deferred_slots = 0, None
-    else:
+    parts = []  # (embeds [1, r, H], positions [3, 1, r], slots [r], deferred flags [r], valid [r], deepstack)
+    if chunk is not None:
         d_embeds, d_positions, d_slots, d_valid, d_deepstack, boundary, deferred_slots = chunk
-        slots = torch.cat([torch.where(d_valid, d_slots, cache._scratch_slots), slot])
-        embeds = torch.cat([d_embeds[None].to(live_embeds.dtype), live_embeds], dim=1)
-        positions = torch.cat([d_positions[:, None, :], live_positions], dim=2)
-        deepstack = None
-        if d_deepstack is not None:
-            deepstack = [torch.cat([f, f.new_zeros(1, f.shape[-1])]) for f in d_deepstack]
-        flags = torch.cat([d_valid, torch.zeros_like(d_valid[:1])])
-        valid = torch.cat([d_valid, torch.ones_like(d_valid[:1])])
+        d_slots = torch.where(d_valid, d_slots, cache._scratch_slots)
+        parts.append((d_embeds[None], d_positions[:, None, :], d_slots, d_valid, d_valid, d_deepstack))
+    else:
+        boundary, deferred_slots = 0, None
+    if token is not None:
+        live_embeds = adapter.embed_tokens(token)  # [1, 1, H]
+        live_positions = (slot + rope_delta).view(1, 1, 1).expand(3, 1, 1)
+        live_deepstack = None
+        if chunk is not None and chunk[4] is not None:
+            live_deepstack = [f.new_zeros(1, f.shape[-1]) for f in chunk[4]]
+        no = torch.zeros_like(slot, dtype=torch.bool)
+        parts.append((live_embeds, live_positions, slot, no, ~no, live_deepstack))
+    dtype = parts[-1][0].dtype if token is not None else parts[0][0].dtype
+    embeds = torch.cat([p[0].to(dtype) for p in parts], dim=1)
+    positions = torch.cat([p[1] for p in parts], dim=2)
+    slots = torch.cat([p[2] for p in parts])
+    flags = torch.cat([p[3] for p in parts]) if chunk is not None else None
+    valid = torch.cat([p[4] for p in parts])
+    deepstack = None
+    if parts[0][5] is not None:
+        deepstack = [torch.cat([p[5][k] for p in parts]) for k in range(len(parts[0][5]))]
     present = filled.clone().index_fill_(0, slots, True)
     mask = visible(present, slots, flags, boundary, deferred_slots, visibility)[None, None]
     cache._write_slots = slots
     hidden = adapter.language_forward(embeds, positions, mask, cache, deepstack, backend)
     filled[slots] = filled[slots] | valid
+    if token is None:
+        return None
     return adapter.lm_head(hidden[:, -1:])
 
 
@@ -136,11 +147,26 @@ class StaticStep:
             deferred_slots=deferred_slots,
         )
 
+    def _run(self, cache, turn, count: int, token, slot: int, chunk):
+        if self.adapter.gdn_glue is not None:  # GDN layers read how the rows split (tensors only)
+            cache._gdn_step = GDNGraphStep(
+                valid=chunk[3] if chunk is not None else None,
+                count=cache._slot_index[count] if chunk is not None else None,
+                live=token is not None,
+                backend=resolve_gdn_backend(turn.config.gdn_backend, cache._filled.device),
+            )
+        try:
+            return self.compiled(
+                self.adapter, cache, token, cache.slot_tensor(slot), turn.rope_delta_tensor, chunk, turn.backend,
+                turn.config.visibility,
+            )
+        finally:
+            cache._gdn_step = None
+
     def __call__(self, cache: DeferredPrefillCache, turn, plan: DeferralPlan | None, count: int, token) -> torch.Tensor:
         slot = cache.length
         if slot >= cache.layers[0].capacity - turn.config.chunk_size:
             raise RuntimeError("static Raincheck cache is full: reserve more max_new_tokens")
-        rope_delta = turn.rope_delta_tensor
         chunk = None
         if count:
             self.prepare(cache, plan, turn.config.chunk_size)  # done after the prefill already; a no-op here
@@ -158,19 +184,10 @@ class StaticStep:
                 store["boundary"],
                 store["deferred_slots"],
             )
-        if self.adapter.gdn_glue is not None:  # GDN layers read how the rows split (tensors only)
-            cache._gdn_step = GDNGraphStep(
-                valid=chunk[3] if count else None,
-                count=cache._slot_index[count] if count else None,
-                backend=resolve_gdn_backend(turn.config.gdn_backend, token.device),
-            )
-        try:
-            logits = self.compiled(
-                self.adapter, cache, token, cache.slot_tensor(slot), rope_delta, chunk, turn.backend,
-                turn.config.visibility,
-            )
-        finally:
-            cache._gdn_step = None
+        if count and not turn.config.fused:  # the control: the chunk as a compiled forward of its own, then the step
+            self._run(cache, turn, count, None, slot, chunk)
+            chunk = None
+        logits = self._run(cache, turn, count if chunk is not None else 0, token, slot, chunk)
         if count:
             plan.restored += count
             if plan.pending == 0:
