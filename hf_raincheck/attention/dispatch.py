@@ -23,6 +23,18 @@ NAME = "raincheck"
 BACKENDS = {"eager": naive_attention, "sdpa": sdpa_attention}
 
 
+class _CausalLowerRight:
+    """The mask of a forward whose keys are exactly the entries its rows may see, in order, ending with the rows
+    themselves: row r of q sees keys ``[0, kv - q + r]`` (bottom-right aligned causal; SDPA can then use its
+    flash kernels instead of a dense boolean mask)."""
+
+    def __repr__(self) -> str:
+        return "CAUSAL_LOWER_RIGHT"
+
+
+CAUSAL_LOWER_RIGHT = _CausalLowerRight()
+
+
 def resolve_backend(name: str) -> str:
     """``auto`` -> the fastest backend available here (sdpa until the flash backend lands)."""
     return "sdpa" if name == "auto" else name
@@ -43,6 +55,8 @@ def raincheck_attention(module, query, key, value, attention_mask, scaling=None,
         )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if attention_mask is CAUSAL_LOWER_RIGHT:
+        return BACKENDS[backend](query, key, value, None, scaling, causal_lower_right=True), None
     if attention_mask.device != query.device:  # a device_map's hooks move it with the layer's inputs; else do it here
         attention_mask = attention_mask.to(query.device)
     out = BACKENDS[backend](query, key, value, attention_mask, scaling)

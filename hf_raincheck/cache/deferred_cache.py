@@ -102,6 +102,7 @@ class DeferredPrefillCache(DynamicCache):
         self._write_slots: torch.Tensor | None = None
         self._slots_by_device: dict = {}
         self._kv_len = 0
+        self._compact_keys: int | None = None  # set by `run_rows` for forwards that attend causally (see there)
         self._gdn_step = None  # a `GDNStep` during a Raincheck forward of a model with GDN layers
         self._turn = None
         self.gdn_states: dict[int, GDNLayerState] = {}  # Gated DeltaNet layers' states, by layer index
@@ -136,6 +137,11 @@ class DeferredPrefillCache(DynamicCache):
     @property
     def pending(self) -> int:
         return self.plan.pending if self.plan is not None else 0
+
+    @property
+    def holes(self) -> int:
+        """Slots below `length` that hold no entry: deferred tokens still pending, and dropped ones (host-side)."""
+        return sum(p.total_deferred - (p.restored if p.policy == "raincheck" else 0) for p in self.plans)
 
     @property
     def dropped(self) -> int:
@@ -242,7 +248,20 @@ class DeferredPrefillCache(DynamicCache):
             if moved is None:
                 moved = self._slots_by_device[key_states.device] = slots.to(key_states.device)
             slots = moved
-        return self.layers[layer_idx].write(key_states, value_states, slots, self._kv_len)
+        keys, values = self.layers[layer_idx].write(key_states, value_states, slots, self._kv_len)
+        compact = self._compact_keys
+        if compact is not None:  # the keys this forward sees, compacted (see `run_rows`)
+            old = compact
+            if old < 0:  # the rows fill slots [-old-1, kv_len) contiguously: the buffers' prefix is it
+                return keys[:, :, : self._kv_len], values[:, :, : self._kv_len]
+            key_states, value_states = key_states.to(keys.dtype), value_states.to(values.dtype)
+            if old == 0:
+                return key_states, value_states
+            return (
+                torch.cat([keys[:, :, :old], key_states], dim=2),
+                torch.cat([values[:, :, :old], value_states], dim=2),
+            )
+        return keys, values
 
     def reset(self) -> None:
         raise NotImplementedError("start a new conversation with a new DeferredPrefillCache instead of reset()")

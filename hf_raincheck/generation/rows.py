@@ -10,6 +10,7 @@ from ..cache import DeferralPlan, DeferredPrefillCache
 from ..gdn_state import GDNStep
 from ..gdn_state import resolve as resolve_gdn_backend
 from ..models import ModelAdapter
+from ..attention.dispatch import CAUSAL_LOWER_RIGHT
 from .visibility import visibility_mask
 
 
@@ -118,15 +119,25 @@ def run_rows(
     cache.reserve(kv_len, device)
     width = cache.mask_width(kv_len)
     has_deferred = plan is not None and rows.restored > 0
-    mask = visibility_mask(
-        cache._filled,
-        rows.slots,
-        rows.deferred if has_deferred else None,
-        plan.boundary if has_deferred else 0,
-        plan.deferred_slot_mask if has_deferred else None,
-        visibility,
-        width,
-    )
+    old = cache.length
+    if not has_deferred and cache.holes == 0 and rows.slots.numel() and rows.max_slot >= old:
+        # every cached entry is present and every row is a live row after it: each row sees exactly the cached
+        # entries and the rows before it, i.e. bottom-right causal attention over [cache | rows]. The keys are the
+        # buffers' prefix when the rows fill slots contiguously, else the cache prefix with the rows' own keys.
+        contiguous = rows.max_slot - old + 1 == rows.size
+        cache._compact_keys = -old - 1 if contiguous else old
+        mask = CAUSAL_LOWER_RIGHT
+    else:
+        cache._compact_keys = None
+        mask = visibility_mask(
+            cache._filled,
+            rows.slots,
+            rows.deferred if has_deferred else None,
+            plan.boundary if has_deferred else 0,
+            plan.deferred_slot_mask if has_deferred else None,
+            visibility,
+            width,
+        )
     cache._write_slots, cache._kv_len = rows.slots, kv_len
     cache._slots_by_device = {}
     gdn_before = None
@@ -150,6 +161,7 @@ def run_rows(
         raise
     finally:
         cache._write_slots = None
+        cache._compact_keys = None
         cache._slots_by_device = {}
         cache._gdn_step = None
     cache._filled.index_fill_(0, rows.slots, True)
