@@ -11,6 +11,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 from handmade import _conv, _extend, _video_conv  # noqa: E402
+from helpers import generate, new_tokens  # noqa: E402
 from handmade_qwen3_5 import tiny_qwen3_5  # noqa: E402
 from reference_qwen3_5 import build_schedule, reference_logits  # noqa: E402
 
@@ -26,20 +27,6 @@ def model():
 
 def two_images(seed=0):
     return _conv([(1, 8, 8), (1, 8, 8)], [3, 2, 4], seed=seed)
-
-
-def generate(model, inputs, n, cfg=None, past=None):
-    kwargs = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    if cfg is not None:
-        kwargs["raincheck_config"] = cfg
-    if past is not None:
-        kwargs["past_key_values"] = past
-    with torch.no_grad():
-        return model.generate(**inputs, **kwargs)
-
-
-def new_tokens(out, inputs):
-    return out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 def logits(out):

@@ -30,17 +30,11 @@ import os
 
 import torch
 
+from ..testing.tokenizer import ADDED_TOKENS, SPECIAL_TOKENS  # noqa: F401  (Qwen's, in Qwen's order)
 from . import task
 
 ARCHS = ("qwen3_vl", "qwen3_5")
 
-#: Qwen's special tokens in Qwen's order (a copy of ``hf_raincheck.testing.tiny_models.SPECIAL_TOKENS``).
-SPECIAL_TOKENS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
-    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
-    "<|image_pad|>", "<|video_pad|>",
-)
-ADDED_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
 ROLE_WORDS = ("system", "user", "assistant", "tool")
 
 MIN_PIXELS = 128 * 128
@@ -55,51 +49,14 @@ def _corpus() -> list[str]:
 def build_tokenizer():
     """A real Qwen2-style byte-level BPE tokenizer whose merges make every task word a single token.
 
-    Minimal copy of :func:`hf_raincheck.testing.tiny_models.build_tokenizer` (BPE trained to completion on the task's
-    words, each alone and after a space), so that every word of a question or answer is one token, as with a
-    word-level tokenizer, while any other text still encodes (byte fallback, no unk token). Deterministic.
+    :func:`hf_raincheck.testing.tokenizer.train_qwen2_tokenizer` trained to completion on the task's words (each
+    alone and after a space), so that every word of a question or answer is one token, as with a word-level
+    tokenizer, while any other text still encodes (byte fallback, no unk token). Deterministic.
     """
-    from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen2Tokenizer
+    from ..testing.tokenizer import train_qwen2_tokenizer
 
-    bpe = Tokenizer(models.BPE())
-    bpe.normalizer = normalizers.NFC()
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    trainer = trainers.BpeTrainer(
-        vocab_size=100_000,  # never reached: training stops when every word is one symbol
-        min_frequency=1,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-        special_tokens=[],
-    )
-    bpe.train_from_iterator(_corpus(), trainer)
-    model = json.loads(bpe.to_str())["model"]
-    vocab = dict(sorted(model["vocab"].items(), key=lambda kv: kv[1]))
-    merges = [tuple(m) if isinstance(m, (list, tuple)) else tuple(m.split(" ")) for m in model["merges"]]
-    for t in (*SPECIAL_TOKENS, *ADDED_TOKENS):
-        vocab[t] = len(vocab)
-    tokenizer = Qwen2Tokenizer(
-        vocab=vocab,
-        merges=merges,
-        unk_token=None,
-        bos_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        model_max_length=4096,
-        clean_up_tokenization_spaces=False,
-    )
-    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS], special_tokens=True)
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
-    ids = tokenizer.convert_tokens_to_ids([*SPECIAL_TOKENS, *ADDED_TOKENS])
-    base = len(vocab) - len(SPECIAL_TOKENS) - len(ADDED_TOKENS)
-    if ids != list(range(base, len(vocab))) or len(tokenizer) != len(vocab):
-        raise RuntimeError(f"special token ids not where expected: {ids} (base {base}, len {len(tokenizer)})")
-    return tokenizer
+    # vocab_size is never reached: training stops when every word is one symbol
+    return train_qwen2_tokenizer(_corpus(), vocab_size=100_000, model_max_length=4096)
 
 
 def build_image_processor():

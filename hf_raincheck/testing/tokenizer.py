@@ -81,6 +81,12 @@ def build_tokenizer(vocab_size: int = 4096):
     :data:`ADDED_TOKENS` in that order, as in Qwen's tokenizer. ``eos_token`` is ``<|im_end|>`` and
     ``pad_token`` ``<|endoftext|>`` (Qwen3-VL's choices); there is no unk token: every string encodes.
     """
+    return train_qwen2_tokenizer(_training_corpus(), vocab_size, model_max_length=32768)
+
+
+def train_qwen2_tokenizer(corpus, vocab_size: int, model_max_length: int):
+    """A ``Qwen2Tokenizer`` whose byte-level BPE (Qwen's pre-tokenizer) is trained on `corpus` (strings), with
+    :data:`SPECIAL_TOKENS` and :data:`ADDED_TOKENS` right after the BPE vocabulary. Deterministic."""
     from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen2Tokenizer
 
@@ -99,7 +105,7 @@ def build_tokenizer(vocab_size: int = 4096):
         show_progress=False,
         special_tokens=[],
     )
-    bpe.train_from_iterator(_training_corpus(), trainer)
+    bpe.train_from_iterator(corpus, trainer)
     model = json.loads(bpe.to_str())["model"]
     vocab = dict(sorted(model["vocab"].items(), key=lambda kv: kv[1]))
     merges = [tuple(m) if isinstance(m, (list, tuple)) else tuple(m.split(" ")) for m in model["merges"]]
@@ -113,7 +119,7 @@ def build_tokenizer(vocab_size: int = 4096):
         bos_token=None,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        model_max_length=32768,
+        model_max_length=model_max_length,
         clean_up_tokenization_spaces=False,
     )
     tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS], special_tokens=True)
