@@ -126,3 +126,31 @@ def test_same_tokens_and_next_turn_logits_as_the_plain_model(models, name):
     if name == "retention1":  # and both equal plain generate on the mapped model
         plain_out = generate(mapped, turn1, 8)
         assert new_tokens(plain_out, turn1) == new_tokens(b1, turn1)
+
+
+def test_qwen3_5_under_accelerate_hooks_equals_plain_load(tiny_qwen3_5_path, hooked_calls):
+    """Hybrid model: the GDN patch sits under accelerate's hook (``_old_forward``), so GDN layers still get their
+    inputs moved; the states live on each layer's device; results equal the plainly loaded model's."""
+    from hf_raincheck.testing import load_tiny_qwen3_5
+
+    plain, processor = load_tiny_qwen3_5(tiny_qwen3_5_path)
+    mapped, _ = load_tiny_qwen3_5(tiny_qwen3_5_path, device_map=device_map_of(plain))
+    dispatch_model(mapped, device_map=device_map_of(plain), skip_keys=mapped._skip_keys_device_placement,
+                   force_hooks=True)
+    plain, mapped = enable_raincheck(plain), enable_raincheck(mapped)
+    gdn = mapped.model.language_model.layers[0].linear_attn
+    assert hasattr(gdn, "_old_forward") and gdn._raincheck_gdn_original[0] == "_old_forward"
+    cfg = RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=2, completion="next_turn")
+    turn1 = chat_inputs(processor, _messages(make_image(1, (256, 256))))
+    runs = []
+    for model in (plain, mapped):
+        out1 = generate(model, turn1, 8, cfg)
+        turn2 = next_turn_inputs(processor, out1.sequences, _messages(make_image(2), "And this one?"))
+        out2 = generate(model, turn2, 4, cfg, past=out1.past_key_values)
+        runs.append((out1, out2))
+    (a1, a2), (b1, b2) = runs
+    assert any(m is gdn for m in hooked_calls)
+    assert new_tokens(b1, turn1) == new_tokens(a1, turn1)
+    torch.testing.assert_close(torch.stack(b1.logits), torch.stack(a1.logits), **TOL)
+    torch.testing.assert_close(torch.stack(b2.logits), torch.stack(a2.logits), **TOL)
+    assert b2.past_key_values.stats == a2.past_key_values.stats
