@@ -1,5 +1,6 @@
-"""GridQA: the task generator, the tokenizer / processor / checkpoint plumbing, the fast training batches, and the
-shipped trained checkpoints: their test comes with the checkpoints (issue 7; none trained yet)."""
+"""GridQA: the task generator, the tokenizer / processor / checkpoint plumbing and the fast training batches.
+
+The shipped trained checkpoints get their test (held-out accuracy) when they land (issue 7; none trained yet)."""
 
 from __future__ import annotations
 
