@@ -86,10 +86,6 @@ def build_processor(tokenizer=None):
     )
 
 
-def _ids(tokenizer) -> dict[str, int]:
-    return dict(zip(SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))))
-
-
 #: Model sizes: text hidden 256 (4 layers Qwen3-VL, 6 layers Qwen3.5), vision hidden 128 x 4 blocks; 5.6M / 6.8M
 #: parameters, 11.2 / 13.6 MB of bf16 safetensors (25 MB together). The vocabulary is ~460 tokens, so nearly all
 #: parameters are in the towers. rope_theta 1e4 (not Qwen's 5e6 / 1e7): sequences are < 400 tokens.
@@ -102,51 +98,30 @@ VISION = dict(depth=4, hidden_size=128, intermediate_size=512, num_heads=4, hidd
 
 def model_config(arch: str, tokenizer, initializer_range: float = 0.02):
     """The ``Qwen3VLConfig`` / ``Qwen3_5Config`` of a GridQA model, token ids taken from ``tokenizer``."""
-    ids = _ids(tokenizer)
-    common_text = dict(
-        TEXT,
-        vocab_size=len(tokenizer),
-        initializer_range=initializer_range,
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
-    )
-    top = dict(
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-    )
+    from ..testing.checkpoint import qwen_config
+
     if arch == "qwen3_vl":
         from transformers import Qwen3VLConfig
 
         # head_dim 64 -> 32 rotary frequencies; Qwen3-VL's [24, 20, 20] of 64 scaled to [12, 10, 10], interleaved.
-        text = dict(common_text, num_hidden_layers=4,
+        text = dict(TEXT, num_hidden_layers=4,
                     rope_parameters=dict(rope_type="default", rope_theta=10_000.0, mrope_section=[12, 10, 10],
                                          mrope_interleaved=True))
-        vision = dict(VISION, out_hidden_size=TEXT["hidden_size"], initializer_range=initializer_range,
-                      deepstack_visual_indexes=[1, 2])
-        config = Qwen3VLConfig(text_config=text, vision_config=vision, **top)
+        config_class, vision = Qwen3VLConfig, dict(VISION, deepstack_visual_indexes=[1, 2])
     elif arch == "qwen3_5":
         from transformers import Qwen3_5Config
 
         # partial rotary 0.5 of head_dim 64 -> 16 frequencies; mrope [6, 5, 5] (Qwen3.5: [11, 11, 10] of 32).
-        text = dict(common_text, num_hidden_layers=6,
+        text = dict(TEXT, num_hidden_layers=6,
                     layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
                     linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
                     linear_num_key_heads=4, linear_num_value_heads=8,
                     rope_parameters=dict(rope_type="default", rope_theta=10_000.0, partial_rotary_factor=0.5,
                                          mrope_section=[6, 5, 5], mrope_interleaved=True))
-        vision = dict(VISION, out_hidden_size=TEXT["hidden_size"], initializer_range=initializer_range)
-        config = Qwen3_5Config(text_config=text, vision_config=vision, **top)
+        config_class, vision = Qwen3_5Config, dict(VISION)
     else:
         raise ValueError(f"arch must be one of {list(ARCHS)}, got {arch!r}")
-    for cfg in (config, config.text_config):
-        cfg.bos_token_id = ids["<|endoftext|>"]
-        cfg.eos_token_id = ids["<|im_end|>"]
-        cfg.pad_token_id = ids["<|endoftext|>"]
-    return config
+    return qwen_config(config_class, tokenizer, text, vision, {"initializer_range": initializer_range})
 
 
 def init_position_code(model, seed: int = 0, std: float = 1.0) -> None:

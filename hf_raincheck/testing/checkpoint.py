@@ -13,7 +13,14 @@ import torch
 
 from .torchvision_free import enable_torchvision_free_processing
 
-__all__ = ["INITIALIZER_RANGE", "cached_checkpoint", "load_checkpoint", "save_checkpoint", "seeded_model"]
+__all__ = [
+    "INITIALIZER_RANGE",
+    "cached_checkpoint",
+    "load_checkpoint",
+    "qwen_config",
+    "save_checkpoint",
+    "seeded_model",
+]
 
 #: Init std for every Linear/Embedding/Conv of both towers (HF's default is 0.02). Measured on a 2-turn image prompt
 #: (Qwen3-VL): with 0.02 the logits have std ~0.16 over the ~2.4k-token vocabulary (mean top-1 probability 0.0007,
@@ -21,6 +28,46 @@ __all__ = ["INITIALIZER_RANGE", "cached_checkpoint", "load_checkpoint", "save_ch
 #: logits by ~3.7, so logit / cache-equivalence comparisons have something to bite on. Greedy tokens vary in both
 #: cases.
 INITIALIZER_RANGE = 0.1
+
+
+def qwen_config(config_class, tokenizer, text_defaults: dict, vision_defaults: dict, overrides: dict):
+    """A Qwen-VL-family config (``config_class``: ``Qwen3VLConfig``, ``Qwen2_5_VLConfig``, ``Qwen3_5Config``) with
+    the token ids of `tokenizer` (Qwen's special tokens), both towers initialised with ``INITIALIZER_RANGE``.
+
+    ``overrides``: top-level config fields; ``text_config=`` / ``vision_config=`` dicts are merged into the defaults;
+    ``initializer_range=`` sets both towers. The vision tower's ``out_hidden_size`` follows the text hidden size.
+    """
+    from .tokenizer import SPECIAL_TOKENS
+
+    ids = dict(zip(SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))))
+    overrides = dict(overrides)
+    init = overrides.pop("initializer_range", INITIALIZER_RANGE)
+    text = dict(
+        text_defaults,
+        vocab_size=len(tokenizer),
+        initializer_range=init,
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+    )
+    text.update(overrides.pop("text_config", None) or {})
+    vision = dict(vision_defaults, out_hidden_size=text["hidden_size"], initializer_range=init)
+    vision.update(overrides.pop("vision_config", None) or {})
+    kwargs = dict(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    kwargs.update(overrides)
+    config = config_class(**kwargs)
+    config.bos_token_id = ids["<|endoftext|>"]
+    config.eos_token_id = ids["<|im_end|>"]
+    config.pad_token_id = ids["<|endoftext|>"]
+    return config
 
 
 def seeded_model(model_class, config, seed: int):

@@ -21,9 +21,8 @@ import os
 
 import torch
 
-from .checkpoint import INITIALIZER_RANGE, cached_checkpoint, load_checkpoint, save_checkpoint, seeded_model
+from .checkpoint import cached_checkpoint, load_checkpoint, qwen_config, save_checkpoint, seeded_model
 from .tiny_qwen3_vl import build_processor
-from .tokenizer import SPECIAL_TOKENS
 
 __all__ = ["QWEN3_5_BUILDER_VERSION", "build_tiny_qwen3_5", "load_tiny_qwen3_5", "tiny_qwen3_5", "tiny_qwen3_5_config"]
 
@@ -32,16 +31,11 @@ LAYER_TYPES = ["linear_attention", "linear_attention", "linear_attention", "full
 
 
 def tiny_qwen3_5_config(tokenizer, hidden_size: int = 64, layer_types=None, **overrides):
-    """The ``Qwen3_5Config`` of the tiny model, token ids from `tokenizer` (``text_config=`` / ``vision_config=``
-    dicts in `overrides` are merged into the defaults)."""
+    """The ``Qwen3_5Config`` of the tiny model, token ids from `tokenizer` (`overrides`: see `qwen_config`)."""
     from transformers import Qwen3_5Config
 
-    ids = dict(zip(SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))))
-    overrides = dict(overrides)
-    init = overrides.pop("initializer_range", INITIALIZER_RANGE)
     layer_types = list(layer_types or LAYER_TYPES)
     text = dict(
-        vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
         num_hidden_layers=len(layer_types),
@@ -55,32 +49,12 @@ def tiny_qwen3_5_config(tokenizer, hidden_size: int = 64, layer_types=None, **ov
         linear_num_key_heads=2,
         linear_num_value_heads=4,
         max_position_embeddings=8192,
-        initializer_range=init,
         rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, mrope_section=[2, 1, 1],
                              mrope_interleaved=True, partial_rotary_factor=0.5),
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
     )
-    text.update(overrides.pop("text_config", None) or {})
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
-                  temporal_patch_size=2, num_position_embeddings=64, out_hidden_size=text["hidden_size"],
-                  initializer_range=init)
-    vision.update(overrides.pop("vision_config", None) or {})
-    config = Qwen3_5Config(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-        **overrides,
-    )
-    config.bos_token_id = ids["<|endoftext|>"]
-    config.eos_token_id = ids["<|im_end|>"]
-    config.pad_token_id = ids["<|endoftext|>"]
-    return config
+                  temporal_patch_size=2, num_position_embeddings=64)
+    return qwen_config(Qwen3_5Config, tokenizer, text, vision, overrides)
 
 
 def build_tiny_qwen3_5(save_dir, seed: int = 0, hidden_size: int = 64, **overrides) -> str:

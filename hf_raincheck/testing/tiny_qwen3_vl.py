@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import os
 
-from .checkpoint import INITIALIZER_RANGE, cached_checkpoint, load_checkpoint, save_checkpoint, seeded_model
-from .tokenizer import SPECIAL_TOKENS, build_tokenizer
+from .checkpoint import cached_checkpoint, load_checkpoint, qwen_config, save_checkpoint, seeded_model
+from .tokenizer import build_tokenizer
 from .torchvision_free import enable_torchvision_free_processing, qwen3_vl_video_processor_class
 
 __all__ = [
@@ -258,38 +258,9 @@ def tiny_qwen3_vl_config(tokenizer, num_hidden_layers: int = 2, hidden_size: int
     """
     from transformers import Qwen3VLConfig
 
-    ids = dict(zip(SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))))
-    overrides = dict(overrides)
-    init = overrides.pop("initializer_range", INITIALIZER_RANGE)
-    text = dict(
-        _TEXT_DEFAULTS,
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_hidden_layers,
-        initializer_range=init,
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
-    )
-    text.update(overrides.pop("text_config", None) or {})
-    vision = dict(_VISION_DEFAULTS, out_hidden_size=text["hidden_size"], initializer_range=init)
-    vision.update(overrides.pop("vision_config", None) or {})
-    kwargs = dict(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-    )
-    kwargs.update(overrides)
-    config = Qwen3VLConfig(**kwargs)
-    config.bos_token_id = ids["<|endoftext|>"]
-    config.eos_token_id = ids["<|im_end|>"]
-    config.pad_token_id = ids["<|endoftext|>"]
-    return config
+    text = dict(_TEXT_DEFAULTS, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                num_hidden_layers=num_hidden_layers)
+    return qwen_config(Qwen3VLConfig, tokenizer, text, _VISION_DEFAULTS, overrides)
 
 
 def build_tiny_qwen3_vl(save_dir, seed: int = 0, num_hidden_layers: int = 2, hidden_size: int = 64, **overrides) -> str:
