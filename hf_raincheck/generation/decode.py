@@ -115,34 +115,34 @@ class StaticStep:
 
     @staticmethod
     def prepare(cache: DeferredPrefillCache, plan: DeferralPlan | None, chunk_size: int) -> None:
-        """Scratch slots past the conversation, and the plan's store padded by `chunk_size` rows (once per plan)."""
+        """Scratch slots past the conversation (when the capacity changed), and the plan's fixed-size chunk windows
+        (once per plan): views of its store, which a static cache allocates with one chunk of zero rows past the
+        end (`prepare_turn`)."""
         width = cache.layers[0].capacity
         device = cache._filled.device
-        cache._scratch_slots = torch.arange(width - chunk_size, width, device=device)
+        scratch = cache._scratch_slots
+        if scratch is None or scratch.numel() != chunk_size or cache._scratch_end != width:
+            cache._scratch_slots = torch.arange(width - chunk_size, width, device=device)
+            cache._scratch_end = width
         if plan is None or plan.pending == 0:
             return
         padded = plan.padded_store
-        if padded is not None and padded["chunk"] == chunk_size and padded["width"] == width:
+        if padded is not None and padded["width"] == width:
             return
         total = plan.total_deferred
-
-        def pad(t, dim):
-            shape = list(t.shape)
-            shape[dim] = chunk_size
-            return torch.cat([t, t.new_zeros(shape)], dim=dim)
-
+        if plan.store_embeds.shape[0] < total + chunk_size:
+            raise RuntimeError("a compiled static step needs the deferred store padded by one chunk (static cache)")
         valid = torch.zeros(total + chunk_size, dtype=torch.bool, device=device)
         valid[:total] = True
         deferred_slots = torch.zeros(width, dtype=torch.bool, device=device)
         deferred_slots[: plan.boundary] = plan.deferred_slot_mask[: plan.boundary]
         plan.padded_store = dict(
-            chunk=chunk_size,
             width=width,
-            embeds=pad(plan.store_embeds, 0),
-            positions=pad(plan.store_positions, 1),
-            slots=pad(plan.deferred_on_device, 0),
+            embeds=plan.store_embeds,
+            positions=plan.store_positions,
+            slots=plan.deferred_on_device,
             valid=valid,
-            deepstack=None if plan.store_deepstack is None else [pad(f, 0) for f in plan.store_deepstack],
+            deepstack=plan.store_deepstack,
             boundary=torch.full((), plan.boundary, dtype=torch.long, device=device),
             deferred_slots=deferred_slots,
         )

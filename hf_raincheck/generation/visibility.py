@@ -46,6 +46,5 @@ def visibility_mask(
     present = filled[:width].clone().index_fill_(0, row_slots, True)  # (a scalar fill: no host-to-device copy)
     slots_mask = None
     if deferred_rows is not None and mode == "boundary":
-        slots_mask = torch.zeros(width, dtype=torch.bool, device=present.device)
-        slots_mask[:boundary] = deferred_slots[:boundary]
+        slots_mask = torch.nn.functional.pad(deferred_slots[:boundary], (0, width - boundary))
     return visible(present, row_slots, deferred_rows, boundary, slots_mask, mode)[None, None]
