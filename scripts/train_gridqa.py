@@ -59,18 +59,42 @@ from hf_raincheck.gridqa import batching, checkpoint, task  # noqa: E402
 class TrainBatches(torch.utils.data.Dataset):
     """Batch ``step``: train dialogues ``[step * batch, (step + 1) * batch)`` as numpy arrays."""
 
-    def __init__(self, tokenizer, batch: int, length: int = 10**8, allowed=None, turns=None):
+    def __init__(self, tokenizer, batch: int, length: int = 10**8, allowed=None, turns=None,
+                 p_empty_start: float = task.P_EMPTY, curriculum_steps: int = 0, structured: float = 0.0):
         self.encoder = batching.DialogueEncoder(tokenizer)
         self.batch = batch
         self.length = length
         self.allowed = allowed
         self.turns = turns
+        self.p_empty_start = p_empty_start
+        self.curriculum_steps = curriculum_steps
+        self.structured = structured
 
     def __len__(self):
         return self.length
 
+    def p_empty(self, step: int) -> float:
+        """The share of empty cells at ``step``: ``p_empty_start`` falling linearly to the task's over the curriculum."""
+        if step >= self.curriculum_steps:
+            return task.P_EMPTY
+        return self.p_empty_start + (task.P_EMPTY - self.p_empty_start) * step / self.curriculum_steps
+
+    def structures(self, step: int) -> list[str]:
+        """Grid structure of each dialogue of batch ``step``: during the curriculum a falling share (from
+        ``self.structured``) of uniform / one-per-row / one-per-column grids, whose cells can be read before the
+        model can find a cell; ``"random"`` (the task) otherwise."""
+        share = 0.0
+        if step < self.curriculum_steps:
+            share = self.structured * (1.0 - step / self.curriculum_steps)
+        rng = np.random.default_rng(np.random.SeedSequence([7, int(step)]))
+        u = rng.random(self.batch)
+        picks = rng.integers(1, len(task.STRUCTURES), self.batch)
+        return [task.STRUCTURES[int(k)] if x < share else "random" for x, k in zip(u, picks)]
+
     def __getitem__(self, step):
-        ds = task.dialogues("train", step * self.batch, self.batch, allowed=self.allowed, num_turns=self.turns)
+        p_empty = self.p_empty(step)
+        ds = [task.make_dialogue(step * self.batch + i, "train", num_turns=self.turns, allowed=self.allowed,
+                                 p_empty=p_empty, structure=st) for i, st in enumerate(self.structures(step))]
         ids, labels = self.encoder.batch(ds)
         cells = np.stack([d.cells for d in ds])
         return ids, labels, cells
@@ -225,6 +249,15 @@ def main(argv=None):
     parser.add_argument("--eval-dialogues", type=int, default=500)
     parser.add_argument("--position-code-std", type=float, default=1.0,
                         help="std of the separable init of the vision position table (0: transformers' init)")
+    parser.add_argument("--p-empty-start", type=float, default=task.P_EMPTY,
+                        help="curriculum: share of empty cells at step 0 (sparse grids first), falling linearly to "
+                             f"the task's {task.P_EMPTY} over --curriculum-steps")
+    parser.add_argument("--curriculum-steps", type=int, default=1500, help="0: no curriculum")
+    parser.add_argument("--structured", type=float, default=1.0,
+                        help="curriculum: share of structured grids (uniform / one cell per row / per column) at "
+                             "step 0, falling linearly to 0 over --curriculum-steps")
+    parser.add_argument("--rope-theta", type=float, default=None, help="the text model's rope_theta (default: the "
+                        "checkpoint config's)")
     parser.add_argument("--kinds", default=None, help="comma-separated question kinds to train on (default: all)")
     parser.add_argument("--turns", type=int, default=None, help="turns per training dialogue (default: 3 or 4)")
     parser.add_argument("--eval-batch", type=int, default=128)
@@ -249,15 +282,16 @@ def main(argv=None):
     tokenizer = checkpoint.build_tokenizer()
     processor = checkpoint.build_processor(tokenizer)
     allowed = args.kinds.split(",") if args.kinds else None
-    data = TrainBatches(tokenizer, args.batch, allowed=allowed, turns=args.turns)
+    data = TrainBatches(tokenizer, args.batch, allowed=allowed, turns=args.turns, p_empty_start=args.p_empty_start,
+                        curriculum_steps=args.curriculum_steps, structured=args.structured)
     loader = torch.utils.data.DataLoader(
         data, batch_size=None, shuffle=False, num_workers=args.workers, prefetch_factor=4 if args.workers else None,
         persistent_workers=False,
     )
     batches = iter(loader)
 
-    model = checkpoint.build_model(args.arch, tokenizer, seed=args.seed,
-                                   position_code_std=args.position_code_std).to(device)
+    model = checkpoint.build_model(args.arch, tokenizer, seed=args.seed, position_code_std=args.position_code_std,
+                                   rope_theta=args.rope_theta).to(device)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     atlas = batching.PixelAtlas(device)
@@ -268,7 +302,7 @@ def main(argv=None):
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.98), eps=1e-8,
+        lr=args.lr, betas=(0.9, 0.98), eps=1e-8, fused=device.type == "cuda",
     )
     print(f"[{args.arch}] {n_params / 1e6:.2f}M parameters, device {device}, batch {args.batch}", flush=True)
 

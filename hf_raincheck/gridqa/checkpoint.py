@@ -3,7 +3,10 @@
 * Tokenizer: word-level in effect: a Qwen-style byte-level BPE whose merges were trained to completion on the
   task's words (:func:`hf_raincheck.gridqa.task.words` plus the chat roles), each alone and after a space, so
   every word of a question or answer is one token (a number after a space is two: Qwen's pre-tokenizer splits the
-  space off digits) and other text still encodes, byte by byte. Qwen's special tokens follow, in Qwen's order
+  space off digits) and other text still encodes, byte by byte. The 64 cell names (``A1`` ... ``H8``) are added
+  tokens, one token each (Qwen's pre-tokenizer would split ``C5`` into ``C`` and ``5``, and a model would have to
+  compose the two before it can look the cell up: the first trained models never learnt to); the space before a
+  name is its own ``Ġ`` token. Qwen's special tokens follow, in Qwen's order
   (``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``, ..., ``<|vision_start|>``, ``<|vision_end|>``,
   ``<|vision_pad|>``, ``<|image_pad|>``, ``<|video_pad|>``), then the non-special ``<tool_call>``/``<think>`` tokens.
   ``eos_token`` ``<|im_end|>``, ``pad_token`` ``<|endoftext|>``. Why not a ``tokenizers`` ``WordLevel`` model:
@@ -55,8 +58,12 @@ def build_tokenizer():
     """
     from ..testing.tokenizer import train_qwen2_tokenizer
 
+    from tokenizers import AddedToken
+
     # vocab_size is never reached: training stops when every word is one symbol
-    return train_qwen2_tokenizer(_corpus(), vocab_size=100_000, model_max_length=4096)
+    tokenizer = train_qwen2_tokenizer(_corpus(), vocab_size=100_000, model_max_length=4096)
+    tokenizer.add_tokens([AddedToken(name, special=False, normalized=False) for name in task.CELL_NAMES])
+    return tokenizer
 
 
 def build_image_processor():
@@ -96,7 +103,7 @@ VISION = dict(depth=4, hidden_size=128, intermediate_size=512, num_heads=4, hidd
               num_position_embeddings=256)  # 16 x 16 patch grid of a 256 px image: no interpolation
 
 
-def model_config(arch: str, tokenizer, initializer_range: float = 0.02):
+def model_config(arch: str, tokenizer, initializer_range: float = 0.02, rope_theta: float | None = None):
     """The ``Qwen3VLConfig`` / ``Qwen3_5Config`` of a GridQA model, token ids taken from ``tokenizer``."""
     from ..testing.checkpoint import qwen_config
 
@@ -121,6 +128,8 @@ def model_config(arch: str, tokenizer, initializer_range: float = 0.02):
         config_class, vision = Qwen3_5Config, dict(VISION)
     else:
         raise ValueError(f"arch must be one of {list(ARCHS)}, got {arch!r}")
+    if rope_theta is not None:
+        text["rope_parameters"]["rope_theta"] = float(rope_theta)
     return qwen_config(config_class, tokenizer, text, vision, {"initializer_range": initializer_range})
 
 
@@ -145,14 +154,14 @@ def init_position_code(model, seed: int = 0, std: float = 1.0) -> None:
         table.copy_((rows[:, None, :] + cols[None, :, :]).reshape(n, dim).to(table))
 
 
-def build_model(arch: str, tokenizer, seed: int = 0, position_code_std: float = 1.0):
+def build_model(arch: str, tokenizer, seed: int = 0, position_code_std: float = 1.0, rope_theta: float | None = None):
     """A freshly initialised fp32 GridQA model (``torch.manual_seed(seed)`` fixes the weights).
 
     ``position_code_std > 0``: :func:`init_position_code` on the vision position table (0: transformers' init).
     """
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
-    config = model_config(arch, tokenizer)
+    config = model_config(arch, tokenizer, rope_theta=rope_theta)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     if position_code_std > 0:

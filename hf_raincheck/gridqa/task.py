@@ -229,17 +229,36 @@ def _rng(index: int, split: str) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([20261129, SPLITS[split], int(index)]))
 
 
-def sample_cells(rng: np.random.Generator) -> np.ndarray:
+STRUCTURES = ("random", "uniform", "rows", "columns")
+
+
+def sample_cells(rng: np.random.Generator, p_empty: float = P_EMPTY, structure: str = "random") -> np.ndarray:
+    """An 8 x 8 grid of cell ids: each cell empty with probability ``p_empty``, else a shape or a digit (4 : 3).
+
+    ``structure`` (training's curriculum; the task itself is always ``"random"``): ``"uniform"`` draws one cell and
+    repeats it everywhere, ``"rows"`` / ``"columns"`` one cell per row / column, so that a model can learn to read
+    a cell's content before it can find the cell."""
+    if structure == "uniform":
+        return np.broadcast_to(sample_cells(rng, p_empty)[:1, :1], (GRID, GRID)).copy()
+    if structure == "rows":
+        return np.broadcast_to(sample_cells(rng, p_empty)[:, :1], (GRID, GRID)).copy()
+    if structure == "columns":
+        return np.broadcast_to(sample_cells(rng, p_empty)[:1, :], (GRID, GRID)).copy()
+    if structure != "random":
+        raise ValueError(f"structure must be one of {list(STRUCTURES)}, got {structure!r}")
     u = rng.random((GRID, GRID))
     colour = rng.integers(0, len(COLOUR_NAMES), (GRID, GRID))
     shape = rng.integers(0, len(SHAPES), (GRID, GRID))
     digit = rng.integers(0, len(DIGITS), (GRID, GRID))
-    kind = np.where(u < P_EMPTY + P_SHAPE, shape, len(SHAPES) + digit)
+    p_shape = (1.0 - p_empty) * P_SHAPE / (1.0 - P_EMPTY)
+    kind = np.where(u < p_empty + p_shape, shape, len(SHAPES) + digit)
     cells = 1 + colour * len(KINDS) + kind
-    return np.where(u < P_EMPTY, 0, cells).astype(np.int64)
+    return np.where(u < p_empty, 0, cells).astype(np.int64)
 
 
 ROW_NAMES = tuple("ABCDEFGH")  #: rows are letters (top to bottom), columns numbers 1-8 (left to right): "C5"
+#: The 64 cell names, row-major ("A1", "A2", ..., "H8"): each is one token of the GridQA tokenizer.
+CELL_NAMES = tuple(f"{r}{c + 1}" for r in ROW_NAMES for c in range(GRID))
 
 
 def _pos(r: int, c: int) -> str:
@@ -369,14 +388,17 @@ _MAKERS = {"cell": _q_cell, "row": _q_row, "column": _q_column, "count": _q_coun
 
 
 def make_dialogue(index: int, split: str = "test", num_turns: int | None = None, kinds=None,
-                  allowed=None) -> Dialogue:
+                  allowed=None, p_empty: float = P_EMPTY, structure: str = "random") -> Dialogue:
     """Dialogue ``index`` of ``split`` (deterministic). ``num_turns``: 3 or 4 at random unless given.
 
     ``kinds``: optional sequence of question kinds, one per turn (else drawn with :data:`QUESTION_WEIGHTS`);
-    ``allowed``: optional subset of the kinds to draw from.
+    ``allowed``: optional subset of the kinds to draw from; ``p_empty``: the share of empty cells (training's
+    curriculum starts with sparse grids; evaluation always uses the default); ``structure``: see :func:`sample_cells`.
     """
+    if not 0.0 <= p_empty < 1.0:
+        raise ValueError(f"p_empty must be in [0, 1), got {p_empty!r}")
     rng = _rng(index, split)
-    cells = sample_cells(rng)
+    cells = sample_cells(rng, p_empty, structure)
     n = int(num_turns) if num_turns is not None else int(rng.integers(3, 5))
     if kinds is not None:
         kinds = list(kinds)
