@@ -77,8 +77,10 @@ def _wait_for_server(url: str, process: subprocess.Popen, log: Path) -> None:
 
 
 @pytest.fixture
-def server(tmp_path):
-    """``examples/app.py --tiny-random`` in a subprocess on a free port; yields its URL and its log file."""
+def server(tmp_path, request):
+    """``examples/app.py`` (``--tiny-random`` unless the test is parametrized with other arguments) in a subprocess
+    on a free port; yields its URL and its log file."""
+    model_args = getattr(request, "param", ["--tiny-random"])
     port = _free_port()
     log = tmp_path / "app.log"
     env = dict(os.environ)
@@ -93,7 +95,7 @@ def server(tmp_path):
     )
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            [sys.executable, str(ROOT / "examples" / "app.py"), "--tiny-random", "--host", "127.0.0.1",
+            [sys.executable, str(ROOT / "examples" / "app.py"), *model_args, "--host", "127.0.0.1",
              "--port", str(port), "--threads", "1"],
             cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
         )
@@ -207,3 +209,42 @@ def test_two_questions_in_a_real_browser(chromium, server, tmp_path):
         finally:
             browser.close()
     print(f"browser part: {time.monotonic() - started:.1f} s")
+
+
+@pytest.mark.parametrize("server", [[]], indirect=True)  # no model argument: the shipped GridQA Qwen3-VL
+def test_shipped_model_answers_in_a_real_browser(chromium, server, tmp_path):
+    """The demo's default model reads an uploaded grid: the second answer (Raincheck, after the first answer's
+    deferred cells were restored) lists the asked row exactly."""
+    from playwright.sync_api import sync_playwright
+
+    from hf_raincheck.gridqa import is_correct, make_dialogue
+    from hf_raincheck.gridqa.task import ROW_NAMES, _listing
+
+    url, _ = server
+    dialogue = make_dialogue(5, "test")
+    image = tmp_path / "grid.png"
+    dialogue.image().save(image)
+    reference = _listing(dialogue.cells, [(6, c) for c in range(8)])  # row G
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, headless=True,
+                                             args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1100})
+            page.set_default_timeout(30_000)
+            page.goto(url, wait_until="domcontentloaded")
+            page.locator("#input textarea").wait_for(state="visible")
+            header = page.locator("#header").inner_text()
+            assert "GridQA" in header and "gibberish" not in header, header
+            page.locator("#input input[type=file]").set_input_files(str(image))
+            page.locator("#input .thumbnail-item img").wait_for(state="visible")
+            _ask(page, "list row B.", 1)
+            _ask(page, f"list row {ROW_NAMES[6]}.", 2)
+            answers = page.locator("#chat [data-testid='bot']").all_inner_texts()
+            assert len(answers) == 2 and answers[0].strip().startswith("B1"), answers
+            assert is_correct(answers[1], reference), (answers[1], reference)
+            rows = _stats_rows(page)
+            assert [int(rows[0][5]), int(rows[1][5])] == [44, 0], rows
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "app_browser_gridqa.png"), full_page=True)
+        finally:
+            browser.close()

@@ -93,8 +93,8 @@ def build_processor(tokenizer=None):
     )
 
 
-#: Model sizes: text hidden 256 (4 layers Qwen3-VL, 6 layers Qwen3.5), vision hidden 128 x 4 blocks; 5.6M / 6.8M
-#: parameters, 11.2 / 13.6 MB of bf16 safetensors (25 MB together). The vocabulary is ~460 tokens, so nearly all
+#: Model sizes: text hidden 256 (4 layers Qwen3-VL, 6 layers Qwen3.5), vision hidden 128 x 4 blocks; 5.62M / 6.83M
+#: parameters, 11.3 / 13.7 MB of bf16 safetensors (25 MB together). The vocabulary is 525 tokens, so nearly all
 #: parameters are in the towers. rope_theta 1e4 (not Qwen's 5e6 / 1e7): sequences are < 400 tokens.
 TEXT = dict(hidden_size=256, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
             hidden_act="silu", max_position_embeddings=4096, rms_norm_eps=1e-6, attention_bias=False)
