@@ -47,3 +47,26 @@ def test_latency_quick_writes_the_issue_records(tmp_path):
             assert r["restored_at_token"] is None and r["restore_step_ms"] is None
     assert {t["target"] for t in report["targets"]} >= {"TTFT <= 1.03 x hard", "TPOT <= 1.03 x full"}
     assert "fused step" in (tmp_path / "latency_profile.txt").read_text()
+
+
+def test_quality_quick_writes_the_issue_records(tmp_path):
+    """`benchmarks/quality.py --quick` on the shipped GridQA Qwen3-VL: records with the issue's keys; on later turns
+    (every deferred token restored by then) Raincheck answers like Full prefill, and Hard does worse."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    out = tmp_path / "quality_quick.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "quality.py"), "--quick", "--out", str(out)]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "| selector | retention | chunk | visibility |" in done.stdout
+    records = json.loads(out.read_text())["records"]
+    keys = {"arch", "selector", "retention", "chunk_size", "policy", "turn", "accuracy", "n"}
+    assert records and all(keys <= set(r) for r in records)
+    later = {(r["policy"], r["selector"], r.get("visibility")): r for r in records
+             if r["turn"] == "2+" and r["subset"] == "all"}
+    full = later[("full", None, None)]["accuracy"]
+    for selector in ("uniform", "mmtok"):
+        hard = later[("hard", selector, None)]["accuracy"]
+        rain = later[("raincheck", selector, "boundary")]
+        assert rain["accuracy"] > hard and "recovered" in rain and len(rain["recovered_ci95"]) == 2
+        assert abs(rain["accuracy"] - full) <= 0.1
