@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hf_raincheck import RaincheckConfig, enable_raincheck
-from hf_raincheck.gridqa import checkpoint, default_path, has_default, is_correct, load_default, make_dialogue
+from hf_raincheck.gridqa import checkpoint, default_path, has_default, load_default, make_dialogue
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
@@ -100,7 +100,6 @@ def test_restored_answers_equal_full_when_retention_is_one(shipped):
     full, _ = play(model, processor, dialogue, None, max_new_tokens=64)
     everything, _ = play(model, processor, dialogue, RaincheckConfig(retention=1.0), max_new_tokens=64)
     assert [t[0] for t in everything] == [t[0] for t in full]
-    assert all(is_correct(a, a) for a, _, _ in full)
 
 
 def test_shipped_model_answers_in_bf16(shipped):

@@ -80,17 +80,11 @@ def build_image_processor():
 
 
 def build_processor(tokenizer=None):
-    from transformers import Qwen3VLProcessor
+    """The tiny models' ``Qwen3VLProcessor`` (chat template, video processor) with the GridQA tokenizer and image
+    processor."""
+    from ..testing.tiny_qwen3_vl import build_processor as qwen3_vl_processor
 
-    from ..testing.tiny_models import CHAT_TEMPLATE, build_video_processor, enable_torchvision_free_processing
-
-    enable_torchvision_free_processing()
-    return Qwen3VLProcessor(
-        image_processor=build_image_processor(),
-        tokenizer=tokenizer if tokenizer is not None else build_tokenizer(),
-        video_processor=build_video_processor(),
-        chat_template=CHAT_TEMPLATE,
-    )
+    return qwen3_vl_processor(tokenizer if tokenizer is not None else build_tokenizer(), build_image_processor())
 
 
 #: Model sizes: text hidden 256 (4 layers Qwen3-VL, 6 layers Qwen3.5), vision hidden 128 x 4 blocks; 5.62M / 6.83M

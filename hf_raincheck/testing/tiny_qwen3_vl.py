@@ -237,13 +237,14 @@ def build_video_processor():
     )
 
 
-def build_processor(tokenizer=None):
-    """A real ``Qwen3VLProcessor`` (tokenizer + PIL image processor + video processor + chat template)."""
+def build_processor(tokenizer=None, image_processor=None):
+    """A real ``Qwen3VLProcessor`` (tokenizer + PIL image processor + video processor + chat template); the tiny
+    models' tokenizer and image processor unless others are given."""
     from transformers import Qwen3VLProcessor
 
     enable_torchvision_free_processing()
     return Qwen3VLProcessor(
-        image_processor=build_image_processor(),
+        image_processor=image_processor if image_processor is not None else build_image_processor(),
         tokenizer=tokenizer if tokenizer is not None else build_tokenizer(),
         video_processor=build_video_processor(),
         chat_template=CHAT_TEMPLATE,
