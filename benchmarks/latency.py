@@ -3,6 +3,7 @@
     python benchmarks/latency.py --device cuda --save --profile     # the H200 run: <= 8 min (--budget-s 400)
     python benchmarks/latency.py --device cuda --save --merge --workloads video16,image1024   # what it skipped
     python benchmarks/latency.py --quick                             # tiny shapes on the CPU, seconds (CI smoke run)
+    python benchmarks/latency.py --device cuda --gpus 1,2 --save     # each model on one GPU, then split over two
 
 Random-weight models of the Qwen3-VL-8B and Qwen3.5-9B shapes (``shapes.py``; latency does not depend on weight
 values), bf16. Workloads: one 1024-token image, one 4096-token image, a 16-frame video (8 temporal groups of 256
@@ -37,6 +38,13 @@ Measurements (each after a warm-up call of the same shapes, which also absorbs c
   (Raincheck TTFT <= 1.03 x Hard and <= 0.80 x Full on image4096; TPOT <= 1.03 x Full; restoration step <= 1.15 x a
   decode-only step on the dynamic cache, <= 1.25 x on the static one).
 
+Multi-GPU (``--gpus 1,2``): after the one-GPU runs the same model (same seed, same weights) is built again and
+dispatched by accelerate over ``cuda:0 .. cuda:{N-1}`` with the device_map ``from_pretrained(device_map=...)``
+would produce at layer granularity (``shapes.split_device_map``: vision tower and embeddings on the first GPU,
+decoder layers in contiguous halves, norm and ``lm_head`` on the last); records carry ``gpus``, timing syncs every
+GPU of the model, ``peak_mem_gib`` is summed over them, and ratios compare runs on the same number of GPUs. The
+profile (``--profile``) then also lists each step's memory copies by kind (``Memcpy PtoP``: between GPUs).
+
 Time budget (``--budget-s``): runs go in priority order (per model: each workload's Full, Raincheck, Hard, control,
 plain, dynamic cache first; the chunk sweep last); a run whose estimated time does not fit the model's share of
 what is left is skipped and listed under ``skipped`` in the JSON. Files go to ``--results-dir``
@@ -69,7 +77,7 @@ from transformers.generation.streamers import BaseStreamer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from shapes import SHAPES, build_inputs, build_model, build_video_inputs  # noqa: E402
+from shapes import SHAPES, build_inputs, build_model, build_video_inputs, dispatch  # noqa: E402
 
 import hf_raincheck  # noqa: E402
 from hf_raincheck import FixedChunkSchedule, RaincheckConfig, enable_raincheck  # noqa: E402
@@ -77,7 +85,7 @@ from hf_raincheck.generation.schedule import carried_tokens  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 RECORD_KEYS = ("model", "workload", "policy", "chunk_size", "fused", "ttft_ms", "tpot_ms", "restore_step_ms",
-               "decode_step_ms", "e2e_ms", "restored_at_token", "peak_mem_gib", "cache")
+               "decode_step_ms", "e2e_ms", "restored_at_token", "peak_mem_gib", "cache", "gpus")
 TEXT_BEFORE, QUESTION = 10, 30  # ~40 text tokens around the media
 TARGET_WORKLOAD = "image4096"  # where the TTFT targets are checked
 # a first run of a kind has no measured estimate: assume this much (s) when deciding whether it fits the budget
@@ -144,16 +152,20 @@ def raincheck_policy(args, chunk_size: int, fused: bool = True) -> Policy:
         completion="blocking", fused=fused))
 
 
+POLICY_NAMES = ("full", "raincheck", "hard", "unfused", "plain")  # --policies, in priority order
+
+
 def main_policies(args) -> list[Policy]:
-    """Priority order: what the ratios need first (Full, Raincheck), the references last."""
-    return [
-        Policy("full", RaincheckConfig(policy="full", completion="blocking")),
-        raincheck_policy(args, args.chunk_size),
-        Policy("hard", RaincheckConfig(policy="hard", retention=args.retention, pruning=args.pruning,
-                                       completion="blocking")),
-        raincheck_policy(args, args.chunk_size, fused=False),
-        Policy("plain", None),
-    ]
+    """Priority order: what the ratios need first (Full, Raincheck), the references last; those in --policies."""
+    policies = {
+        "full": Policy("full", RaincheckConfig(policy="full", completion="blocking")),
+        "raincheck": raincheck_policy(args, args.chunk_size),
+        "hard": Policy("hard", RaincheckConfig(policy="hard", retention=args.retention, pruning=args.pruning,
+                                               completion="blocking")),
+        "unfused": raincheck_policy(args, args.chunk_size, fused=False),
+        "plain": Policy("plain", None),
+    }
+    return [policies[name] for name in POLICY_NAMES if name in args.policies]
 
 
 def run_plan(args) -> list[tuple[str, str, Policy]]:
@@ -209,13 +221,27 @@ def no_gc():
 class Bench:
     """One built model, the run's settings, and how to time calls on it."""
 
-    def __init__(self, model, name: str, args, cuda: bool):
+    def __init__(self, model, name: str, args, cuda: bool, devices: list[str] | None = None):
         self.model, self.name, self.args, self.cuda = model, name, args, cuda
+        self.devices = list(dict.fromkeys(devices or [args.device]))  # distinct devices the model spans
+        self.gpus = len(devices or [args.device])
         self._static_cache = None
 
     def sync(self) -> None:
         if self.cuda:
-            torch.cuda.synchronize()
+            for device in self.devices:  # a model split over GPUs: every GPU's queue
+                torch.cuda.synchronize(device)
+
+    def reset_peak_memory(self) -> None:
+        if self.cuda:
+            for device in self.devices:
+                torch.cuda.reset_peak_memory_stats(device)
+
+    def peak_memory_gib(self) -> float | None:
+        """Peak allocated memory summed over the model's GPUs (None on the CPU)."""
+        if not self.cuda:
+            return None
+        return sum(torch.cuda.max_memory_allocated(device) for device in self.devices) / 2**30
 
     def plain_static_cache(self) -> StaticCache:
         """One `StaticCache` (emptied) for every plain static call on this model.
@@ -302,8 +328,7 @@ def median_or_none(values):
 
 def answer_run(bench: Bench, inputs, policy, cache) -> dict:
     """One forced answer of ``--new-tokens`` tokens: every metric of a record (TTFT: one sample)."""
-    if bench.cuda:
-        torch.cuda.reset_peak_memory_stats()
+    bench.reset_peak_memory()
     out, timer, start, end = bench.generate(inputs, policy, cache)
     tokens = timer.times[1:]
     if len(tokens) != bench.args.new_tokens:
@@ -318,7 +343,7 @@ def answer_run(bench: Bench, inputs, policy, cache) -> dict:
         decode_step_ms=mean_ms([s for s, c in zip(steps, counts) if not c]),
         e2e_ms=1e3 * (end - start),
         restored_at_token=restored_at,
-        peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if bench.cuda else None,
+        peak_mem_gib=bench.peak_memory_gib(),
     )
 
 
@@ -336,7 +361,7 @@ def measure(bench: Bench, workload: str, inputs, policy: Policy, cache: str) -> 
     ttfts = [ttft_run(bench, inputs, policy, cache) for _ in range(args.ttft_repeats)]
     answers = [answer_run(bench, inputs, policy, cache) for _ in range(args.repeats)]
     record = dict(model=bench.name, workload=workload, policy=policy.name, chunk_size=policy.chunk_size,
-                  fused=policy.fused, cache=cache)
+                  fused=policy.fused, cache=cache, gpus=bench.gpus)
     record["ttft_ms"] = statistics.median(ttfts + [a["ttft_ms"] for a in answers])
     for key in ("tpot_ms", "restore_step_ms", "decode_step_ms", "e2e_ms", "restored_at_token"):
         record[key] = median_or_none([a[key] for a in answers])
@@ -381,12 +406,28 @@ def kernel_busy(prof) -> str:
         busy = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
     except Exception:  # noqa: BLE001  (profiler internals differ between versions; the table still comes)
         return ""
-    return f", GPU kernels busy {busy / 1e3:.2f} ms" if busy else ""
+    return (f", GPU kernels busy {busy / 1e3:.2f} ms" if busy else "") + copies(prof)
+
+
+def copies(prof) -> str:
+    """', copies: N Memcpy PtoP, ...': the step's memory-copy operations by kind (device to device across GPUs,
+    host to device, ...), as the profiler names them; '' when there are none."""
+    counts: dict = {}
+    for event in prof.events():
+        if event.name.startswith("Memcpy"):
+            kind = event.name.split(" (")[0]
+            counts[kind] = counts.get(kind, 0) + 1
+    return (", copies: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))) if counts else ""
 
 
 # ---------------------------------------------------------------------------------------------------- reporting
 def group_key(record: dict) -> tuple:
-    return record["model"], record["workload"], record["cache"]
+    return record["model"], gpus_of(record), record["workload"], record["cache"]
+
+
+def gpus_of(record: dict) -> int:
+    """GPUs the model was split over (records written before the option existed ran on one)."""
+    return record.get("gpus") or 1
 
 
 LABELS = ("plain", "full", "hard", "raincheck", "raincheck unfused")
@@ -398,9 +439,10 @@ def label_of(record: dict) -> str:
     return "raincheck" if record["fused"] else "raincheck unfused"
 
 
-def find(records, model, workload, cache, policy, chunk_size=None, fused=None) -> dict | None:
+def find(records, model, workload, cache, policy, chunk_size=None, fused=None, gpus=1) -> dict | None:
     for r in records:
-        if (r["model"], r["workload"], r["cache"], r["policy"]) == (model, workload, cache, policy) and (
+        if (r["model"], gpus_of(r), r["workload"], r["cache"], r["policy"]) == (model, gpus, workload, cache,
+                                                                                 policy) and (
             chunk_size is None or (r["chunk_size"] == chunk_size and r["fused"] == fused)
         ):
             return r
@@ -414,12 +456,12 @@ def ratio(a, b):
 def check_targets(records: list[dict], chunk_size: int) -> list[dict]:
     """The issue's targets per (model, workload, cache), each against Full (or Hard) on the same cache kind."""
     checks = []
-    for model, workload, cache in sorted({group_key(r) for r in records}):
-        rc = find(records, model, workload, cache, "raincheck", chunk_size, True)
+    for model, gpus, workload, cache in sorted({group_key(r) for r in records}):
+        rc = find(records, model, workload, cache, "raincheck", chunk_size, True, gpus)
         if rc is None:
             continue
-        full = find(records, model, workload, cache, "full")
-        hard = find(records, model, workload, cache, "hard")
+        full = find(records, model, workload, cache, "full", gpus=gpus)
+        hard = find(records, model, workload, cache, "hard", gpus=gpus)
         step_limit = 1.15 if cache == "dynamic" else 1.25
         candidates = [("TPOT <= 1.03 x full", ratio(rc["tpot_ms"], full and full["tpot_ms"]), 1.03),
                       (f"restore step <= {step_limit} x decode step",
@@ -429,8 +471,8 @@ def check_targets(records: list[dict], chunk_size: int) -> list[dict]:
                           ("TTFT <= 0.80 x full", ratio(rc["ttft_ms"], full and full["ttft_ms"]), 0.80)] + candidates
         for target, value, limit in candidates:
             if value is not None:
-                checks.append(dict(model=model, workload=workload, cache=cache, target=target, value=round(value, 4),
-                                   limit=limit, met=value <= limit))
+                checks.append(dict(model=model, gpus=gpus, workload=workload, cache=cache, target=target,
+                                   value=round(value, 4), limit=limit, met=value <= limit))
     return checks
 
 
@@ -441,21 +483,23 @@ def fmt(value, digits=1) -> str:
 def markdown_tables(records: list[dict], checks: list[dict]) -> str:
     order = {label: i for i, label in enumerate(LABELS)}
     records = sorted(records, key=lambda r: (group_key(r), order[label_of(r)], r["chunk_size"] or 0))
-    lines = ["| model | workload | cache | policy | chunk | fused | TTFT ms | TPOT ms | restore step ms | "
+    lines = ["| model | GPUs | workload | cache | policy | chunk | fused | TTFT ms | TPOT ms | restore step ms | "
              "decode step ms | E2E ms | restored at | peak GiB | TTFT / full | TPOT / full |",
-             "| " + " | ".join(["---"] * 15) + " |"]
+             "| " + " | ".join(["---"] * 16) + " |"]
     for r in records:
-        full = find(records, r["model"], r["workload"], r["cache"], "full")
+        full = find(records, r["model"], r["workload"], r["cache"], "full", gpus=gpus_of(r))
         lines.append("| " + " | ".join([
-            r["model"], r["workload"], r["cache"], r["policy"], fmt(r["chunk_size"], 0),
+            r["model"], str(gpus_of(r)), r["workload"], r["cache"], r["policy"], fmt(r["chunk_size"], 0),
             "" if r["fused"] is None else str(r["fused"]), fmt(r["ttft_ms"]), fmt(r["tpot_ms"], 2),
             fmt(r["restore_step_ms"], 2), fmt(r["decode_step_ms"], 2), fmt(r["e2e_ms"], 0),
             fmt(r["restored_at_token"], 0), fmt(r["peak_mem_gib"], 2),
             fmt(ratio(r["ttft_ms"], full and full["ttft_ms"]), 3),
             fmt(ratio(r["tpot_ms"], full and full["tpot_ms"]), 3)]) + " |")
-    lines += ["", "| model | workload | cache | target | value | met |", "| --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "| model | GPUs | workload | cache | target | value | met |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
     for c in checks:
-        lines.append(f"| {c['model']} | {c['workload']} | {c['cache']} | {c['target']} | {c['value']:.3f} | "
+        lines.append(f"| {c['model']} | {c.get('gpus') or 1} | {c['workload']} | {c['cache']} | {c['target']} | "
+                     f"{c['value']:.3f} | "
                      f"{'met' if c['met'] else '**missed**'} |")
     return "\n".join(lines)
 
@@ -471,14 +515,16 @@ def plot(records: list[dict], chunk_size: int, path: str) -> None:
         print("matplotlib is not installed (pip install -e .[bench]): no plot")
         return
     main = [r for r in records if r["policy"] != "raincheck" or r["chunk_size"] == chunk_size]
-    models = list(dict.fromkeys(r["model"] for r in main))
+    models = list(dict.fromkeys((r["model"], gpus_of(r)) for r in main))
     caches = list(dict.fromkeys(r["cache"] for r in main))
     fig, axes = plt.subplots(len(models), 2 * len(caches), figsize=(6 * len(caches) * 2, 3.6 * len(models)),
                              squeeze=False)
-    for row, model in enumerate(models):
+    for row, (model, gpus) in enumerate(models):
         for col, (cache, metric) in enumerate((c, m) for c in caches for m in ("ttft_ms", "tpot_ms")):
-            bar_panel(axes[row][col], [r for r in main if r["model"] == model and r["cache"] == cache], metric)
-            axes[row][col].set_title(f"{model}, {cache} cache: {metric[:4].upper()} (ms)", fontsize=9)
+            bar_panel(axes[row][col], [r for r in main if (r["model"], gpus_of(r), r["cache"]) == (model, gpus, cache)],
+                      metric)
+            where = f"{model} on {gpus} GPUs" if gpus > 1 else model
+            axes[row][col].set_title(f"{where}, {cache} cache: {metric[:4].upper()} (ms)", fontsize=9)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -506,6 +552,7 @@ def header(args, cuda: bool, workloads: dict) -> dict:
     return dict(
         torch=torch.__version__, transformers=transformers.__version__, hf_raincheck=hf_raincheck.__version__,
         gpu=torch.cuda.get_device_name() if cuda else None, cpu=platform.processor() or platform.machine(),
+        gpu_count=torch.cuda.device_count() if cuda else 0, placements=args.gpus,
         device=args.device, dtype="bfloat16" if cuda else "float32",
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         command=" ".join(sys.argv), quick=args.quick,
@@ -520,7 +567,7 @@ def header(args, cuda: bool, workloads: dict) -> dict:
 
 
 def record_key(record: dict) -> tuple:
-    return tuple(record[k] for k in ("model", "workload", "policy", "chunk_size", "fused", "cache"))
+    return (*(record[k] for k in ("model", "workload", "policy", "chunk_size", "fused", "cache")), gpus_of(record))
 
 
 def merge_into(previous: list[dict], records: list[dict]) -> list[dict]:
@@ -635,25 +682,44 @@ def run_plan_item(bench: Bench, inputs: dict, workload: str, cache: str, policy:
           f"compiled graphs {compiled_graphs()})", flush=True)
 
 
-def run_model(model_name: str, args, workloads: dict, budget: Budget, results: Results, cuda: bool) -> None:
-    """Builds one model and runs its plan (the profile first, on the first model)."""
+def placement_devices(args, gpus: int) -> list[str]:
+    """The devices a model is split over: ``cuda:0 .. cuda:{gpus-1}`` (one GPU: ``--device`` as given); on the CPU
+    ``cpu`` repeated, which still dispatches through accelerate's hooks (a smoke run of the multi-GPU path)."""
+    if gpus == 1:
+        return [args.device]
+    if args.device.startswith("cuda"):
+        return [f"cuda:{i}" for i in range(gpus)]
+    return [args.device] * gpus
+
+
+def run_model(model_name: str, gpus: int, args, workloads: dict, budget: Budget, results: Results,
+              cuda: bool) -> None:
+    """Builds one model (split over `gpus` GPUs with an accelerate device_map when > 1) and runs its plan (the
+    profile first, on the first model)."""
     started = time.perf_counter()
     dtype = torch.bfloat16 if cuda else torch.float32
-    bench = Bench(enable_raincheck(build_model(model_name, args.device, dtype)), model_name, args, cuda)
+    devices = placement_devices(args, gpus)
+    model = build_model(model_name, devices[0], dtype)
+    if gpus > 1:
+        model = dispatch(model, devices)
+    bench = Bench(enable_raincheck(model), model_name, args, cuda, devices)
+    del model
     torch._dynamo.utils.counters.clear()
     gc.collect()
     gc.freeze()  # the model's objects leave the collector's view: a collection before each timed call is ~free
-    print(f"\n== {model_name}: built in {time.perf_counter() - started:.1f} s", flush=True)
+    where = f" on {gpus} GPUs ({', '.join(devices)})" if gpus > 1 else ""
+    print(f"\n== {model_name}{where}: built in {time.perf_counter() - started:.1f} s", flush=True)
     plan = run_plan(args)
-    inputs = {name: workloads[name].inputs(args.device, dtype) for name in dict.fromkeys(w for w, _, _ in plan)}
-    if args.profile and results.profile is None:
+    inputs = {name: workloads[name].inputs(devices[0], dtype) for name in dict.fromkeys(w for w, _, _ in plan)}
+    if args.profile and model_name == args.models[0]:
         first = args.workloads[0]
         try:
             text = "\n".join(profile_steps(bench, inputs[first], cache) for cache in args.caches)
         except Exception as error:  # noqa: BLE001
             text = f"profile failed: {type(error).__name__}: {error}"
             print(f"  {text}")
-        results.profile = f"# {model_name}, {first}, Raincheck chunk {args.chunk_size}\n\n" + text
+        results.profile = (results.profile or "") + (
+            f"# {model_name}{where}, {first}, Raincheck chunk {args.chunk_size}\n\n" + text + "\n\n")
     for workload, cache, policy in plan:
         run_plan_item(bench, inputs, workload, cache, policy, budget, results)
     results.head.setdefault("compiled_graphs", {})[model_name] = compiled_graphs()
@@ -673,6 +739,11 @@ def parse_args(argv=None):
     parser.add_argument("--workloads", default="image4096,image1024,video16",
                         help="comma list of image1024, image4096, video16 (priority order)")
     parser.add_argument("--caches", default="dynamic,static", help="comma list of dynamic, static")
+    parser.add_argument("--policies", default=",".join(POLICY_NAMES),
+                        help=f"comma list of {', '.join(POLICY_NAMES)} (unfused: the fused=False control)")
+    parser.add_argument("--gpus", default="1",
+                        help="comma list of GPU counts to split each model over with an accelerate device_map "
+                             "(e.g. 1,2: the one-GPU run, then the same model split over cuda:0 and cuda:1)")
     parser.add_argument("--chunk-sweep", default=None,
                         help="Raincheck chunk sizes on --sweep-workload (7,15,31,63; --quick 15,31; '' off)")
     parser.add_argument("--sweep-workload", default="image4096")
@@ -698,10 +769,20 @@ def parse_args(argv=None):
     if args.chunk_sweep is None:
         args.chunk_sweep = "15,31" if args.quick else "7,15,31,63"
     args.workloads = [w for w in args.workloads.split(",") if w]
+    args.policies = [p for p in args.policies.split(",") if p]
     args.caches = [c for c in args.caches.split(",") if c]
     args.chunk_sweep = [int(c) for c in args.chunk_sweep.split(",") if c]
+    try:
+        args.gpus = [int(g) for g in args.gpus.split(",") if g]
+    except ValueError:
+        parser.error(f"--gpus: a comma list of GPU counts (e.g. 1,2), got {args.gpus!r}")
+    available = torch.cuda.device_count() if args.device.startswith("cuda") else None
+    if not args.gpus or any(g < 1 or (available is not None and g > available) for g in args.gpus):
+        parser.error(f"--gpus: counts from 1 to {available if available is not None else 'any (CPU: cpu repeated)'}"
+                     f", got {args.gpus}")
     for name, values, allowed in (("models", args.models, SHAPES), ("workloads", args.workloads, WORKLOADS),
                                   ("caches", args.caches, ("dynamic", "static")),
+                                  ("policies", args.policies, POLICY_NAMES),
                                   ("sweep-workload", [args.sweep_workload], WORKLOADS)):
         unknown = [v for v in values if v not in allowed]
         if unknown:
@@ -748,9 +829,10 @@ def main(argv=None):
     results = Results(args, header(args, cuda, workloads))
     budget = Budget(args.budget_s)
     started = time.perf_counter()
-    for i, model_name in enumerate(args.models):
-        budget.start_model(len(args.models) - i)
-        run_model(model_name, args, workloads, budget, results, cuda)
+    runs = [(model_name, gpus) for model_name in args.models for gpus in args.gpus]
+    for i, (model_name, gpus) in enumerate(runs):
+        budget.start_model(len(runs) - i)
+        run_model(model_name, gpus, args, workloads, budget, results, cuda)
     results.head["elapsed_s"] = round(time.perf_counter() - started, 1)
     report(args, results)
     return 1 if results.errors else 0

@@ -130,3 +130,38 @@ def build_video_inputs(frames: int, side: int, text_before: int, question: int, 
         pixel_values_videos=torch.randn(patches, 3 * 2 * 16 * 16, generator=gen).to(device, dtype),
         video_grid_thw=torch.tensor([[groups, 2 * side, 2 * side]], device=device),
     )
+
+
+def split_device_map(model, devices: list) -> dict[str, str]:
+    """A ``device_map`` of `model` over `devices` at the granularity ``device_map="auto"`` uses: the vision tower,
+    the embeddings and the rotary tables on the first device, the decoder layers in contiguous near-equal groups
+    (the first groups one larger when they do not divide), the final norm and ``lm_head`` on the last device."""
+    devices = [str(d) for d in devices]
+    lm = model.model.language_model
+    layers = len(lm.layers)
+    if not devices or len(devices) > layers:
+        raise ValueError(f"devices: need 1..{layers} devices for {layers} decoder layers, got {devices}")
+    device_map = {"model.visual": devices[0]}
+    for name, _ in lm.named_children():
+        if name != "layers":
+            device_map[f"model.language_model.{name}"] = devices[-1] if name == "norm" else devices[0]
+    per, extra = divmod(layers, len(devices))
+    start = 0
+    for i, device in enumerate(devices):
+        count = per + (1 if i < extra else 0)
+        for j in range(start, start + count):
+            device_map[f"model.language_model.layers.{j}"] = device
+        start += count
+    device_map["lm_head"] = devices[-1]
+    return device_map
+
+
+def dispatch(model, devices: list):
+    """`model` dispatched by accelerate over `devices` (``split_device_map``) as ``from_pretrained(device_map=...)``
+    does (same `dispatch_model` arguments). One device name repeated (e.g. ``["cpu", "cpu"]``) still installs the
+    hooks (``force_hooks``), so a CPU smoke run goes through the same code path as two GPUs."""
+    from accelerate import dispatch_model
+
+    device_map = split_device_map(model, devices)
+    return dispatch_model(model, device_map=device_map, skip_keys=model._skip_keys_device_placement,
+                          force_hooks=len(set(device_map.values())) == 1)
