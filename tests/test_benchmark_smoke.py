@@ -10,7 +10,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD_KEYS = {"model", "workload", "policy", "chunk_size", "fused", "ttft_ms", "tpot_ms", "restore_step_ms",
-               "decode_step_ms", "e2e_ms", "restored_at_token", "peak_mem_gib", "cache"}
+               "decode_step_ms", "e2e_ms", "restored_at_token", "peak_mem_gib", "cache", "gpus"}
 
 
 def test_latency_quick_writes_the_issue_records(tmp_path):
@@ -20,13 +20,13 @@ def test_latency_quick_writes_the_issue_records(tmp_path):
            "--results-dir", str(tmp_path)]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "| model | workload | cache | policy |" in done.stdout
+    assert "| model | GPUs | workload | cache | policy |" in done.stdout
 
     report = json.loads((tmp_path / "latency.json").read_text())
     header, records = report["header"], report["records"]
     assert {"torch", "transformers", "hf_raincheck", "gpu"} <= set(header)
     assert header["errors"] == [] and header["skipped"] == []
-    assert records and all(set(r) == RECORD_KEYS for r in records)
+    assert records and all(set(r) == RECORD_KEYS and r["gpus"] == 1 for r in records)
     # every model x workload x cache has the five policies side by side, and the sweep adds chunk 15
     groups = {(r["model"], r["workload"], r["cache"]) for r in records}
     assert len(groups) == 2 * 3 * 2
@@ -47,6 +47,46 @@ def test_latency_quick_writes_the_issue_records(tmp_path):
             assert r["restored_at_token"] is None and r["restore_step_ms"] is None
     assert {t["target"] for t in report["targets"]} >= {"TTFT <= 1.03 x hard", "TPOT <= 1.03 x full"}
     assert "fused step" in (tmp_path / "latency_profile.txt").read_text()
+
+
+def run_script(args, tmp_path, timeout=300):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def test_latency_quick_split_over_devices(tmp_path):
+    """``--gpus 1,2`` on the CPU: the second placement dispatches the model through accelerate's hooks ("cpu"
+    twice), and its records sit next to the one-device ones, with their own ratios and targets."""
+    out = run_script([os.path.join(ROOT, "benchmarks", "latency.py"), "--quick", "--save", "--gpus", "1,2",
+                      "--models", "tiny-qwen3.5", "--workloads", "image1024", "--caches", "dynamic",
+                      "--policies", "full,raincheck", "--chunk-sweep", "", "--results-dir", str(tmp_path)], tmp_path)
+    assert "on 2 GPUs (cpu, cpu)" in out
+    report = json.loads((tmp_path / "latency.json").read_text())
+    rows = sorted((r["gpus"], r["policy"]) for r in report["records"])
+    assert rows == [(1, "full"), (1, "raincheck"), (2, "full"), (2, "raincheck")]
+    assert sorted({t["gpus"] for t in report["targets"]}) == [1, 2]
+
+
+def test_multi_gpu_quick_equals_the_one_device_model(tmp_path):
+    """``multi_gpu.py --quick``: the hooked copy gives the same tokens, logits and restore stats per policy, and
+    the placement check saw the deferred rows pending after turn 1 (the next_turn policy)."""
+    out = run_script([os.path.join(ROOT, "benchmarks", "multi_gpu.py"), "--quick", "--save", "--out",
+                      str(tmp_path / "multi_gpu.json")], tmp_path)
+    assert "all equal: True" in out
+    records = json.loads((tmp_path / "multi_gpu.json").read_text())["records"]
+    assert {(r["model"], r["policy"]) for r in records} == {
+        (m, p) for m in ("tiny", "tiny-qwen3.5") for p in ("full", "hard", "raincheck", "raincheck_next_turn")}
+    for r in records:
+        assert r["same_tokens_turn1"] and r["same_tokens_turn2"] and r["next_turn_logit_diff"] == 0.0
+        assert r["misplaced_tensors"] == 0
+    pending = {r["model"]: r for r in records if r["policy"] == "raincheck_next_turn"}
+    others = {r["model"]: r for r in records if r["policy"] == "raincheck"}
+    for model in pending:  # deferred rows (and DeepStack rows) still held after turn 1 were checked too
+        assert pending[model]["cache_tensors_checked"] > others[model]["cache_tensors_checked"]
+        assert pending[model]["restore_stats"]["during_prefill"] > 0
 
 
 def test_quality_quick_writes_the_issue_records(tmp_path):
