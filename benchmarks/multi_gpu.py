@@ -11,7 +11,7 @@ Raincheck with blocking completion, Raincheck with ``completion="next_turn"`` an
 answer ends and fold into the next prefill), both copies answer the same 1024-token-image prompt (``--new-tokens`` greedy tokens) and then a
 text-only second turn on the returned cache. Recorded per policy:
 
-* ``same_tokens_turn1`` / ``same_tokens_turn2``: greedy tokens identical;
+* ``same_tokens_turn1`` / ``same_tokens_turn2``: greedy tokens identical (``first_divergence_turn1``: where not);
 * ``max_abs_logit_diff_turn1`` / ``_turn2`` (every step's logits) and ``next_turn_logit_diff`` (the second turn's
   first logits, the ones that see the whole image), with ``logit_scale`` (max |logit|) for scale;
 * ``same_restore_stats``: the cache's restoration counters are equal;
@@ -20,6 +20,11 @@ text-only second turn on the returned cache. Recorded per policy:
 * ``copies_decode_step`` / ``copies_fused_step``: memory copies by kind (``Memcpy PtoP`` = between GPUs) in one
   decode-only step and one fused (restoring) step of Raincheck on the split model (torch.profiler, CUDA only): the
   fused step must not add cross-device copies beyond those of a plain decode step.
+
+The same comparisons run for one-GPU controls (``controls``): the reference run again (``rerun``), a second build
+on the same GPU (``same_gpu_copy``) and a build moved whole to the last GPU (``other_gpu``): bf16 kernels need not
+give bit-identical results for different buffer addresses, and random-weight logits are nearly flat, so greedy
+tokens can part on a near-tie; the split is judged against what the controls show without any split.
 
 Results: ``benchmarks/results/multi_gpu.json`` with ``--save``; the latency of the split model is measured by
 ``latency.py --gpus 1,2``.
@@ -193,18 +198,35 @@ def compare(ref: dict, split: dict) -> dict:
     )
 
 
+def on_device(inputs: dict, device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def copies_of(name: str, args, dtype, devices) -> dict:
+    """The reference on the first device and the copies compared with it, all with the same weights: ``rerun``
+    (the reference itself, run again), ``same_gpu_copy`` (a second build on the same GPU), ``other_gpu`` (a build
+    moved whole to the last GPU; CUDA only), ``split`` (a build dispatched over `devices`)."""
+    models = {"reference": build_model(name, devices[0], dtype)}
+    models["same_gpu_copy"] = build_model(name, devices[0], dtype)
+    if not weights_equal(models["reference"], models["same_gpu_copy"]):
+        raise RuntimeError("two builds of the same seed have different weights")
+    if args.device.startswith("cuda") and devices[-1] != devices[0]:
+        models["other_gpu"] = build_model(name, devices[0], dtype).to(devices[-1])
+    models["split"] = dispatch(build_model(name, devices[0], dtype), devices)
+    models = {key: enable_raincheck(model) for key, model in models.items()}
+    models["rerun"] = models["reference"]
+    return models
+
+
 def run_model(name: str, args, dtype) -> list[dict]:
     devices = placement_devices(args, args.gpus)
     t0 = time.perf_counter()
-    ref = build_model(name, devices[0], dtype)
-    split = build_model(name, devices[0], dtype)
-    if not weights_equal(ref, split):
-        raise RuntimeError("the two builds of the same seed have different weights")
-    split = dispatch(split, devices)
-    ref, split = enable_raincheck(ref), enable_raincheck(split)
+    models = copies_of(name, args, dtype, devices)
+    ref, split = models["reference"], models["split"]
     layer_devices = [str(execution_device(layer)) for layer in split.model.language_model.layers]
-    print(f"\n== {name}: built twice in {time.perf_counter() - t0:.1f} s; split decoder layers per device: "
-          + ", ".join(f"{d} x{layer_devices.count(d)}" for d in dict.fromkeys(layer_devices)), flush=True)
+    print(f"\n== {name}: {len(models) - 1} copies built in {time.perf_counter() - t0:.1f} s; split decoder layers "
+          "per device: " + ", ".join(f"{d} x{layer_devices.count(d)}" for d in dict.fromkeys(layer_devices)),
+          flush=True)
     workload = (QUICK_WORKLOADS if args.quick else WORKLOADS)[args.workload]
     inputs = workload.inputs(devices[0], dtype)
     question = torch.randint(0, 1000, (1, QUESTION_TOKENS), generator=torch.Generator().manual_seed(1))
@@ -212,17 +234,26 @@ def run_model(name: str, args, dtype) -> list[dict]:
     for policy, cfg in policies(args).items():
         t1 = time.perf_counter()
         a = conversation(ref, inputs, question, args.new_tokens, cfg)
-        b = conversation(split, inputs, question, args.new_tokens, cfg)
-        wrong, checked = b["misplaced"], b["checked"]
+        comparisons = {}
+        for key in ("rerun", "same_gpu_copy", "other_gpu", "split"):
+            if key in models:
+                model = models[key]
+                b = conversation(model, on_device(inputs, get_adapter(model).input_device), question,
+                                 args.new_tokens, cfg)
+                comparisons[key] = dict(compare(a, b), cache_tensors_checked=b["checked"],
+                                        misplaced_tensors=len(b["misplaced"]), misplaced_examples=b["misplaced"][:5])
+        # the split copy's numbers at the top level; the one-GPU controls show what differs without any split
         record = dict(model=name, gpus=args.gpus, devices=devices, workload=args.workload, policy=policy,
-                      new_tokens=args.new_tokens, **compare(a, b), cache_tensors_checked=checked,
-                      misplaced_tensors=len(wrong), misplaced_examples=wrong[:5])
+                      new_tokens=args.new_tokens, **comparisons["split"], controls={
+                          k: v for k, v in comparisons.items() if k != "split"})
         records.append(record)
-        print(f"  {policy:20s} tokens t1 {'same' if record['same_tokens_turn1'] else 'DIFFER'}, t2 "
-              f"{'same' if record['same_tokens_turn2'] else 'DIFFER'}; logits max |diff| t1 "
-              f"{record['max_abs_logit_diff_turn1']:.3g}, t2 {record['max_abs_logit_diff_turn2']:.3g} "
-              f"(scale {record['logit_scale']:.3g}); stats {'same' if record['same_restore_stats'] else 'DIFFER'}; "
-              f"misplaced {record['misplaced_tensors']} of {checked} cache tensors ({time.perf_counter() - t1:.0f} s)", flush=True)
+        print(f"  {policy:20s} " + "; ".join(
+            f"{key}: tokens {'same' if c['same_tokens_turn1'] and c['same_tokens_turn2'] else 'DIFFER'}"
+            f" (t1 from {c['first_divergence_turn1']}), next-turn logit diff {c['next_turn_logit_diff']:.3g}"
+            for key, c in comparisons.items())
+            + f"; split stats {'same' if record['same_restore_stats'] else 'DIFFER'}, misplaced "
+            f"{record['misplaced_tensors']} of {record['cache_tensors_checked']} ({time.perf_counter() - t1:.0f} s)",
+            flush=True)
     if args.device.startswith("cuda"):
         copies = step_copies(split, inputs, policies(args)["raincheck"], devices)
         single = step_copies(ref, inputs, policies(args)["raincheck"], devices[:1])
@@ -233,10 +264,29 @@ def run_model(name: str, args, dtype) -> list[dict]:
                               copies_one_gpu_fused_step=single.get("fused"))
         print(f"  copies per step, split: decode {copies.get('decode')}, fused {copies.get('fused')}; one GPU: "
               f"decode {single.get('decode')}, fused {single.get('fused')}", flush=True)
-    del ref, split
+    del ref, split, models
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return records
+
+
+def markdown_table(records: list[dict]) -> str:
+    def cell(c):
+        same = c["same_tokens_turn1"] and c["same_tokens_turn2"]
+        where = "" if same else f" (t1 from {c['first_divergence_turn1']})" if c["first_divergence_turn1"] is not None \
+            else " (t2)"
+        return f"{'same' if same else 'differ'}{where}, {c['next_turn_logit_diff']:.3g}"
+
+    keys = [k for k in ("rerun", "same_gpu_copy", "other_gpu") if any(k in r["controls"] for r in records)]
+    lines = ["| model | policy | split: tokens, next-turn logit diff | " + " | ".join(keys)
+             + " | logit scale | split restore stats | misplaced / checked |",
+             "| " + " | ".join(["---"] * (6 + len(keys))) + " |"]
+    for r in records:
+        lines.append(f"| {r['model']} | {r['policy']} | {cell(r)} | "
+                     + " | ".join(cell(r["controls"][k]) if k in r["controls"] else "" for k in keys)
+                     + f" | {r['logit_scale']:.3g} | {'same' if r['same_restore_stats'] else 'differ'} | "
+                     f"{r['misplaced_tensors']} / {r['cache_tensors_checked']} |")
+    return "\n".join(lines)
 
 
 def parse_args(argv=None):
@@ -279,21 +329,18 @@ def main(argv=None) -> int:
     records = []
     for name in args.models:
         records += run_model(name, args, dtype)
-    ok = all(r["same_tokens_turn1"] and r["same_tokens_turn2"] and r["same_restore_stats"]
-             and r["misplaced_tensors"] == 0 for r in records)
+    ok = all(r["same_restore_stats"] and r["misplaced_tensors"] == 0 and (
+        (r["same_tokens_turn1"] and r["same_tokens_turn2"]) or not all(
+            c["same_tokens_turn1"] and c["same_tokens_turn2"] for c in r["controls"].values()))
+        for r in records)
     head = dict(torch=torch.__version__, transformers=transformers.__version__, hf_raincheck=hf_raincheck.__version__,
                 gpu=torch.cuda.get_device_name() if cuda else None, gpu_count=torch.cuda.device_count() if cuda else 0,
                 dtype=str(dtype).replace("torch.", ""), command=" ".join(sys.argv),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                elapsed_s=round(time.perf_counter() - started, 1), all_equal=ok)
-    print("\n| model | policy | tokens t1 / t2 | max logit diff t1 / t2 (scale) | next-turn logit diff | stats | "
-          "misplaced |\n| --- | --- | --- | --- | --- | --- | --- |")
-    for r in records:
-        print(f"| {r['model']} | {r['policy']} | {'same' if r['same_tokens_turn1'] else 'differ'} / "
-              f"{'same' if r['same_tokens_turn2'] else 'differ'} | {r['max_abs_logit_diff_turn1']:.3g} / "
-              f"{r['max_abs_logit_diff_turn2']:.3g} ({r['logit_scale']:.3g}) | {r['next_turn_logit_diff']:.3g} | "
-              f"{'same' if r['same_restore_stats'] else 'differ'} | {r['misplaced_tensors']} |")
-    print(f"\nall equal: {ok}; {head['elapsed_s']:.0f} s")
+                elapsed_s=round(time.perf_counter() - started, 1), split_as_one_gpu=ok)
+    print(markdown_table(records))
+    print(f"\nsplit as one GPU (tokens equal, or differing where a one-GPU control differs too; same restore stats; "
+          f"every per-layer tensor on its layer's device): {ok}; {head['elapsed_s']:.0f} s")
     if args.save:
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "w") as f:

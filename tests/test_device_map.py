@@ -154,3 +154,50 @@ def test_qwen3_5_under_accelerate_hooks_equals_plain_load(tiny_qwen3_5_path, hoo
     torch.testing.assert_close(torch.stack(b1.logits), torch.stack(a1.logits), **TOL)
     torch.testing.assert_close(torch.stack(b2.logits), torch.stack(a2.logits), **TOL)
     assert b2.past_key_values.stats == a2.past_key_values.stats
+
+
+def test_a_decoder_on_several_devices_runs_static_steps_eagerly_and_says_so(models, monkeypatch):
+    """Compiled steps need one device (Inductor cannot lower the cache writes through accelerate's hooks across
+    GPUs, and CUDA graphs cannot span devices): with the decoder's layers on two execution devices, a static cache
+    with a compile config runs eager steps, warns once, and gives the one-device results."""
+    import warnings
+
+    from transformers.generation.configuration_utils import CompileConfig
+
+    from hf_raincheck.generation.enable import raincheck_state
+
+    plain, mapped, processor = models
+    adapter = raincheck_state(mapped, "test").adapter
+    assert adapter.decoder_devices() == [torch.device("cpu")]
+    layer = mapped.model.language_model.layers[1].self_attn
+    hooks = list(getattr(layer._hf_hook, "hooks", None) or [layer._hf_hook])
+    saved = [h.execution_device for h in hooks]
+    for h in hooks:  # the layer claims another device: decoder_devices reads the hooks
+        h.execution_device = torch.device("meta")
+    try:
+        assert adapter.decoder_devices() == [torch.device("cpu"), torch.device("meta")]
+    finally:
+        for h, device in zip(hooks, saved):
+            h.execution_device = device
+    # running needs real devices: the adapter reports two while every layer still computes on the CPU
+    monkeypatch.setattr(adapter, "decoder_devices", lambda: [torch.device("cpu"), torch.device("meta")])
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compile_config = CompileConfig(backend="eager", fullgraph=True, dynamic=False)
+    compile_config._compile_all_devices = True  # would compile on the CPU (as tests/test_compiled_steps.py)
+    cfg = RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=2, completion="blocking")
+    inputs = chat_inputs(processor, _messages(make_image(3, (256, 256))))
+    kw = dict(cache_implementation="static", compile_config=compile_config)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = generate(mapped, inputs, 8, cfg, **kw)
+            generate(mapped, inputs, 4, cfg, **kw)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0  # nothing compiled
+    finally:
+        torch._dynamo.reset()
+    said = [w for w in caught if "compiled steps need one device" in str(w.message)]
+    assert len(said) == 1 and "2 devices (cpu, meta)" in str(said[0].message)
+    reference = generate(plain, inputs, 8, cfg)
+    assert new_tokens(out, inputs) == new_tokens(reference, inputs)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(reference.logits), **TOL)

@@ -76,6 +76,12 @@ class ModelAdapter:
         ``device_map``, accelerate moves hidden states from layer to layer from there)."""
         raise NotImplementedError
 
+    def decoder_devices(self) -> list[torch.device]:
+        """Distinct execution devices of the decoder's attention and GDN modules (several: a model split by a
+        ``device_map``)."""
+        modules = [*self.text_attention_modules(), *self.gdn_modules().values()]
+        return list(dict.fromkeys(execution_device(m) for m in modules))
+
     def deepstack_devices(self) -> list[torch.device]:
         """Execution device of each decoder layer that receives DeepStack features (empty: no DeepStack)."""
         return []
