@@ -48,13 +48,17 @@ class _Loop:
 
     def capture(self) -> None:
         saved = {k: v.clone() for k, v in self.state.items()}
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
+        device = self.picks.device
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graphs recommends
             self._body()
-        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # an explicit capture stream on the state's device: torch.cuda.graph's default one is created once, on the
+        # device current at its first use, so a later capture for another GPU (a model on cuda:1) would switch to
+        # the first GPU and fail ("operation not permitted when stream is capturing")
+        with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(device=device)):
             self._body()
         for k, v in saved.items():
             self.state[k].copy_(v)
