@@ -3,7 +3,7 @@
     python benchmarks/multi_gpu.py --device cuda --save        # the H200 x2 run: both 8B-class shapes, ~3 min
     python benchmarks/multi_gpu.py --quick                     # tiny shapes on the CPU ("cpu" repeated), seconds
 
-Per model shape (random weights, bf16 on CUDA), two copies with the same weights (same seed; checked): one on
+Policies: ``plain`` (transformers' own generate), then Full, Hard and Raincheck. Per model shape (random weights, bf16 on CUDA), two copies with the same weights (same seed; checked): one on
 ``cuda:0``, one dispatched by accelerate over ``cuda:0 .. cuda:{N-1}`` with ``shapes.split_device_map`` (the
 device_map ``from_pretrained(device_map=...)`` would give at layer granularity: vision tower and embeddings on the
 first GPU, the decoder layers in contiguous groups, norm and ``lm_head`` on the last). For each policy (Full, Hard,
@@ -57,10 +57,11 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "m
 QUESTION_TOKENS = 24
 
 
-def policies(args) -> dict[str, RaincheckConfig]:
+def policies(args) -> dict[str, RaincheckConfig | None]:
     rc = dict(retention=args.retention, chunk_size=args.chunk_size, guard_tokens=args.guard_tokens,
               pruning=args.pruning)
     return {
+        "plain": None,  # transformers' own generate: what the model does without Raincheck
         "full": RaincheckConfig(policy="full", completion="blocking"),
         "hard": RaincheckConfig(policy="hard", retention=args.retention, pruning=args.pruning, completion="blocking"),
         "raincheck": RaincheckConfig(**rc, completion="blocking"),
@@ -76,9 +77,10 @@ def sync_all(devices) -> None:
 
 
 def generate(model, inputs, n, cfg, past=None):
+    extra = {} if cfg is None else dict(raincheck_config=cfg)
     with torch.no_grad():
-        return model.generate(**inputs, raincheck_config=cfg, past_key_values=past, max_new_tokens=n,
-                              min_new_tokens=n, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        return model.generate(**inputs, **extra, past_key_values=past, max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, output_logits=True, return_dict_in_generate=True)
 
 
 def second_turn(out, question: torch.Tensor) -> dict:
@@ -98,7 +100,7 @@ def conversation(model, inputs, question, n, cfg) -> dict:
     return dict(misplaced=wrong + wrong2, checked=checked + checked2,
         tokens1=out1.sequences[0, prompt1:].tolist(), tokens2=out2.sequences[0, prompt2:].tolist(),
         logits1=torch.stack(out1.logits).float().cpu(), logits2=torch.stack(out2.logits).float().cpu(),
-        stats=dataclasses.asdict(cache.stats) if dataclasses.is_dataclass(cache.stats) else repr(cache.stats),
+        stats=dataclasses.asdict(cache.stats) if hasattr(cache, "stats") else None,
     )
 
 

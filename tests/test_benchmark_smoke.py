@@ -79,7 +79,7 @@ def test_multi_gpu_quick_equals_the_one_device_model(tmp_path):
     assert len(verdict) == 1 and "device): True;" in verdict[0]
     records = json.loads((tmp_path / "multi_gpu.json").read_text())["records"]
     assert {(r["model"], r["policy"]) for r in records} == {
-        (m, p) for m in ("tiny", "tiny-qwen3.5") for p in ("full", "hard", "raincheck", "raincheck_next_turn")}
+        (m, p) for m in ("tiny", "tiny-qwen3.5") for p in ("plain", "full", "hard", "raincheck", "raincheck_next_turn")}
     for r in records:  # on the CPU every copy computes bit for bit the same
         assert set(r["controls"]) == {"rerun", "same_gpu_copy"}
         for c in [r, *r["controls"].values()]:
