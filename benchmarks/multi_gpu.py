@@ -234,6 +234,8 @@ def run_model(name: str, args, dtype) -> list[dict]:
     question = torch.randint(0, 1000, (1, QUESTION_TOKENS), generator=torch.Generator().manual_seed(1))
     records = []
     for policy, cfg in policies(args).items():
+        if policy not in args.policies:
+            continue
         t1 = time.perf_counter()
         a = conversation(ref, inputs, question, args.new_tokens, cfg)
         comparisons = {}
@@ -304,12 +306,18 @@ def parse_args(argv=None):
     parser.add_argument("--guard-tokens", type=int, default=16)
     parser.add_argument("--next-turn-chunk", type=int, default=7, help="chunk of the next_turn policy (pending rows)")
     parser.add_argument("--pruning", default="mmtok")
-    parser.add_argument("--save", action="store_true", help=f"write {os.path.relpath(RESULTS)}")
+    parser.add_argument("--policies", default="plain,full,hard,raincheck,raincheck_next_turn",
+                        help="comma list of plain, full, hard, raincheck, raincheck_next_turn")
+    parser.add_argument("--save", action="store_true", help=f"write {os.path.relpath(RESULTS)} (after each model)")
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
     args.device = args.device or ("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
     args.models = (args.models or ("tiny,tiny-qwen3.5" if args.quick else "qwen3-vl-8b,qwen3.5-9b")).split(",")
     args.new_tokens = args.new_tokens or (20 if args.quick else 64)
+    args.policies = [p for p in args.policies.split(",") if p]
+    allowed = ("plain", "full", "hard", "raincheck", "raincheck_next_turn")
+    if not args.policies or any(p not in allowed for p in args.policies):
+        parser.error(f"--policies: a comma list of {', '.join(allowed)}, got {args.policies}")
     unknown = [m for m in args.models if m not in SHAPES]
     if unknown:
         parser.error(f"--models: unknown {unknown}; choose from {sorted(SHAPES)}")
@@ -331,24 +339,32 @@ def main(argv=None) -> int:
     records = []
     for name in args.models:
         records += run_model(name, args, dtype)
+        write(args, records, cuda, dtype, started)
+    ok = write(args, records, cuda, dtype, started)
+    print("\n" + markdown_table(records))
+    print(f"\nsplit as one GPU (tokens equal, or differing where a one-GPU control differs too; same restore stats; "
+          f"every per-layer tensor on its layer's device): {ok}; {time.perf_counter() - started:.0f} s")
+    if args.save:
+        print(f"wrote {args.out}")
+    return 0 if ok else 1
+
+
+def write(args, records, cuda, dtype, started) -> bool:
+    """The verdict over `records`; with ``--save`` also the JSON (so a run cut short keeps its finished models)."""
     ok = all(r["same_restore_stats"] and r["misplaced_tensors"] == 0 and (
         (r["same_tokens_turn1"] and r["same_tokens_turn2"]) or not all(
             c["same_tokens_turn1"] and c["same_tokens_turn2"] for c in r["controls"].values()))
         for r in records)
-    head = dict(torch=torch.__version__, transformers=transformers.__version__, hf_raincheck=hf_raincheck.__version__,
-                gpu=torch.cuda.get_device_name() if cuda else None, gpu_count=torch.cuda.device_count() if cuda else 0,
-                dtype=str(dtype).replace("torch.", ""), command=" ".join(sys.argv),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                elapsed_s=round(time.perf_counter() - started, 1), split_as_one_gpu=ok)
-    print(markdown_table(records))
-    print(f"\nsplit as one GPU (tokens equal, or differing where a one-GPU control differs too; same restore stats; "
-          f"every per-layer tensor on its layer's device): {ok}; {head['elapsed_s']:.0f} s")
     if args.save:
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        head = dict(torch=torch.__version__, transformers=transformers.__version__,
+                    hf_raincheck=hf_raincheck.__version__, gpu=torch.cuda.get_device_name() if cuda else None,
+                    gpu_count=torch.cuda.device_count() if cuda else 0, dtype=str(dtype).replace("torch.", ""),
+                    command=" ".join(sys.argv), date=datetime.datetime.now(datetime.timezone.utc).isoformat(
+                        timespec="seconds"), elapsed_s=round(time.perf_counter() - started, 1), split_as_one_gpu=ok)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(dict(header=head, records=records), f, indent=1)
-        print(f"wrote {args.out}")
-    return 0 if ok else 1
+    return ok
 
 
 if __name__ == "__main__":

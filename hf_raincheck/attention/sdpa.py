@@ -1,10 +1,43 @@
-"""PyTorch SDPA for Raincheck's forwards, with the same boolean visibility mask as the naive reference."""
+"""PyTorch SDPA for Raincheck's forwards, with the same boolean visibility mask as the naive reference.
+
+A forward of few query rows over many keys under a dense mask (a fused step: the decode token and a chunk of
+deferred rows, over the whole cache) goes to `grouped_attention` instead: SDPA's flash kernels tile the query rows
+(128 per block) and do not split the keys, so 32 rows x 32 heads become 32 thread blocks that each walk all ~4k keys
+(measured on the H200, Qwen3-VL-8B shape, 4096-token image: 96 us per layer, 3.5 ms of a 12.4 ms fused step,
+against 11 us for the one-row decode step). ``HF_RAINCHECK_GROUPED_ROWS`` sets the largest row count that takes
+the grouped path (default 64; 0 turns it off).
+"""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import bias
+
+GROUPED_MAX_ROWS = int(os.environ.get("HF_RAINCHECK_GROUPED_ROWS", "64"))
+
+
+def grouped_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Same contract as `naive_attention` (a dense `visible`); returns ``[B, q, Hq, D]``.
+
+    The ``g`` query heads that share a KV head are stacked as the rows of one matrix product per KV head
+    (``[g q, D] x [D, k]``): keys and values are read once per KV head and never repeated. Scores and softmax in
+    fp32 (as the naive reference); the probabilities meet the values in the values' dtype. A row that sees
+    nothing returns zeros.
+    """
+    b, hq, q, d = query.shape
+    hkv, k = key.shape[1], key.shape[2]
+    g = hq // hkv
+    rows = query.reshape(b, hkv, g * q, d)
+    scores = torch.matmul(rows.float(), key.float().transpose(-1, -2)) * scaling  # [b, hkv, g q, k]
+    scores = scores.view(b, hkv, g, q, k).masked_fill(~visible.view(visible.shape[0], 1, 1, q, k), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(value.dtype).view(b, hkv, g * q, k)
+    out = torch.matmul(probs, value).view(b, hq, q, d)
+    return out.transpose(1, 2).contiguous()
 
 
 def sdpa_attention(
@@ -24,6 +57,8 @@ def sdpa_attention(
             mask = bias.causal_lower_right(query.shape[2], key.shape[2])
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=enable_gqa)
         return out.transpose(1, 2).contiguous()
+    if visible is not None and 1 < query.shape[2] <= GROUPED_MAX_ROWS:
+        return grouped_attention(query, key, value, visible, scaling)
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=visible, scale=scaling, enable_gqa=enable_gqa
     )

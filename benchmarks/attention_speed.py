@@ -1,0 +1,124 @@
+"""Per-call time of Raincheck's attention paths at fused-step shapes: few query rows over a whole cache.
+
+    python benchmarks/attention_speed.py --device cuda --save     # the H200 run, ~20 s
+    python benchmarks/attention_speed.py --quick                  # small shapes on the CPU, seconds
+
+For the Qwen3-VL-8B (32 query heads, 8 KV heads, head dim 128) and Qwen3.5-9B (16 / 4 / 256) attention layers, bf16
+on CUDA: ``q`` query rows (1 = a decode step; 8-64 = a fused step with a chunk of deferred rows) over ``k`` cached
+keys under a dense boolean mask (the static cache's visibility), timed per call (median of ``--repeats`` after a
+warm-up, CUDA events):
+
+* ``sdpa``: ``F.scaled_dot_product_attention`` with the mask and ``enable_gqa`` (what the SDPA backend ran before);
+* ``grouped``: `hf_raincheck.attention.sdpa.grouped_attention` (query heads of a KV head stacked as rows; fp32 scores);
+* ``grouped_bf16``: the same with bf16 scores (transformers' eager precision), for reference only.
+
+Writes ``benchmarks/results/attention_speed.json`` with ``--save``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hf_raincheck.attention.sdpa import grouped_attention  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "attention_speed.json")
+LAYERS = {"qwen3-vl-8b": (32, 8, 128), "qwen3.5-9b": (16, 4, 256)}
+
+
+def sdpa_masked(query, key, value, visible, scaling):
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scaling,
+                                          enable_gqa=query.shape[1] != key.shape[1]).transpose(1, 2).contiguous()
+
+
+def grouped_bf16(query, key, value, visible, scaling):
+    b, hq, q, d = query.shape
+    hkv, k = key.shape[1], key.shape[2]
+    g = hq // hkv
+    scores = torch.matmul(query.reshape(b, hkv, g * q, d), key.transpose(-1, -2)) * scaling
+    scores = scores.view(b, hkv, g, q, k).masked_fill(~visible.view(visible.shape[0], 1, 1, q, k), float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(value.dtype).view(b, hkv, g * q, k)
+    return torch.matmul(probs, value).view(b, hq, q, d).transpose(1, 2).contiguous()
+
+
+PATHS = {"sdpa": sdpa_masked, "grouped": grouped_attention, "grouped_bf16": grouped_bf16}
+
+
+def time_us(fn, args, repeats: int, cuda: bool) -> float:
+    fn(*args)
+    if cuda:
+        torch.cuda.synchronize()
+        samples = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(*args)
+            end.record()
+            end.synchronize()
+            samples.append(1e3 * start.elapsed_time(end))
+        return statistics.median(samples)
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(*args)
+        samples.append(1e6 * (time.perf_counter() - t0))
+    return statistics.median(samples)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--keys", default=None, help="comma list of cache lengths (4352,1280; --quick 200)")
+    parser.add_argument("--rows", default=None, help="comma list of query rows (1,8,16,32,64; --quick 1,8)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per case (50; --quick 3)")
+    parser.add_argument("--save", action="store_true")
+    parser.add_argument("--out", default=RESULTS)
+    args = parser.parse_args(argv)
+    device = args.device or ("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
+    cuda = device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    keys = [int(k) for k in (args.keys or ("200" if args.quick else "4352,1280")).split(",")]
+    rows = [int(r) for r in (args.rows or ("1,8" if args.quick else "1,8,16,32,64")).split(",")]
+    repeats = args.repeats or (3 if args.quick else 50)
+    layers = {"tiny": (4, 2, 32)} if args.quick else LAYERS
+    records = []
+    print("| layer | keys | rows | " + " | ".join(f"{p} us" for p in PATHS) + " | max abs diff grouped vs sdpa |")
+    print("| " + " | ".join(["---"] * (4 + len(PATHS))) + " |")
+    for name, (hq, hkv, d) in layers.items():
+        for k in keys:
+            for q in rows:
+                gen = torch.Generator(device=device).manual_seed(0)
+                query = torch.randn(1, hq, q, d, device=device, generator=gen).to(dtype)
+                key = torch.randn(1, hkv, k, d, device=device, generator=gen).to(dtype)
+                value = torch.randn(1, hkv, k, d, device=device, generator=gen).to(dtype)
+                visible = torch.rand(1, 1, q, k, device=device, generator=gen) < 0.9
+                visible[..., :1] = True
+                call = (query, key, value, visible, d ** -0.5)
+                times = {p: time_us(fn, call, repeats, cuda) for p, fn in PATHS.items()}
+                diff = (grouped_attention(*call).float() - sdpa_masked(*call).float()).abs().max().item()
+                records.append(dict(layer=name, heads=hq, kv_heads=hkv, head_dim=d, keys=k, rows=q,
+                                    **{f"{p}_us": round(t, 2) for p, t in times.items()}, max_abs_diff=diff))
+                print(f"| {name} | {k} | {q} | " + " | ".join(f"{times[p]:.1f}" for p in PATHS) + f" | {diff:.2g} |",
+                      flush=True)
+    if args.save:
+        head = dict(torch=torch.__version__, device=device, dtype=str(dtype).replace("torch.", ""),
+                    gpu=torch.cuda.get_device_name() if cuda else None, repeats=repeats, command=" ".join(sys.argv))
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(dict(header=head, records=records), f, indent=1)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,65 @@
+"""Attention backends against the naive reference on random inputs: SDPA (dense mask, bottom-right causal) and
+the grouped few-rows path that fused steps take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_raincheck.attention import naive_attention, sdpa, sdpa_attention
+
+
+def _inputs(q, k, hq, hkv, d=16, batch=1, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(batch, hq, q, d, generator=gen).to(dtype)
+    key = torch.randn(batch, hkv, k, d, generator=gen).to(dtype)
+    value = torch.randn(batch, hkv, k, d, generator=gen).to(dtype)
+    visible = torch.rand(batch, 1, q, k, generator=gen) < 0.6
+    return query, key, value, visible
+
+
+@pytest.mark.parametrize("q,k,hq,hkv,batch", [(2, 9, 4, 4, 1), (8, 40, 4, 2, 1), (32, 100, 8, 2, 2), (5, 7, 6, 1, 1)])
+def test_grouped_equals_naive(q, k, hq, hkv, batch):
+    query, key, value, visible = _inputs(q, k, hq, hkv, batch=batch)
+    visible[0, 0, 0] = False  # a row that sees nothing: zeros, as the reference
+    ref = naive_attention(query, key, value, visible, 0.3)
+    out = sdpa.grouped_attention(query, key, value, visible, 0.3)
+    assert out.shape == ref.shape == (batch, q, hq, query.shape[-1])
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
+
+
+def test_grouped_shared_mask_broadcasts_over_the_batch():
+    query, key, value, visible = _inputs(6, 30, 4, 2, batch=3)
+    shared = visible[:1]
+    torch.testing.assert_close(sdpa.grouped_attention(query, key, value, shared, 0.25),
+                               naive_attention(query, key, value, shared, 0.25), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 31, 64, 65, 130])
+@pytest.mark.parametrize("limit", [0, 64])
+def test_sdpa_routes_few_rows_to_the_grouped_path_and_agrees(monkeypatch, rows, limit):
+    monkeypatch.setattr(sdpa, "GROUPED_MAX_ROWS", limit)
+    calls = []
+    original = sdpa.grouped_attention
+    monkeypatch.setattr(sdpa, "grouped_attention", lambda *a: calls.append(1) or original(*a))
+    query, key, value, visible = _inputs(rows, 200, 8, 2, seed=rows)
+    visible[..., :1] = True  # every row sees a key (SDPA's fully masked rows are not part of the contract here)
+    out = sdpa_attention(query, key, value, visible, 0.2)
+    torch.testing.assert_close(out, naive_attention(query, key, value, visible, 0.2), atol=2e-5, rtol=1e-4)
+    assert bool(calls) == (1 < rows <= limit)
+
+
+def test_bottom_right_causal_ignores_the_grouped_path():
+    query, key, value, _ = _inputs(8, 20, 4, 2)
+    out = sdpa_attention(query, key, value, None, 0.3, causal_lower_right=True)
+    torch.testing.assert_close(out, naive_attention(query, key, value, None, 0.3, causal_lower_right=True),
+                               atol=2e-5, rtol=1e-4)
+
+
+def test_grouped_bf16_is_close_to_the_fp32_reference():
+    query, key, value, visible = _inputs(32, 300, 8, 2, d=64, seed=3)
+    visible[..., :1] = True
+    ref = naive_attention(query, key, value, visible, 0.125)
+    out = sdpa.grouped_attention(query.bfloat16(), key.bfloat16(), value.bfloat16(), visible, 0.125)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
