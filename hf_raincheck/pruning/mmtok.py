@@ -172,9 +172,10 @@ def _evaluate(state: dict):
     return top_rank, cand, exact
 
 
-def _commit(state: dict, picks: torch.Tensor, s: int, pick: torch.Tensor) -> None:
+def _commit(state: dict, picks: torch.Tensor, s: int) -> None:
+    """Takes the column ``picks[:, s]``."""
     cover, best, rank, rows = state["cover"], state["best"], state["rank"], state["rows"]
-    picks[:, s] = pick
+    pick = picks[:, s]
     torch.maximum(best, cover[rows, :, pick].unsqueeze(-1), out=best)
     rank.scatter_(1, pick[:, None], TAKEN)  # a scalar fill: no host tensor (CUDA-graph safe)
 
@@ -185,7 +186,8 @@ def _lazy_step(state: dict, picks: torch.Tensor, s: int) -> None:
     top_rank, cand, exact = _evaluate(state)
     low, at = exact.min(dim=1)
     torch.ge(low, top_rank[:, -1], out=state["fail"][:, s])
-    _commit(state, picks, s, cand.gather(1, at[:, None]).squeeze(1))
+    torch.gather(cand, 1, at[:, None], out=picks[:, s : s + 1])
+    _commit(state, picks, s)
 
 
 def _rewind(state: dict, saved: dict, done: torch.Tensor) -> None:
@@ -203,7 +205,8 @@ def _rewind(state: dict, saved: dict, done: torch.Tensor) -> None:
 def _full_step(state: dict, picks: torch.Tensor, s: int) -> None:
     """The full greedy step: every column evaluated, then the smallest rank."""
     _refresh(state)
-    _commit(state, picks, s, state["rank"].argmin(dim=1))
+    torch.argmin(state["rank"], dim=1, keepdim=True, out=picks[:, s : s + 1])
+    _commit(state, picks, s)
 
 
 # ----------------------------------------------------------------------------------------------- dense greedy
