@@ -94,7 +94,9 @@ TAKEN = 1 << 62  # rank of a chosen column: after every unchosen one, before the
 
 
 @torch.no_grad()
-def greedy_coverage_order(cover: torch.Tensor, budget: int, lazy: bool = True, k: int | None = None) -> torch.Tensor:
+def greedy_coverage_order(
+    cover: torch.Tensor, budget: int, lazy: bool = True, k: int | None = None
+) -> torch.Tensor:
     """Greedy maximum coverage on ``cover [B, R, n]`` -> ``[B, budget]`` column offsets in selection order.
 
     ``lazy=False`` runs the full greedy (every step evaluates every column, with the same arithmetic: the same
