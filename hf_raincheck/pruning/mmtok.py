@@ -23,18 +23,49 @@ Options (``RaincheckConfig.pruning_options``), with the Qwen defaults of the off
 Differences from the official code: the question is embedded from the conversation's own tokens (no
 ``"Question: "`` prefix and no re-tokenisation: Raincheck sees token ids, not text); an empty question
 (``m = 0``) leaves only the vision-vision term (the official code would divide by zero); budgets are per span,
-and spans of equal size and budget (video frames) run as one batch. Cost: ``O(n^2 D + b (m + n) n)`` per span,
-``b`` sequential steps of a few vectorised kernels each (no host synchronisation inside the loop; on CUDA replayed
-as a CUDA graph, `hf_raincheck.pruning.greedy`).
+and spans of equal size and budget (video frames) run as one batch.
+
+Selection: exact lazy ("accelerated") greedy. Coverage is submodular: a column's gain never grows as ``best`` does,
+so a gain computed at an earlier step (stale) bounds it from above. Each column keeps its latest gain as a rank
+``j - (W + 1) g_j`` (int64, smaller = better: larger gain, then lower index; ``W`` the padded width), so ranks of
+unchosen columns are distinct and `topk` / `min` have no ties to break. A step takes the ``k + 1`` smallest
+ranks (``k = LAZY_K = 64``), evaluates the first ``k`` exactly (a ``[B, R, k]`` gather), stores their ranks, and
+picks the smallest of them. The pick is certified when its rank is below the ``(k + 1)``-th stale rank: every
+other column's current rank is at least its stale rank, which is at least that one, so the pick is the full
+greedy's (ties included: equal gains order by index inside the rank). A step that cannot certify (rare; e.g. when
+many gains drop together) flags itself; the loop (`hf_raincheck.pruning.greedy`, ``Checked``) reads the flags
+once per chunk of 16 steps, keeps the picks before the first flagged step, rewinds to there (ranks saved before
+the chunk, still bounds; ``best`` from the kept picks), evaluates every column (`_refresh`, one ``[B, R, n]`` pass)
+and goes on. After a refresh every rank is exact, so the next step certifies: each chunk makes progress. No host
+synchronisation inside a step; on CUDA the chunk (and the refresh) are CUDA graphs. ``k = 64``: the measured
+fallbacks on covers of this shape were a few per span (1 at n = 1024, ~2-7 at n = 4096, b = 0.3 n; smaller k
+costs more fallbacks, larger k more work per step).
+
+Exactness of the gains: floating-point sums depend on the reduction order, which PyTorch chooses by shape (on CPU
+a column of ``[B, R, 37]`` and the same column gathered into ``[B, R, 16]`` sum to different bits), so the
+candidates' gains and a full evaluation could disagree in the last bit, and a stale bound could fall below the
+current gain. The gains are therefore fixed point: the matrix is scaled once by a power of two (exact) so that
+every column's total stays below ``2^61 / (W + 1)``; each term ``max(C, best) - best`` (= ``max(0, C - best)``,
+an fp32 elementwise op, the same bits wherever it runs) is truncated to int64 and summed in int64, which is exact
+and independent of order, shape and device. So the lazy step, the refresh, the full greedy (``lazy=False``) and
+the CPU and CUDA paths all compute the same gains, monotone in ``best`` (rounding and truncation are monotone),
+and pick the same columns. The truncation error is below ``R`` units (a unit is ~1e-14 of the largest column total at
+n = 4096), far below fp32 rounding; the previous dense implementation (fp32 sums,
+`dense_greedy_coverage_order`) picks the same columns except where two gains agree to fp32 rounding.
+
+Cost: ``O(n^2 D)`` for the matrix, then per step ``O(n)`` (topk over the ranks) + ``O(R k)`` (the candidates),
+plus ``O(R n)`` per refresh (once at the start, once per fallback).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from .base import VISION_HIDDEN, SelectionContext, assemble, check_float, register_selector, span_groups
 from .divprune import l2_normalize
-from .greedy import run_greedy
+from .greedy import CHUNK, Checked, run_greedy
 
 DEFAULTS = {"alpha": 0.5, "tau_tv": 0.01, "tau_vv": 0.2}
 CHECKS = {
@@ -57,9 +88,135 @@ def coverage_matrix(x, x_c, z, alpha: float, tau_tv: float, tau_vv: float) -> to
     return torch.cat([p, q * alpha], dim=1)
 
 
+# ----------------------------------------------------------------------------------------------- lazy greedy
+LAZY_K = 64  # candidates evaluated per lazy step
+TAKEN = 1 << 62  # rank of a chosen column: after every unchosen one, before the padding
+
+
 @torch.no_grad()
-def greedy_coverage_order(cover: torch.Tensor, budget: int) -> torch.Tensor:
-    """Greedy maximum coverage on ``cover [B, R, n]`` -> ``[B, budget]`` column offsets in selection order."""
+def greedy_coverage_order(
+    cover: torch.Tensor, budget: int, lazy: bool = True, k: int | None = None
+) -> torch.Tensor:
+    """Greedy maximum coverage on ``cover [B, R, n]`` -> ``[B, budget]`` column offsets in selection order.
+
+    ``lazy=False`` runs the full greedy (every step evaluates every column, with the same arithmetic: the same
+    picks, slower); `k` overrides `LAZY_K`."""
+    batch, rows_n, n = cover.shape
+    device = cover.device
+    k = LAZY_K if k is None else k
+    order = torch.empty(batch, budget, dtype=torch.long, device=device)
+    if budget <= 0:
+        return order
+    width = max(n, k)  # columns, padded with zero columns if needed: topk always finds k candidates
+    cover = cover.float()
+    if width > n:
+        cover = torch.cat([cover, cover.new_zeros(batch, rows_n, width - n)], dim=2)
+    # fixed point: gains in units of 2^-e, every column's total below 2^62 / (width + 1) (ranks fit in int64)
+    mass = float(cover.clamp_min(0).sum(dim=1).amax()) if cover.numel() else 0.0  # one host synchronisation
+    e = 60 - (width + 1).bit_length() - math.frexp(mass)[1]  # mass < 2^frexp: totals < 2^61 / (width + 1)
+    scaled = cover
+    while e != 0:  # by exact powers of two, none of them out of fp32's range
+        step = max(-100, min(100, e))
+        scaled = scaled * 2.0**step
+        e -= step
+    cols = torch.arange(width + 1, device=device)
+    # real columns: no bound yet (the first refresh evaluates them); padding n .. width: after everything, distinct
+    rank = torch.where(cols < n, torch.iinfo(torch.long).min, (1 << 63) - 1 - (width - cols))
+    state = {
+        "cover": scaled.contiguous(),
+        "best": torch.zeros(batch, rows_n, 1, dtype=torch.float, device=device),  # best_r so far (scaled)
+        "rank": rank.expand(batch, -1).contiguous(),  # per column: a bound of its gain as a rank (smaller = better)
+        "cols": cols,
+        "fail": torch.zeros(batch, CHUNK, dtype=torch.bool, device=device),
+        "rows": torch.arange(batch, device=device),
+        "k": torch.empty(k, dtype=torch.bool, device=device),  # carries k as a shape (part of the graph's key)
+    }
+    if lazy:
+        check = Checked(flag="fail", mutable=("best", "rank"), rewind=_rewind, refresh=_refresh)
+        run_greedy("mmtok", state, _lazy_step, order, 0, budget, check=check)
+    else:
+        run_greedy("mmtok-full", state, _full_step, order, 0, budget)
+    return order
+
+
+def _gains(cols: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+    """``sum_r max(0, C_rj - best_r)`` of the columns ``cols [B, R, c]`` -> int64 ``[B, c]`` (fixed point).
+
+    Each term is computed in fp32 (``max(C, best) - best``, an elementwise op) and truncated to an integer; the
+    sum is then exact (integers, no overflow), so a column's gain does not depend on which columns are computed
+    with it, nor on the reduction order (the candidates' ``[B, R, k]`` slice and the full ``[B, R, n]`` matrix
+    give the same bits)."""
+    work = torch.maximum(cols, best)
+    work.sub_(best)
+    return work.sum(dim=1, dtype=torch.long)
+
+
+def _refresh(state: dict) -> None:
+    """Every column evaluated: ranks exact (chosen columns and the padding keep theirs)."""
+    cover, rank, cols = state["cover"], state["rank"], state["cols"]
+    width = cover.shape[2]
+    exact = torch.sub(cols[:width], _gains(cover, state["best"]), alpha=width + 1)
+    torch.maximum(exact, rank[:, :width], out=rank[:, :width])
+
+
+def _evaluate(state: dict):
+    """The k columns of smallest rank, evaluated exactly (their ranks updated) -> (the k + 1 smallest ranks before
+    the update [B, k + 1], the candidates [B, k], their exact ranks [B, k])."""
+    cover, best, rank = state["cover"], state["best"], state["rank"]
+    batch, rows_n, width = cover.shape
+    k = state["k"].shape[0]
+    top_rank, top = torch.topk(rank, k + 1, dim=1, largest=False, sorted=True)
+    cand = top[:, :k]
+    cols = torch.gather(cover, 2, cand[:, None, :].expand(batch, rows_n, k))
+    exact = torch.sub(cand, _gains(cols, best), alpha=width + 1)
+    exact = torch.maximum(exact, top_rank[:, :k])  # chosen columns stay chosen
+    rank.scatter_(1, cand, exact)
+    return top_rank, cand, exact
+
+
+def _commit(state: dict, picks: torch.Tensor, s: int) -> None:
+    """Takes the column ``picks[:, s]``."""
+    cover, best, rank, rows = state["cover"], state["best"], state["rank"], state["rows"]
+    pick = picks[:, s]
+    torch.maximum(best, cover[rows, :, pick].unsqueeze(-1), out=best)
+    rank.scatter_(1, pick[:, None], TAKEN)  # a scalar fill: no host tensor (CUDA-graph safe)
+
+
+def _lazy_step(state: dict, picks: torch.Tensor, s: int) -> None:
+    """One lazy step (no host synchronisation): the best of the k candidates; flags ``fail[:, s]`` where it is
+    not certified (its exact rank not below the (k + 1)-th smallest rank, a bound for every other column)."""
+    top_rank, cand, exact = _evaluate(state)
+    low, at = exact.min(dim=1)
+    torch.ge(low, top_rank[:, -1], out=state["fail"][:, s])
+    torch.gather(cand, 1, at[:, None], out=picks[:, s : s + 1])
+    _commit(state, picks, s)
+
+
+def _rewind(state: dict, saved: dict, done: torch.Tensor) -> None:
+    """The state after the steps that picked ``done [B, s]``, from the one saved before them (the ranks saved
+    are still bounds: gains only decrease)."""
+    state["rank"].copy_(saved["rank"])
+    state["rank"].scatter_(1, done, TAKEN)
+    best = saved["best"]
+    if done.shape[1]:
+        picked = torch.gather(state["cover"], 2, done[:, None, :].expand(-1, best.shape[1], -1))
+        best = torch.maximum(best, picked.amax(dim=2, keepdim=True))
+    state["best"].copy_(best)
+
+
+def _full_step(state: dict, picks: torch.Tensor, s: int) -> None:
+    """The full greedy step: every column evaluated, then the smallest rank."""
+    _refresh(state)
+    torch.argmin(state["rank"], dim=1, keepdim=True, out=picks[:, s : s + 1])
+    _commit(state, picks, s)
+
+
+# ----------------------------------------------------------------------------------------------- dense greedy
+@torch.no_grad()
+def dense_greedy_coverage_order(cover: torch.Tensor, budget: int) -> torch.Tensor:
+    """The previous implementation, for tests and benchmarks: every step reduces the whole ``[B, R, n]`` matrix
+    (``sum(dim=1)`` over all columns at once). Its gains can differ from `greedy_coverage_order`'s in the last
+    bit (another reduction order), so the two agree except where two gains are that close."""
     batch, rows_n, n = cover.shape
     device = cover.device
     order = torch.empty(batch, budget, dtype=torch.long, device=device)
@@ -71,12 +228,12 @@ def greedy_coverage_order(cover: torch.Tensor, budget: int) -> torch.Tensor:
         "gain": torch.empty(batch, n, dtype=cover.dtype, device=device),
         "rows": torch.arange(batch, device=device),
     }
-    run_greedy("mmtok", state, _coverage_step, order, 0, budget)
+    run_greedy("mmtok-dense", state, _coverage_step, order, 0, budget)
     return order
 
 
 def _coverage_step(state: dict, picks: torch.Tensor, s: int) -> None:
-    """One greedy step: the column of largest gain ``sum_r max(0, C_rj - best_r)`` (lowest index on ties)."""
+    """One dense greedy step: the column of largest gain ``sum_r max(0, C_rj - best_r)`` (lowest index on ties)."""
     cover, best, taken, work, gain, rows = (state[k] for k in ("cover", "best", "taken", "work", "gain", "rows"))
     torch.sub(cover, best, out=work)
     work.clamp_min_(0)
