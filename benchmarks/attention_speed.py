@@ -9,8 +9,12 @@ keys under a dense boolean mask (the static cache's visibility), timed per call 
 warm-up, CUDA events):
 
 * ``sdpa``: ``F.scaled_dot_product_attention`` with the mask and ``enable_gqa`` (what the SDPA backend ran before);
-* ``grouped``: `hf_raincheck.attention.sdpa.grouped_attention` (query heads of a KV head stacked as rows; fp32 scores);
-* ``grouped_bf16``: the same with bf16 scores (transformers' eager precision), for reference only.
+* ``grouped``: `hf_raincheck.attention.sdpa.grouped_attention` (query heads of a KV head stacked as rows; scores
+  in the inputs' dtype, fp32 softmax: transformers' eager precision), what fused steps run;
+* ``grouped_fp32``: the same with fp32 scores, for reference.
+
+Eager calls at these sizes are launch-bound (the GPU idles between a path's kernels); ``--graphs`` times a CUDA
+graph of 20 calls replayed (what a compiled static step runs), ``--compile`` lets Inductor fuse each path first.
 
 Writes ``benchmarks/results/attention_speed.json`` with ``--save``.
 """
@@ -40,20 +44,47 @@ def sdpa_masked(query, key, value, visible, scaling):
                                           enable_gqa=query.shape[1] != key.shape[1]).transpose(1, 2).contiguous()
 
 
-def grouped_bf16(query, key, value, visible, scaling):
+def grouped_fp32(query, key, value, visible, scaling):
+    """The grouped path with fp32 scores (its first version; measured slower at the Qwen3-VL-8B shape)."""
     b, hq, q, d = query.shape
     hkv, k = key.shape[1], key.shape[2]
     g = hq // hkv
-    scores = torch.matmul(query.reshape(b, hkv, g * q, d), key.transpose(-1, -2)) * scaling
+    scores = torch.matmul(query.reshape(b, hkv, g * q, d).float(), key.float().transpose(-1, -2)) * scaling
     scores = scores.view(b, hkv, g, q, k).masked_fill(~visible.view(visible.shape[0], 1, 1, q, k), float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(value.dtype).view(b, hkv, g * q, k)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(value.dtype).view(b, hkv, g * q, k)
     return torch.matmul(probs, value).view(b, hq, q, d).transpose(1, 2).contiguous()
 
 
-PATHS = {"sdpa": sdpa_masked, "grouped": grouped_attention, "grouped_bf16": grouped_bf16}
+PATHS = {"sdpa": sdpa_masked, "grouped": grouped_attention, "grouped_fp32": grouped_fp32}
 
 
-def time_us(fn, args, repeats: int, cuda: bool) -> float:
+def time_graphed_us(fn, args, repeats: int, calls: int = 20) -> float:
+    """Per-call GPU time with launch overhead removed, as inside a compiled (CUDA-graphed) step: `calls` calls
+    captured as one CUDA graph, replayed; median over `repeats` replays, divided by `calls`."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
+        for _ in range(calls):
+            fn(*args)
+    graph.replay()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(1e3 * start.elapsed_time(end) / calls)
+    return statistics.median(samples)
+
+
+def time_us(fn, args, repeats: int, cuda: bool, graphed: bool = False) -> float:
+    if graphed:
+        return time_graphed_us(fn, args, repeats)
     fn(*args)
     if cuda:
         torch.cuda.synchronize()
@@ -81,17 +112,26 @@ def main(argv=None) -> int:
     parser.add_argument("--keys", default=None, help="comma list of cache lengths (4352,1280; --quick 200)")
     parser.add_argument("--rows", default=None, help="comma list of query rows (1,8,16,32,64; --quick 1,8)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per case (50; --quick 3)")
+    parser.add_argument("--graphs", action="store_true",
+                        help="CUDA only: time each path as a replayed CUDA graph (no launch overhead, as in a "
+                             "compiled step) instead of eager calls")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each path first (with --graphs)")
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
     device = args.device or ("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
     cuda = device.startswith("cuda")
+    if (args.graphs or args.compile) and not cuda:
+        parser.error("--graphs / --compile need --device cuda")
+    paths = {name: torch.compile(fn, dynamic=False) if args.compile else fn for name, fn in PATHS.items()}
     dtype = torch.bfloat16 if cuda else torch.float32
     keys = [int(k) for k in (args.keys or ("200" if args.quick else "4352,1280")).split(",")]
     rows = [int(r) for r in (args.rows or ("1,8" if args.quick else "1,8,16,32,64")).split(",")]
     repeats = args.repeats or (3 if args.quick else 50)
     layers = {"tiny": (4, 2, 32)} if args.quick else LAYERS
     records = []
+    mode = ("compiled, " if args.compile else "") + ("CUDA graph replay" if args.graphs else "eager calls")
+    print(f"per-call time, {mode}")
     print("| layer | keys | rows | " + " | ".join(f"{p} us" for p in PATHS) + " | max abs diff grouped vs sdpa |")
     print("| " + " | ".join(["---"] * (4 + len(PATHS))) + " |")
     for name, (hq, hkv, d) in layers.items():
@@ -104,14 +144,14 @@ def main(argv=None) -> int:
                 visible = torch.rand(1, 1, q, k, device=device, generator=gen) < 0.9
                 visible[..., :1] = True
                 call = (query, key, value, visible, d ** -0.5)
-                times = {p: time_us(fn, call, repeats, cuda) for p, fn in PATHS.items()}
+                times = {p: time_us(fn, call, repeats, cuda, args.graphs) for p, fn in paths.items()}
                 diff = (grouped_attention(*call).float() - sdpa_masked(*call).float()).abs().max().item()
                 records.append(dict(layer=name, heads=hq, kv_heads=hkv, head_dim=d, keys=k, rows=q,
                                     **{f"{p}_us": round(t, 2) for p, t in times.items()}, max_abs_diff=diff))
                 print(f"| {name} | {k} | {q} | " + " | ".join(f"{times[p]:.1f}" for p in PATHS) + f" | {diff:.2g} |",
                       flush=True)
     if args.save:
-        head = dict(torch=torch.__version__, device=device, dtype=str(dtype).replace("torch.", ""),
+        head = dict(torch=torch.__version__, device=device, timing=mode, dtype=str(dtype).replace("torch.", ""),
                     gpu=torch.cuda.get_device_name() if cuda else None, repeats=repeats, command=" ".join(sys.argv))
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "w") as f:

@@ -110,6 +110,21 @@ def test_fast_matches_naive_on_random_inputs(name, grids):
             assert select_kept(name, ctx).tolist() == run_naive(name, ctx).tolist(), (seed, options)
 
 
+@pytest.mark.parametrize("lazy_from", [1, 10**9], ids=["lazy", "dense"])
+def test_both_mmtok_greedy_paths_match_naive(monkeypatch, lazy_from):
+    """Spans of >= ``LAZY_MIN_TOKENS`` tokens take the lazy greedy, smaller ones the dense step: both give the
+    reference's picks (random inputs, exact ties, batched frames)."""
+    from hf_raincheck.pruning import mmtok
+
+    monkeypatch.setattr(mmtok, "LAZY_MIN_TOKENS", lazy_from)
+    for seed in range(3):
+        for grids in (((1, 4, 6), (1, 5, 5), (1, 3, 4)), VIDEO):
+            for duplicates in (False, True):
+                ctx = make_ctx(seed, grids=grids, texts=(2,) * (len(grids) + 1), retention=0.4,
+                               duplicates=duplicates)
+                assert select_kept("mmtok", ctx).tolist() == run_naive("mmtok", ctx).tolist(), (seed, duplicates)
+
+
 @pytest.mark.parametrize("name", SELECTORS)
 def test_fast_matches_naive_with_ties(name):
     for seed in range(4):

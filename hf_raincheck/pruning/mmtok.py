@@ -90,6 +90,10 @@ def coverage_matrix(x, x_c, z, alpha: float, tau_tv: float, tau_vv: float) -> to
 
 # ----------------------------------------------------------------------------------------------- lazy greedy
 LAZY_K = 64  # candidates evaluated per lazy step
+# spans of at least this many tokens use the lazy greedy; smaller ones the dense step (measured on the H200, one
+# image, retention 0.3, CUDA graphs: 4096 tokens lazy 134 ms vs dense 161 ms; 1024 tokens lazy 26 ms vs dense 9.7 ms;
+# the crossover between them was not measured)
+LAZY_MIN_TOKENS = 2048
 TAKEN = 1 << 62  # rank of a chosen column: after every unchosen one, before the padding
 
 
@@ -254,6 +258,6 @@ def select_mmtok(ctx: SelectionContext) -> torch.Tensor:
         x = torch.stack([ctx.span_embeddings(m) for m in members])
         x_c = torch.stack([ctx.span_vision_hidden(m, "mmtok") for m in members]).to(x.device)
         cover = coverage_matrix(x, x_c, z.to(x.device), opts["alpha"], opts["tau_tv"], opts["tau_vv"])
-        order = greedy_coverage_order(cover, budget)
+        order = greedy_coverage_order(cover, budget) if n >= LAZY_MIN_TOKENS else dense_greedy_coverage_order(cover, budget)
         chosen.update({m: order[i] for i, m in enumerate(members)})
     return assemble(ctx, chosen)
