@@ -50,7 +50,7 @@ def grouped_fp32(query, key, value, visible, scaling):
     hkv, k = key.shape[1], key.shape[2]
     g = hq // hkv
     scores = torch.matmul(query.reshape(b, hkv, g * q, d).float(), key.float().transpose(-1, -2)) * scaling
-    scores = scores.view(b, hkv, g, q, k).masked_fill(~visible.view(visible.shape[0], 1, 1, q, k), float("-inf"))
+    scores = scores.view(b, hkv, g, q, k).masked_fill(~visible.unsqueeze(2), float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(value.dtype).view(b, hkv, g * q, k)
     return torch.matmul(probs, value).view(b, hq, q, d).transpose(1, 2).contiguous()
 

@@ -63,3 +63,12 @@ def test_grouped_bf16_is_close_to_the_fp32_reference():
     ref = naive_attention(query, key, value, visible, 0.125)
     out = sdpa.grouped_attention(query.bfloat16(), key.bfloat16(), value.bfloat16(), visible, 0.125)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_grouped_takes_an_expanded_mask():
+    """A mask broadcast with `expand` (no copy) works as a dense one (no `view` on non-contiguous strides)."""
+    query, key, value, visible = _inputs(4, 12, 4, 2, batch=2)
+    expanded = visible[:1, :, :1].expand(2, 1, 4, 12)
+    assert not expanded.is_contiguous()
+    torch.testing.assert_close(sdpa.grouped_attention(query, key, value, expanded, 0.3),
+                               naive_attention(query, key, value, expanded, 0.3), atol=1e-5, rtol=1e-5)

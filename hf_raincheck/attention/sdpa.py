@@ -37,7 +37,7 @@ def grouped_attention(
     g = hq // hkv
     rows = query.reshape(b, hkv, g * q, d) * scaling
     scores = torch.matmul(rows, key.transpose(-1, -2)).float()  # [b, hkv, g q, k]
-    scores = scores.view(b, hkv, g, q, k).masked_fill(~visible.view(visible.shape[0], 1, 1, q, k), float("-inf"))
+    scores = scores.view(b, hkv, g, q, k).masked_fill(~visible.unsqueeze(2), float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(value.dtype).view(b, hkv, g * q, k)
     out = torch.matmul(probs, value).view(b, hq, q, d)
     return out.transpose(1, 2).contiguous()
