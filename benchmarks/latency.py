@@ -409,15 +409,20 @@ def kernel_busy(prof) -> str:
     return (f", GPU kernels busy {busy / 1e3:.2f} ms" if busy else "") + copies(prof)
 
 
-def copies(prof) -> str:
-    """', copies: N Memcpy PtoP, ...': the step's memory-copy operations by kind (device to device across GPUs,
-    host to device, ...), as the profiler names them; '' when there are none."""
-    counts: dict = {}
+def copy_counts(prof) -> dict[str, int]:
+    """The profiled step's memory-copy operations by kind, as the profiler names them (``Memcpy PtoP (Device ->
+    Device)``: between GPUs; ``Memcpy DtoD ...``, ``Memcpy HtoD ...``)."""
+    counts: dict[str, int] = {}
     for event in prof.events():
         if event.name.startswith("Memcpy"):
-            kind = event.name.split(" (")[0]
-            counts[kind] = counts.get(kind, 0) + 1
-    return (", copies: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))) if counts else ""
+            counts[event.name] = counts.get(event.name, 0) + 1
+    return counts
+
+
+def copies(prof) -> str:
+    """', copies: N Memcpy PtoP, ...' (`copy_counts`, short names), or '' when there are none."""
+    counts = copy_counts(prof)
+    return (", copies: " + ", ".join(f"{n} {k.split(' (')[0]}" for k, n in sorted(counts.items()))) if counts else ""
 
 
 # ---------------------------------------------------------------------------------------------------- reporting

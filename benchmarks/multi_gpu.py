@@ -45,7 +45,7 @@ import transformers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from latency import QUICK_WORKLOADS, WORKLOADS, Timer, placement_devices  # noqa: E402
+from latency import QUICK_WORKLOADS, WORKLOADS, Timer, copy_counts, placement_devices  # noqa: E402
 from shapes import SHAPES, build_model, dispatch  # noqa: E402
 
 import hf_raincheck  # noqa: E402
@@ -166,14 +166,7 @@ def step_copies(model, inputs, cfg, devices) -> dict[str, dict[str, int]]:
     with torch.no_grad():
         model.generate(**inputs, raincheck_config=cfg, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                        streamer=Timer(lambda: sync_all(devices), hook))
-    counts = {}
-    for name, prof in profilers.items():
-        kinds: dict[str, int] = {}
-        for event in prof.events():
-            if event.name.startswith("Memcpy"):
-                kinds[event.name] = kinds.get(event.name, 0) + 1
-        counts[name] = kinds
-    return counts
+    return {name: copy_counts(prof) for name, prof in profilers.items()}
 
 
 def weights_equal(a, b) -> bool:
