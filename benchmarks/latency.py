@@ -21,8 +21,9 @@ Cache kinds: ``dynamic`` (eager decode) and ``static``. On a static cache transf
 decode step (``reduce-overhead``: CUDA graphs); the script hands it one ``StaticCache`` per model, sized for the
 largest workload and emptied before each call, so one graph is recorded once (a new cache per call, as
 ``cache_implementation="static"`` builds, would re-record it during every answer). Raincheck's policies get
-``cache_implementation="static"`` and run however the package runs them (eager until its compiled path lands;
-the console shows the count of compiled graphs).
+``cache_implementation="static"`` and transformers' default ``compile_config`` (which models with GDN layers need
+to compile Raincheck's steps; ``--gdn-backend`` picks their kernels); the console shows the count of compiled
+graphs.
 
 Measurements (each after a warm-up call of the same shapes, which also absorbs compilation):
 
@@ -73,6 +74,7 @@ import traceback
 import torch
 import transformers
 from transformers import StaticCache, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.configuration_utils import CompileConfig
 from transformers.generation.streamers import BaseStreamer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -85,7 +87,7 @@ from hf_raincheck.generation.schedule import carried_tokens  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 RECORD_KEYS = ("model", "workload", "policy", "chunk_size", "fused", "ttft_ms", "tpot_ms", "restore_step_ms",
-               "decode_step_ms", "e2e_ms", "restored_at_token", "peak_mem_gib", "cache", "gpus")
+               "decode_step_ms", "e2e_ms", "restored_at_token", "peak_mem_gib", "cache", "gpus", "step_ms")
 TEXT_BEFORE, QUESTION = 10, 30  # ~40 text tokens around the media
 TARGET_WORKLOAD = "image4096"  # where the TTFT targets are checked
 # a first run of a kind has no measured estimate: assume this much (s) when deciding whether it fits the budget
@@ -149,7 +151,11 @@ class Policy:
 def raincheck_policy(args, chunk_size: int, fused: bool = True) -> Policy:
     return Policy("raincheck", RaincheckConfig(
         retention=args.retention, chunk_size=chunk_size, guard_tokens=args.guard_tokens, pruning=args.pruning,
-        completion="blocking", fused=fused))
+        completion="blocking", fused=fused, gdn_backend=args.gdn_backend))
+
+
+def full_policy(args) -> Policy:
+    return Policy("full", RaincheckConfig(policy="full", completion="blocking", gdn_backend=args.gdn_backend))
 
 
 POLICY_NAMES = ("full", "raincheck", "hard", "unfused", "plain")  # --policies, in priority order
@@ -158,10 +164,10 @@ POLICY_NAMES = ("full", "raincheck", "hard", "unfused", "plain")  # --policies, 
 def main_policies(args) -> list[Policy]:
     """Priority order: what the ratios need first (Full, Raincheck), the references last; those in --policies."""
     policies = {
-        "full": Policy("full", RaincheckConfig(policy="full", completion="blocking")),
+        "full": full_policy(args),
         "raincheck": raincheck_policy(args, args.chunk_size),
         "hard": Policy("hard", RaincheckConfig(policy="hard", retention=args.retention, pruning=args.pruning,
-                                               completion="blocking")),
+                                               completion="blocking", gdn_backend=args.gdn_backend)),
         "unfused": raincheck_policy(args, args.chunk_size, fused=False),
         "plain": Policy("plain", None),
     }
@@ -276,6 +282,8 @@ class Bench:
             kwargs["raincheck_config"] = config
             if cache == "static":
                 kwargs["cache_implementation"] = "static"  # Raincheck sizes its own static cache
+                # transformers' default; models with GDN layers compile Raincheck's steps only when it is given
+                kwargs["compile_config"] = CompileConfig()
         return kwargs
 
     def generate(self, inputs, policy, cache, stop_after=None, hook=None):
@@ -344,6 +352,7 @@ def answer_run(bench: Bench, inputs, policy, cache) -> dict:
         e2e_ms=1e3 * (end - start),
         restored_at_token=restored_at,
         peak_mem_gib=bench.peak_memory_gib(),
+        step_ms=[round(1e3 * s, 3) for s in steps],
     )
 
 
@@ -356,7 +365,9 @@ def measure(bench: Bench, workload: str, inputs, policy: Policy, cache: str) -> 
     """One record: a warm-up (compiles, captures graphs), TTFT calls, answer runs; medians. Also the warm-up's s."""
     args = bench.args
     t0 = time.perf_counter()
-    bench.generate(inputs, policy, cache, stop_after=args.guard_tokens + 3)
+    # a whole answer: every step kind and every switch between them (decode-only -> fused -> decode-only) has run
+    # once, so compilation and CUDA-graph recording stay out of the measured calls
+    bench.generate(inputs, policy, cache)
     warmup_s = time.perf_counter() - t0
     ttfts = [ttft_run(bench, inputs, policy, cache) for _ in range(args.ttft_repeats)]
     answers = [answer_run(bench, inputs, policy, cache) for _ in range(args.repeats)]
@@ -366,32 +377,34 @@ def measure(bench: Bench, workload: str, inputs, policy: Policy, cache: str) -> 
     for key in ("tpot_ms", "restore_step_ms", "decode_step_ms", "e2e_ms", "restored_at_token"):
         record[key] = median_or_none([a[key] for a in answers])
     record["peak_mem_gib"] = max((a["peak_mem_gib"] for a in answers if a["peak_mem_gib"] is not None), default=None)
+    record["step_ms"] = answers[len(answers) // 2]["step_ms"] if answers else None  # per decode step, one answer
     return {key: record[key] for key in RECORD_KEYS}, warmup_s
 
 
 # ---------------------------------------------------------------------------------------------------- profile
 def profile_steps(bench: Bench, inputs, cache: str) -> str:
-    """torch.profiler tables of decode step `guard` (decode only) and step `guard + 2` (fused) of Raincheck."""
+    """torch.profiler tables of decode step `guard` (decode only) and step `guard + 2` (fused) of Raincheck, and of
+    decode step `guard` of Full (the same step kind without a plan, for comparison)."""
     from torch.profiler import ProfilerActivity, profile
 
     args = bench.args
-    policy = raincheck_policy(args, args.chunk_size)
-    bench.generate(inputs, policy, cache, stop_after=args.guard_tokens + 4)  # warm-up
-    steps = {"decode-only": args.guard_tokens, "fused": args.guard_tokens + 2}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.cuda else [])
     profilers, walls = {}, {}
+    runs = [(raincheck_policy(args, args.chunk_size), {"decode-only": args.guard_tokens, "fused": args.guard_tokens + 2}),
+            (full_policy(args), {"Full decode": args.guard_tokens})]
+    for policy, steps in runs:
+        def hook(k, steps=steps):  # decode step j runs between the puts of tokens j and j + 1 (both after a sync)
+            for name, step in steps.items():
+                if k == step and step >= 1:
+                    profilers[name] = profile(activities=activities)
+                    profilers[name].start()
+                    walls[name] = time.perf_counter()
+                elif k == step + 1 and name in profilers:
+                    walls[name] = time.perf_counter() - walls[name]
+                    profilers[name].stop()
 
-    def hook(k):  # decode step j runs between the puts of tokens j and j + 1 (both after a sync)
-        for name, step in steps.items():
-            if k == step and step >= 1:
-                profilers[name] = profile(activities=activities)
-                profilers[name].start()
-                walls[name] = time.perf_counter()
-            elif k == step + 1 and name in profilers:
-                walls[name] = time.perf_counter() - walls[name]
-                profilers[name].stop()
-
-    bench.generate(inputs, policy, cache, stop_after=args.guard_tokens + 4, hook=hook)
+        bench.generate(inputs, policy, cache, stop_after=args.guard_tokens + 4)  # warm-up
+        bench.generate(inputs, policy, cache, stop_after=args.guard_tokens + 4, hook=hook)
     sort_by = "device_time_total" if bench.cuda else "cpu_time_total"
     parts = []
     for name, prof in profilers.items():
@@ -758,6 +771,8 @@ def parse_args(argv=None):
     parser.add_argument("--retention", type=float, default=0.3)
     parser.add_argument("--chunk-size", type=int, default=31)
     parser.add_argument("--guard-tokens", type=int, default=16)
+    parser.add_argument("--gdn-backend", default="auto", choices=("auto", "torch", "fla"),
+                        help="RaincheckConfig.gdn_backend of Qwen3.5 runs (auto: fla-core on CUDA when installed)")
     parser.add_argument("--pruning", default="uniform", help="selector of hard and raincheck")
     parser.add_argument("--budget-s", type=float, default=400.0,
                         help="wall-clock budget of the runs (s): what does not fit is skipped")

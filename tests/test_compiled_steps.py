@@ -155,3 +155,31 @@ def test_compiled_unfused_control_equals_eager(model, hybrid, family):
     assert new_tokens(compiled, inputs) == new_tokens(eager, inputs)
     torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(eager.logits), **TOL)
     assert compiled.past_key_values.stats == eager.past_key_values.stats and graphs() == 2  # chunk-only + decode
+
+
+def test_compiled_gdn_kernels_resolve_outside_the_trace(hybrid, monkeypatch):
+    """GDN kernels inside compiled steps: ``auto`` means torch on every device (fla-core under torch.compile is not
+    proven), an explicit choice is kept; and the traced step never imports them (torch 2.11's dynamo broke the
+    graph at an import of transformers' lazy module, 11 graphs instead of 2 on the H200): with the import
+    functions made to fail, a compiled run still works once the kernels were resolved."""
+    import hf_raincheck.gdn_state.kernels as kernels
+    from hf_raincheck.generation.decode import compiled_gdn_backend
+
+    assert compiled_gdn_backend("auto", torch.device("cuda")) == "torch"
+    assert compiled_gdn_backend("auto", torch.device("cpu")) == "torch"
+    assert compiled_gdn_backend("torch", torch.device("cuda")) == "torch"
+    with pytest.raises(ValueError, match="gdn backend"):
+        compiled_gdn_backend("triton", torch.device("cpu"))
+
+    cfg = RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=2, pruning="uniform", completion="blocking")
+    inputs = two_images()
+    eager = run(hybrid, inputs, 8, cfg, static=False)  # resolves the torch kernels once
+    assert "torch" in kernels._FUNCTIONS
+
+    def no_import():
+        raise AssertionError("GDN kernels imported again (inside a traced step?)")
+
+    monkeypatch.setattr(kernels, "_torch_functions", no_import)
+    monkeypatch.setattr(kernels, "_fla_functions", no_import)
+    compiled = run(hybrid, inputs, 8, cfg)
+    assert new_tokens(compiled, inputs) == new_tokens(eager, inputs) and graphs() == 2

@@ -50,12 +50,25 @@ def _fla_functions():
     return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
 
+_FUNCTIONS: dict[str, tuple] = {}
+
+
+def functions(backend: str) -> tuple:
+    """``(chunk, recurrent)`` of `backend`, imported once. Compiled steps call this eagerly before tracing
+    (`StaticStep`): dynamo in torch 2.11 breaks the graph on an import of transformers' lazy modules ("Bad import
+    result"), and a traced step then only reads this dict."""
+    fns = _FUNCTIONS.get(backend)
+    if fns is None:
+        fns = _FUNCTIONS[backend] = _fla_functions() if backend == "fla" else _torch_functions()
+    return fns
+
+
 def gated_delta(backend: str, q, k, v, g, beta, state):
     """Rows ``[1, T, ...]`` from `state` (``None``: zeros). Returns ``(o [1, T, H_v, V], final state fp32)``.
 
     Single rows with a state use the recurrent kernel, everything else the chunked one, as transformers does.
     """
-    chunk, recurrent = _fla_functions() if backend == "fla" else _torch_functions()
+    chunk, recurrent = functions(backend)
     fn = recurrent if (state is not None and q.shape[1] == 1) else chunk
     out, final = fn(
         q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True

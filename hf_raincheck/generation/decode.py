@@ -18,6 +18,7 @@ import torch
 from ..cache import DeferralPlan, DeferredPrefillCache
 from ..gdn_state import GDNGraphStep
 from ..gdn_state import resolve as resolve_gdn_backend
+from ..gdn_state.kernels import functions as gdn_functions
 from .rows import Rows, concat_rows, deferred_rows, run_rows
 from .schedule import carried_tokens
 from .visibility import visible
@@ -101,6 +102,13 @@ def _step_graph(adapter, cache, token, slot, rope_delta, chunk, backend: str, vi
     return adapter.lm_head(hidden[:, -1:])
 
 
+def compiled_gdn_backend(name: str, device: torch.device) -> str:
+    """GDN kernels inside a compiled step: ``"auto"`` -> ``"torch"`` on every device (Inductor compiles it; on the
+    H200 a tiny Qwen3.5's compiled steps gave 2 graphs and eager's tokens), because fla-core's Triton kernels traced
+    by ``torch.compile`` did not finish compiling that step within 78 s. An explicit ``"fla"`` is honoured."""
+    return resolve_gdn_backend("torch" if name == "auto" else name, device)
+
+
 class StaticStep:
     """Compiled decode / fused steps on a static `DeferredPrefillCache` (see the module docstring).
 
@@ -149,11 +157,13 @@ class StaticStep:
 
     def _run(self, cache, turn, count: int, token, slot: int, chunk):
         if self.adapter.gdn_glue is not None:  # GDN layers read how the rows split (tensors only)
+            backend = compiled_gdn_backend(turn.config.gdn_backend, cache._filled.device)
+            gdn_functions(backend)  # imported here, outside the trace (torch 2.11's dynamo breaks the graph on it)
             cache._gdn_step = GDNGraphStep(
                 valid=chunk[3] if chunk is not None else None,
                 count=cache._slot_index[count] if chunk is not None else None,
                 live=token is not None,
-                backend=resolve_gdn_backend(turn.config.gdn_backend, cache._filled.device),
+                backend=backend,
             )
         try:
             return self.compiled(
