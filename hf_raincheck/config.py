@@ -8,7 +8,7 @@ from typing import Any, Callable, Union
 
 POLICIES = ("full", "hard", "raincheck")
 COMPLETIONS = ("background", "blocking", "next_turn")
-ATTN_BACKENDS = ("auto", "sdpa", "eager")
+ATTN_BACKENDS = ("auto", "sdpa", "eager", "flash")
 VISIBILITIES = ("boundary", "causal")
 GDN_BACKENDS = ("auto", "torch", "fla")
 
@@ -50,8 +50,10 @@ class RaincheckConfig:
             (fold them into the next `generate` call on the same cache, or run `complete_deferred` yourself).
         completion_chunk_size: tokens per forward when completing outside decoding (>= 1); also the most a
             new request waits for a running background worker.
-        attn_backend: attention for Raincheck's forwards: ``"auto"`` (sdpa), ``"sdpa"`` or ``"eager"``
-            (the plain reference).
+        attn_backend: attention for Raincheck's forwards: ``"auto"`` (sdpa, the fastest measured), ``"sdpa"``,
+            ``"eager"`` (the plain reference) or ``"flash"`` (the flash_attn package's kernels, flash-attn 2/3 or 4;
+            each forward's keys gathered past the pending deferred slots; restored rows under
+            ``visibility="causal"`` take SDPA; `generate` raises if flash_attn is missing).
         visibility: what a deferred row sees: ``"boundary"`` (the whole prefix before the plan's boundary,
             as in the paper) or ``"causal"`` (only cached entries at or before its own logical index). Applies
             to attention layers; Gated DeltaNet layers always continue the state at the boundary (rule 3).

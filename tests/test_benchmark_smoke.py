@@ -10,7 +10,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD_KEYS = {"model", "workload", "policy", "chunk_size", "fused", "ttft_ms", "tpot_ms", "restore_step_ms",
-               "decode_step_ms", "e2e_ms", "restored_at_token", "peak_mem_gib", "cache", "gpus"}
+               "decode_step_ms", "e2e_ms", "restored_at_token", "peak_mem_gib", "cache", "gpus", "step_ms"}
 
 
 def test_latency_quick_writes_the_issue_records(tmp_path):
@@ -27,6 +27,10 @@ def test_latency_quick_writes_the_issue_records(tmp_path):
     assert {"torch", "transformers", "hf_raincheck", "gpu"} <= set(header)
     assert header["errors"] == [] and header["skipped"] == []
     assert records and all(set(r) == RECORD_KEYS and r["gpus"] == 1 for r in records)
+    # every decode step's duration (24 forced tokens: 23 steps), and TPOT is their mean
+    for r in records:
+        assert len(r["step_ms"]) == 23 and all(s > 0 for s in r["step_ms"])
+        assert abs(sum(r["step_ms"]) / 23 - r["tpot_ms"]) < 0.01 * r["tpot_ms"] + 0.01
     # every model x workload x cache has the five policies side by side, and the sweep adds chunk 15
     groups = {(r["model"], r["workload"], r["cache"]) for r in records}
     assert len(groups) == 2 * 3 * 2

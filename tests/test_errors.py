@@ -40,7 +40,7 @@ CFG = RaincheckConfig(retention=0.5, chunk_size=2, guard_tokens=1)
         ("guard_tokens", -1, "guard_tokens must be an int >= 0"),
         ("completion", "later", "completion must be one of"),
         ("completion_chunk_size", 0, "completion_chunk_size must be an int >= 1"),
-        ("attn_backend", "flash", "attn_backend must be one of"),
+        ("attn_backend", "xformers", "attn_backend must be one of"),
         ("visibility", "all", "visibility must be one of"),
         ("pruning", "nope", "pruning must be one of"),
         ("pruning", 3, "pruning must be a registered selector name or a callable"),

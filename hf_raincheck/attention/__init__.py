@@ -1,7 +1,9 @@
-"""Attention backends for Raincheck's forwards (`naive` reference, `sdpa`) and the dispatcher."""
+"""Attention backends for Raincheck's forwards (`naive` reference, `sdpa`, `flash`) and the dispatcher."""
 
 from .dispatch import BACKENDS, install, resolve_backend, uninstall
-from .naive import naive_attention
+from .flash import flash_attention
+from .naive import naive_attention, naive_flash_kernel
 from .sdpa import sdpa_attention
 
-__all__ = ["BACKENDS", "install", "uninstall", "resolve_backend", "naive_attention", "sdpa_attention"]
+__all__ = ["BACKENDS", "install", "uninstall", "resolve_backend", "naive_attention", "naive_flash_kernel",
+           "sdpa_attention", "flash_attention"]

@@ -16,11 +16,12 @@ import torch
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from . import flash
 from .naive import naive_attention
 from .sdpa import sdpa_attention
 
 NAME = "raincheck"
-BACKENDS = {"eager": naive_attention, "sdpa": sdpa_attention}
+BACKENDS = {"eager": naive_attention, "sdpa": sdpa_attention, "flash": flash.flash_attention}
 
 
 class _CausalLowerRight:
@@ -36,8 +37,13 @@ CAUSAL_LOWER_RIGHT = _CausalLowerRight()
 
 
 def resolve_backend(name: str) -> str:
-    """``auto`` -> the fastest backend available here (sdpa until the flash backend lands)."""
-    return "sdpa" if name == "auto" else name
+    """``auto`` -> SDPA, the fastest measured (flash-attn 4 took 95-133 us per decode-shape call on the H200 against
+    52-58 us for SDPA); ``flash`` needs the flash_attn package (a ValueError says what to install)."""
+    if name == "auto":
+        return "sdpa"
+    if name == "flash":
+        flash.kernel()
+    return name
 
 
 def _base_attention(module, base_impl: str):
@@ -57,6 +63,8 @@ def raincheck_attention(module, query, key, value, attention_mask, scaling=None,
         scaling = query.shape[-1] ** -0.5
     if attention_mask is CAUSAL_LOWER_RIGHT:
         return BACKENDS[backend](query, key, value, None, scaling, causal_lower_right=True), None
+    if isinstance(attention_mask, flash.FlashMask):  # the flash backend's layout (attention/flash.py)
+        return flash.flash_attention(query, key, value, attention_mask.to(query.device), scaling), None
     if attention_mask.device != query.device:  # a device_map's hooks move it with the layer's inputs; else do it here
         attention_mask = attention_mask.to(query.device)
     out = BACKENDS[backend](query, key, value, attention_mask, scaling)

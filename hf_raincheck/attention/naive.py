@@ -28,3 +28,16 @@ def naive_attention(
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     out = torch.matmul(probs, value.float()).to(query.dtype)
     return out.transpose(1, 2).contiguous()
+
+
+def naive_flash_kernel(q, k, v, used, scaling: float) -> torch.Tensor:
+    """Reference of the flash kernel contract (`flash.py`): bottom-right causal attention of ``q [B, Q, Hq, D]`` over
+    the first ``used[b]`` keys of ``k/v [B, N, Hkv, D]`` (``used`` int32 ``[B]``, None: all N): row r sees keys
+    ``[0, used - Q + r]``. Returns ``[B, Q, Hq, D]``."""
+    b, q_len, _, _ = q.shape
+    n = k.shape[1]
+    lengths = torch.full((b,), n, device=q.device) if used is None else used.to(torch.long)
+    keys = torch.arange(n, device=q.device)[None, None, :]
+    last = (lengths[:, None] - q_len + torch.arange(q_len, device=q.device)[None, :])[:, :, None]
+    visible = (keys <= last) & (keys < lengths[:, None, None])  # [B, Q, N]
+    return naive_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), visible[:, None], scaling)

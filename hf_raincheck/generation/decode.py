@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..attention.flash import flash_mask
 from ..cache import DeferralPlan, DeferredPrefillCache
 from ..gdn_state import GDNGraphStep
 from ..gdn_state import resolve as resolve_gdn_backend
@@ -94,6 +95,9 @@ def _step_graph(adapter, cache, token, slot, rope_delta, chunk, backend: str, vi
         deepstack = [torch.cat([p[5][k] for p in parts]) for k in range(len(parts[0][5]))]
     present = filled.clone().index_fill_(0, slots, True)
     mask = visible(present, slots, flags, boundary, deferred_slots, visibility)[None, None]
+    if backend == "flash":  # the keys' gather order per row block (attention/flash.py)
+        mask = flash_mask(mask, filled, slots, 0 if chunk is None else chunk[0].shape[0],
+                          None if chunk is None else chunk[3], boundary, visibility)
     cache._write_slots = slots
     hidden = adapter.language_forward(embeds, positions, mask, cache, deepstack, backend)
     filled[slots] = filled[slots] | valid

@@ -11,6 +11,7 @@ from ..gdn_state import GDNStep
 from ..gdn_state import resolve as resolve_gdn_backend
 from ..models import ModelAdapter
 from ..attention.dispatch import CAUSAL_LOWER_RIGHT
+from ..attention.flash import flash_mask
 from .visibility import visibility_mask
 
 
@@ -138,6 +139,9 @@ def run_rows(
             visibility,
             width,
         )
+        if backend == "flash":  # the keys' gather order per row block (attention/flash.py)
+            mask = flash_mask(mask, cache._filled[:width], rows.slots, rows.restored if has_deferred else 0, None,
+                              plan.boundary if has_deferred else 0, visibility)
     cache._write_slots, cache._kv_len = rows.slots, kv_len
     cache._slots_by_device = {}
     gdn_before = None
