@@ -11,7 +11,11 @@ warm-up, CUDA events):
 * ``sdpa``: ``F.scaled_dot_product_attention`` with the mask and ``enable_gqa`` (what the SDPA backend ran before);
 * ``grouped``: `hf_raincheck.attention.sdpa.grouped_attention` (query heads of a KV head stacked as rows; scores
   in the inputs' dtype, fp32 softmax: transformers' eager precision), what fused steps run;
-* ``grouped_fp32``: the same with fp32 scores, for reference.
+* ``grouped_fp32``: the same with fp32 scores, for reference;
+* ``grouped_blocked``: the grouped path with its two-level softmax over blocks of 256 keys
+  (``HF_RAINCHECK_GROUPED_SOFTMAX_BLOCK=256``);
+* ``flash`` (when flash_attn is installed): the flash backend's kernel over the k keys (``attn_backend="flash"``
+  calls it per row block after gathering the keys: ``flash_gathered`` adds that gather).
 
 Eager calls at these sizes are launch-bound (the GPU idles between a path's kernels); ``--graphs`` times a CUDA
 graph of 20 calls replayed (what a compiled static step runs), ``--compile`` lets Inductor fuse each path first.
@@ -33,6 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from hf_raincheck.attention import flash  # noqa: E402
 from hf_raincheck.attention.sdpa import grouped_attention  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "attention_speed.json")
@@ -55,7 +60,26 @@ def grouped_fp32(query, key, value, visible, scaling):
     return torch.matmul(probs, value).view(b, hq, q, d).transpose(1, 2).contiguous()
 
 
-PATHS = {"sdpa": sdpa_masked, "grouped": grouped_attention, "grouped_fp32": grouped_fp32}
+def grouped_blocked(query, key, value, visible, scaling):
+    return grouped_attention(query, key, value, visible, scaling, softmax_block=256)
+
+
+def flash_contiguous(query, key, value, visible, scaling):
+    """The flash kernel, bottom-right causal over all k keys (the visibility of a decode row; no mask)."""
+    return flash._call(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), None, scaling)
+
+
+def flash_gathered(query, key, value, visible, scaling):
+    """The same after the flash backend's per-layer gather of the keys (here every key, in order)."""
+    index = torch.arange(key.shape[2], device=key.device)
+    count = torch.full((query.shape[0],), key.shape[2], dtype=torch.int32, device=key.device)
+    return flash._gathered(query, key, value, index, count, scaling)
+
+
+PATHS = {"sdpa": sdpa_masked, "grouped": grouped_attention, "grouped_fp32": grouped_fp32,
+         "grouped_blocked": grouped_blocked}
+if flash.available():
+    PATHS.update(flash=flash_contiguous, flash_gathered=flash_gathered)
 
 
 def time_graphed_us(fn, args, repeats: int, calls: int = 20) -> float:
