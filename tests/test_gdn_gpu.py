@@ -37,11 +37,16 @@ def rel(a, b):
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
 
+@pytest.mark.parametrize("recurrent_rows", [1, 64], ids=["chunked", "recurrent-upto-64"])
 @pytest.mark.parametrize(
     "t, dtype", [(1, torch.bfloat16), (31, torch.bfloat16), (300, torch.bfloat16), (1, torch.float32)],
     ids=["decode-bf16", "chunk31-bf16", "prefill300-bf16", "decode-fp32"],
 )
-def test_fla_matches_torch(t, dtype):
+def test_fla_matches_torch(monkeypatch, t, dtype, recurrent_rows):
+    """(recurrent_rows: `kernels.FLA_RECURRENT_MAX_ROWS`, which kernel rows from a state take.)"""
+    import hf_raincheck.gdn_state.kernels as kernels
+
+    monkeypatch.setattr(kernels, "FLA_RECURRENT_MAX_ROWS", recurrent_rows)
     q, k, v, g, beta = factors(t, dtype)
     s0 = torch.randn(1, HV, K, V, generator=torch.Generator().manual_seed(1)).cuda()
     stacked = torch.cat([s0, torch.eye(K).cuda().expand(1, HV, K, K)], dim=-1)

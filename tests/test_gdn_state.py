@@ -87,3 +87,31 @@ def test_online_transition_and_join_float32(tail_len):
     rel = (layer.recurrent.double() - expected).abs().max() / expected.abs().max()
     assert rel.item() <= 1e-5
 
+
+
+@pytest.mark.parametrize("most", [1, 64])
+def test_fla_rows_from_a_state_take_the_recurrent_kernel_up_to_the_limit(monkeypatch, most):
+    """`kernels.FLA_RECURRENT_MAX_ROWS` routes fla calls (decode rows, fused-step chunks) to the recurrent kernel;
+    the torch backend keeps transformers' rule (one row); rows without a state always take the chunked kernel."""
+    import hf_raincheck.gdn_state.kernels as kernels
+
+    calls = []
+
+    def fake(name):
+        def fn(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+            calls.append(name)
+            return v, torch.zeros(1)
+        return fn
+
+    monkeypatch.setattr(kernels, "FLA_RECURRENT_MAX_ROWS", most)
+    monkeypatch.setitem(kernels._FUNCTIONS, "fla", (fake("chunk"), fake("recurrent")))
+    monkeypatch.setitem(kernels._FUNCTIONS, "torch", (fake("torch chunk"), fake("torch recurrent")))
+    state = torch.zeros(1, 2, 4, 4)
+    for backend in ("fla", "torch"):
+        for rows in (1, 31, 64, 65):
+            x = torch.zeros(1, rows, 2, 4)
+            kernels.gated_delta(backend, x, x, x, x[..., 0], x[..., 0], state)
+        kernels.gated_delta(backend, x, x, x, x[..., 0], x[..., 0], None)
+    fla_31 = "recurrent" if most >= 31 else "chunk"
+    assert calls == ["recurrent", fla_31, fla_31, "chunk", "chunk",
+                     "torch recurrent", "torch chunk", "torch chunk", "torch chunk", "torch chunk"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 
 import torch
 
@@ -63,13 +64,22 @@ def functions(backend: str) -> tuple:
     return fns
 
 
+# fla-core only: rows from a state up to this many take the fused recurrent kernel instead of the chunked one. In the
+# H200 profile of an eager Qwen3.5-9B fused step (32 rows), fla's chunked function cost 1.76 ms of host time per
+# layer call against 0.31 ms for the recurrent one on a decode row (GPU time is small for both). Default 1 (as
+# transformers) until a GPU run compares them: HF_RAINCHECK_FLA_RECURRENT_ROWS=64.
+FLA_RECURRENT_MAX_ROWS = int(os.environ.get("HF_RAINCHECK_FLA_RECURRENT_ROWS", "1"))
+
+
 def gated_delta(backend: str, q, k, v, g, beta, state):
     """Rows ``[1, T, ...]`` from `state` (``None``: zeros). Returns ``(o [1, T, H_v, V], final state fp32)``.
 
-    Single rows with a state use the recurrent kernel, everything else the chunked one, as transformers does.
+    Single rows with a state use the recurrent kernel, everything else the chunked one, as transformers does (fla:
+    up to `FLA_RECURRENT_MAX_ROWS` rows from a state take the recurrent one).
     """
     chunk, recurrent = functions(backend)
-    fn = recurrent if (state is not None and q.shape[1] == 1) else chunk
+    most = FLA_RECURRENT_MAX_ROWS if backend == "fla" else 1
+    fn = recurrent if (state is not None and q.shape[1] <= most) else chunk
     out, final = fn(
         q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
     )
