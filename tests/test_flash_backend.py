@@ -166,3 +166,21 @@ def test_real_flash_kernels_equal_sdpa_on_cuda():
     ref = generate(model, inputs, 12, dataclasses.replace(cfg, attn_backend="sdpa"))
     out = generate(model, inputs, 12, dataclasses.replace(cfg, attn_backend="flash"))
     assert new_tokens(out, inputs) == new_tokens(ref, inputs)
+
+
+def test_flash_kernels_refuse_float32_with_a_clear_error(monkeypatch):
+    """The real kernels take half precision: a float32 model gets a ValueError naming the option (the wrappers
+    check before calling flash_attn, here a stand-in module)."""
+    import types
+
+    fake = types.ModuleType("flash_attn")
+    fake.flash_attn_with_kvcache = lambda *a, **k: pytest.fail("called with float32")
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    flash._find_kernel.cache_clear()
+    try:
+        found = flash._find_kernel()
+        q = torch.zeros(1, 2, 4, 8)
+        with pytest.raises(ValueError, match="attn_backend='flash'.*float16 or bfloat16"):
+            found(q, q, q, None, 0.3)
+    finally:
+        flash._find_kernel.cache_clear()

@@ -163,6 +163,14 @@ def available() -> bool:
     return _KERNEL is not None or _find_kernel() is not None
 
 
+def _half_precision(q) -> None:
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"attn_backend='flash': flash-attention kernels take float16 or bfloat16, this model computes in "
+            f"{q.dtype}; load it in bfloat16 or use attn_backend='sdpa'"
+        )
+
+
 @functools.lru_cache(maxsize=None)
 def _find_kernel():
     try:
@@ -172,6 +180,7 @@ def _find_kernel():
         with_kvcache = None
     if with_kvcache is not None:
         def fa2(q, k, v, used, scale):
+            _half_precision(q)
             return with_kvcache(q, k, v, cache_seqlens=used, softmax_scale=scale, causal=True)
 
         return fa2
@@ -181,6 +190,7 @@ def _find_kernel():
         return None
 
     def fa4(q, k, v, used, scale):
+        _half_precision(q)
         out = varlen(q, k, v, seqused_k=used, softmax_scale=scale, causal=True)
         return out[0] if isinstance(out, tuple) else out
 
