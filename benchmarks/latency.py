@@ -151,11 +151,12 @@ class Policy:
 def raincheck_policy(args, chunk_size: int, fused: bool = True) -> Policy:
     return Policy("raincheck", RaincheckConfig(
         retention=args.retention, chunk_size=chunk_size, guard_tokens=args.guard_tokens, pruning=args.pruning,
-        completion="blocking", fused=fused, gdn_backend=args.gdn_backend))
+        completion="blocking", fused=fused, gdn_backend=args.gdn_backend, attn_backend=args.attn_backend))
 
 
 def full_policy(args) -> Policy:
-    return Policy("full", RaincheckConfig(policy="full", completion="blocking", gdn_backend=args.gdn_backend))
+    return Policy("full", RaincheckConfig(policy="full", completion="blocking", gdn_backend=args.gdn_backend,
+                                          attn_backend=args.attn_backend))
 
 
 POLICY_NAMES = ("full", "raincheck", "hard", "unfused", "plain")  # --policies, in priority order
@@ -167,7 +168,8 @@ def main_policies(args) -> list[Policy]:
         "full": full_policy(args),
         "raincheck": raincheck_policy(args, args.chunk_size),
         "hard": Policy("hard", RaincheckConfig(policy="hard", retention=args.retention, pruning=args.pruning,
-                                               completion="blocking", gdn_backend=args.gdn_backend)),
+                                               completion="blocking", gdn_backend=args.gdn_backend,
+                                               attn_backend=args.attn_backend)),
         "unfused": raincheck_policy(args, args.chunk_size, fused=False),
         "plain": Policy("plain", None),
     }
@@ -577,7 +579,8 @@ def header(args, cuda: bool, workloads: dict) -> dict:
         settings=dict(new_tokens=args.new_tokens, repeats=args.repeats, ttft_repeats=args.ttft_repeats,
                       retention=args.retention, chunk_size=args.chunk_size, guard_tokens=args.guard_tokens,
                       pruning=args.pruning, completion="blocking", static_max_cache_len=args.max_cache_len,
-                      budget_s=args.budget_s),
+                      budget_s=args.budget_s, attn_backend=args.attn_backend, gdn_backend=args.gdn_backend,
+                      env={k: v for k, v in os.environ.items() if k.startswith("HF_RAINCHECK_")}),
         workloads={name: dict(visual_tokens=workloads[name].visual_tokens, prompt_tokens=workloads[name].prompt_tokens,
                               spans=workloads[name].spans)
                    for name in dict.fromkeys(w for w, _, _ in run_plan(args))},
@@ -771,6 +774,8 @@ def parse_args(argv=None):
     parser.add_argument("--retention", type=float, default=0.3)
     parser.add_argument("--chunk-size", type=int, default=31)
     parser.add_argument("--guard-tokens", type=int, default=16)
+    parser.add_argument("--attn-backend", default="auto", choices=("auto", "sdpa", "eager", "flash"),
+                        help="RaincheckConfig.attn_backend of the Full / Hard / Raincheck runs")
     parser.add_argument("--gdn-backend", default="auto", choices=("auto", "torch", "fla"),
                         help="RaincheckConfig.gdn_backend of Qwen3.5 runs (auto: fla-core on CUDA when installed)")
     parser.add_argument("--pruning", default="uniform", help="selector of hard and raincheck")
