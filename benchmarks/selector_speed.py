@@ -3,6 +3,7 @@
     python benchmarks/selector_speed.py --device cuda                    # 1024- and 4096-token images, 16-frame video
     python benchmarks/selector_speed.py --device cuda --ttft             # + Full TTFT of a random-weight Qwen3-VL-8B
     python benchmarks/selector_speed.py --small --device cpu             # CPU smoke run with small sizes (seconds)
+    python benchmarks/selector_speed.py --device cuda --paths triton,torch   # the Triton kernels next to the torch loops
 
 What is timed, per case and selector (median of ``--repeats`` after one warm-up, CUDA-synchronised):
 
@@ -44,6 +45,7 @@ import torch  # noqa: E402
 from hf_raincheck import RaincheckConfig  # noqa: E402
 from hf_raincheck.pruning import SelectionContext, select_kept, selector_requirements  # noqa: E402
 from hf_raincheck.pruning.base import VISION_ATTENTION, VISION_DEPTH, VISION_HIDDEN  # noqa: E402
+from hf_raincheck.pruning.triton_support import triton_enabled  # noqa: E402
 from hf_raincheck.pruning.vision import pool_merged, received_attention  # noqa: E402
 
 SELECTORS = ["mmtok", "hiprune", "divprune", "visionzip", "uniform", "random"]
@@ -179,10 +181,17 @@ def main(argv=None):
     parser.add_argument("--query-tokens", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--ttft", action="store_true", help="also time Full TTFT on a random-weight model")
+    parser.add_argument("--paths", default="auto",
+                        help="comma list of kernel paths to time side by side: triton, torch (HF_RAINCHECK_TRITON=1/0), "
+                             "or auto (this environment's)")
     parser.add_argument("--out", default="selectors.json")
     args = parser.parse_args(argv)
 
     device = args.device
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    bad = [p for p in paths if p not in ("auto", "triton", "torch")]
+    if bad or not paths:
+        parser.error(f"--paths: comma list of auto, triton, torch; got {args.paths!r}")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     shape = SHAPES["small" if args.small else "qwen3-vl-8b"]
     cases = SMALL_CASES if args.small else CASES
@@ -192,6 +201,7 @@ def main(argv=None):
         # the random-weight model of benchmarks/latency.py
         spec = importlib.util.spec_from_file_location("raincheck_latency_bench", os.path.join(_HERE, "latency.py"))
         latency = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = latency  # its dataclasses look their module up while being built
         spec.loader.exec_module(latency)
         model = latency.build_model("tiny" if args.small else "qwen3-vl-8b", device, dtype)
 
@@ -203,7 +213,9 @@ def main(argv=None):
         grids = cases[case]
         ctx = build_context(grids, shape, args.retention, args.query_tokens, device, dtype)
         ttft = full_ttft(model, grids, args.query_tokens, device, dtype, args.repeats) if model is not None else None
-        for name in args.selectors:
+        for name, path in [(name, path) for name in args.selectors for path in paths]:
+            if path != "auto":
+                os.environ["HF_RAINCHECK_TRITON"] = "1" if path == "triton" else "0"
             sync(device)
             t0 = time.perf_counter()
             select_kept(name, ctx)  # first call of this shape: includes capturing the greedy loop's CUDA graph
@@ -214,6 +226,7 @@ def main(argv=None):
             row = dict(
                 case=case,
                 selector=name,
+                path="triton" if triton_enabled(device) else "torch",  # what ran (no Triton: torch either way)
                 tokens=sum(h * w for h, w in grids),
                 spans=len(grids),
                 kept=sum(ctx.budgets),
@@ -239,13 +252,13 @@ def main(argv=None):
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=2)
     print()
-    print("| case | selector | tokens | spans | kept | first call ms | select ms | extras ms | total ms | Full TTFT ms | share |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| case | selector | path | tokens | spans | kept | first call ms | select ms | extras ms | total ms | Full TTFT ms | share |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ttft = "-" if r["full_ttft_ms"] is None else f"{r['full_ttft_ms']:.1f}"
         share = "-" if r["share_of_ttft"] is None else f"{100 * r['share_of_ttft']:.1f}%"
         print(
-            f"| {r['case']} | {r['selector']} | {r['tokens']} | {r['spans']} | {r['kept']} | {r['first_call_ms']:.2f} | "
+            f"| {r['case']} | {r['selector']} | {r['path']} | {r['tokens']} | {r['spans']} | {r['kept']} | {r['first_call_ms']:.2f} | "
             f"{r['select_ms']:.2f} | "
             f"{r['extras_ms']:.2f} | {r['total_ms']:.2f} | {ttft} | {share} |"
         )

@@ -23,6 +23,7 @@ import torch
 
 from .base import SelectionContext, assemble, register_selector, span_groups
 from .greedy import run_greedy
+from .triton_support import triton_enabled
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
@@ -48,6 +49,10 @@ def divprune_order(features: torch.Tensor, budget: int) -> torch.Tensor:
     order[:, 0] = pick
     nearest = sim[rows, pick].clone()  # [B, N] running max cos to the chosen set (= running min distance)
     nearest[rows, pick] = float("inf")  # chosen: never again
+    if triton_enabled(device):  # the whole loop in one kernel (same picks)
+        from .greedy_triton import divprune_steps_triton
+
+        return divprune_steps_triton(sim, nearest, order, 1, budget)
     run_greedy("divprune", {"sim": sim, "nearest": nearest, "rows": rows}, _divprune_step, order, 1, budget)
     return order
 

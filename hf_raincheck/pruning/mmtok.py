@@ -66,6 +66,7 @@ import torch
 from .base import VISION_HIDDEN, SelectionContext, assemble, check_float, register_selector, span_groups
 from .divprune import l2_normalize
 from .greedy import CHUNK, Checked, run_greedy
+from .triton_support import triton_enabled
 
 DEFAULTS = {"alpha": 0.5, "tau_tv": 0.01, "tau_vv": 0.2}
 CHECKS = {
@@ -123,6 +124,14 @@ def greedy_coverage_order(
         step = max(-100, min(100, e))
         scaled = scaled * 2.0**step
         e -= step
+    if lazy and triton_enabled(device):  # the whole loop in one kernel, same gains and picks
+        from .greedy_triton import coverage_order_triton
+
+        real = scaled[:, :, :n]
+        gain = _gains(real, torch.zeros(batch, rows_n, 1, dtype=torch.float, device=device))
+        picked = coverage_order_triton(real, gain, budget, width + 1)
+        if picked is not None:
+            return picked
     cols = torch.arange(width + 1, device=device)
     # real columns: no bound yet (the first refresh evaluates them); padding n .. width: after everything, distinct
     rank = torch.where(cols < n, torch.iinfo(torch.long).min, (1 << 63) - 1 - (width - cols))
@@ -258,6 +267,7 @@ def select_mmtok(ctx: SelectionContext) -> torch.Tensor:
         x = torch.stack([ctx.span_embeddings(m) for m in members])
         x_c = torch.stack([ctx.span_vision_hidden(m, "mmtok") for m in members]).to(x.device)
         cover = coverage_matrix(x, x_c, z.to(x.device), opts["alpha"], opts["tau_tv"], opts["tau_vv"])
-        order = greedy_coverage_order(cover, budget) if n >= LAZY_MIN_TOKENS else dense_greedy_coverage_order(cover, budget)
+        exact = n >= LAZY_MIN_TOKENS or triton_enabled(cover.device)
+        order = greedy_coverage_order(cover, budget) if exact else dense_greedy_coverage_order(cover, budget)
         chosen.update({m: order[i] for i, m in enumerate(members)})
     return assemble(ctx, chosen)

@@ -2,7 +2,9 @@
 
 - `received_attention`: the attention each key receives in one ViT block (softmax of ``q k^T * scale`` within
   each attention segment of ``cu_seqlens``, mean over heads, summed over queries), recomputed from the block's
-  q and k in fp32, a block of queries at a time, so the ViT keeps its own (sdpa / flash) attention.
+  q and k, so the ViT keeps its own (sdpa / flash) attention: by the Triton kernels of
+  `hf_raincheck.pruning.attention_triton` where they run (`triton_enabled`: CUDA), else by
+  `received_attention_torch` (fp32, a block of queries at a time; also their reference).
 - `BlockAttentionHooks`: forward pre-hooks on the requested blocks only; a family-specific ``block_qk`` function
   recomputes the block's q, k (with its rotary embedding) from the block's input.
 - `pool_merged`: per-patch values -> per merged token (mean over the ``merge_unit`` consecutive patches of each
@@ -15,6 +17,8 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 import torch
+
+from .triton_support import triton_enabled
 
 #: at most this many attention probabilities in memory at once ([heads, query block, keys] fp32: 256 MiB)
 MAX_ATTENTION_ELEMENTS = 1 << 26
@@ -35,7 +39,25 @@ def received_attention(
         q, k: ``[P, heads, head_dim]`` (after the rotary embedding) for all patches of the call.
         cu_seqlens: ``[segments + 1]`` cumulative segment boundaries (attention never crosses a segment).
         scale: the softmax scale of the block (``head_dim ** -0.5``).
+        max_elements: the torch path's memory bound (`received_attention_torch`).
     """
+    if triton_enabled(q.device):
+        from .attention_triton import received_attention_triton  # lazily: CPU installs may have no Triton
+
+        return received_attention_triton(q, k, cu_seqlens, scale)
+    return received_attention_torch(q, k, cu_seqlens, scale, max_elements)
+
+
+@torch.no_grad()
+def received_attention_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens: torch.Tensor | Iterable[int],
+    scale: float,
+    max_elements: int = MAX_ATTENTION_ELEMENTS,
+) -> torch.Tensor:
+    """`received_attention` in torch, fp32: the ``[heads, query block, keys]`` probabilities of at most
+    `max_elements` at a time (the Triton kernels' reference)."""
     total, heads, _ = q.shape
     qh = q.float().transpose(0, 1)  # [heads, P, d]
     kh = k.float().transpose(0, 1)

@@ -1,0 +1,38 @@
+"""When the pruning code may run its Triton kernels.
+
+The kernels (`hf_raincheck.pruning.greedy_triton`, `hf_raincheck.pruning.attention_triton`) run on CUDA tensors
+when Triton imports (it ships with CUDA builds of torch). ``HF_RAINCHECK_TRITON=0`` turns them off (the torch
+paths run instead: the same results). For tests on a machine without a GPU, Triton's interpreter
+(``TRITON_INTERPRET=1``) runs them on CPU tensors too.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def triton_importable() -> bool:
+    try:
+        importlib.import_module("triton")
+        importlib.import_module("triton.language")
+    except Exception:  # ImportError, or CUDA/driver errors at import
+        return False
+    return True
+
+
+def interpreted() -> bool:
+    """Triton's interpreter is on (kernels run on CPU tensors, slowly: tests only)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_enabled(device: torch.device | str) -> bool:
+    """Whether the Triton kernels run for tensors on `device`."""
+    if os.environ.get("HF_RAINCHECK_TRITON", "1") == "0" or not triton_importable():
+        return False
+    device = torch.device(device)
+    return device.type == "cuda" or (device.type == "cpu" and interpreted())

@@ -1,0 +1,163 @@
+"""The Triton greedy kernels (`hf_raincheck.pruning.greedy_triton`) against the torch loops they replace.
+
+GPU tests (CI deselects them); they also run on the CPU under Triton's interpreter:
+``TRITON_INTERPRET=1 python -m pytest -m triton tests/test_greedy_triton.py`` (small sizes only there).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from hf_raincheck.pruning import divprune  # noqa: E402
+from hf_raincheck.pruning.greedy_triton import coverage_order_triton, coverage_plan  # noqa: E402
+from hf_raincheck.pruning.mmtok import _gains, coverage_matrix, greedy_coverage_order  # noqa: E402
+from hf_raincheck.pruning.triton_support import interpreted  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.triton,
+    # the interpreter takes loop bounds from 1-element arrays, which numpy warns about
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
+]
+
+
+@pytest.fixture
+def device():
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if interpreted():
+        return torch.device("cpu")
+    pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1")
+
+
+def _torch_path(monkeypatch):
+    monkeypatch.setenv("HF_RAINCHECK_TRITON", "0")
+
+
+def _triton_path(monkeypatch):
+    monkeypatch.setenv("HF_RAINCHECK_TRITON", "1")
+
+
+def _cover(batch, n, m, device, seed, dim=32, vit=16):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, n, dim, generator=gen)
+    x_c = torch.randn(batch, n, vit, generator=gen)
+    z = torch.randn(m, dim, generator=gen)
+    return coverage_matrix(x, x_c, z, 0.5, 0.01, 0.2).to(device)
+
+
+def _sizes(device):
+    small = [(1, 50, 6), (2, 64, 0), (3, 100, 8), (1, 17, 3)]
+    if device.type == "cuda":
+        return small + [(1, 1024, 24), (16, 256, 24), (1, 4096, 24), (2, 2000, 5)]
+    return small
+
+
+def test_mmtok_kernel_picks_the_full_greedy(device, monkeypatch):
+    for i, (batch, n, m) in enumerate(_sizes(device)):
+        cover = _cover(batch, n, m, device, seed=i)
+        budget = max(1, round(0.3 * n))
+        _torch_path(monkeypatch)
+        want = greedy_coverage_order(cover, budget, lazy=False)
+        _triton_path(monkeypatch)
+        got = greedy_coverage_order(cover, budget)
+        assert torch.equal(got.cpu(), want.cpu()), (batch, n, m)
+        assert got.shape == (batch, budget)
+
+
+def test_mmtok_kernel_every_split_count(device, monkeypatch):
+    """Forced split counts (one program per span, several with the per-step barrier) give the same picks."""
+    cover = _cover(2, 96, 5, device, seed=7)
+    budget = 40
+    _torch_path(monkeypatch)
+    want = greedy_coverage_order(cover, budget, lazy=False)
+    splits_tried = [1] + ([2, 3, 6] if device.type == "cuda" else [])
+    width = max(96, 64)
+    for splits in splits_tried:
+        # the same scaling as greedy_coverage_order: recover it from the torch path's inputs
+        scaled, gain = _scaled_and_gain(cover, width)
+        got = coverage_order_triton(scaled, gain, budget, width + 1, splits=splits)
+        assert got is not None
+        assert torch.equal(got.cpu(), want.cpu()), splits
+
+
+def _scaled_and_gain(cover, width):
+    import math
+
+    mass = float(cover.clamp_min(0).sum(dim=1).amax())
+    e = 60 - (width + 1).bit_length() - math.frexp(mass)[1]
+    scaled = cover.float() * 2.0**e
+    zeros = torch.zeros(cover.shape[0], cover.shape[1], 1, device=cover.device)
+    return scaled, _gains(scaled, zeros)
+
+
+def test_mmtok_kernel_budget_edges(device, monkeypatch):
+    cover = _cover(1, 20, 2, device, seed=3)
+    _triton_path(monkeypatch)
+    for budget in (0, 1, 20):
+        got = greedy_coverage_order(cover, budget)
+        _torch_path(monkeypatch)
+        want = greedy_coverage_order(cover, budget, lazy=False)
+        _triton_path(monkeypatch)
+        assert torch.equal(got.cpu(), want.cpu()), budget
+    assert sorted(greedy_coverage_order(cover, 20)[0].tolist()) == list(range(20))  # every column exactly once
+
+
+def test_mmtok_kernel_ties_go_to_the_lowest_index(device, monkeypatch):
+    """Identical columns: equal gains at every step, so the picks must come in index order among equals."""
+    base = torch.rand(1, 12, 4)
+    cover = torch.cat([base, base, base], dim=2).to(device)  # columns j, j + 4, j + 8 identical
+    _torch_path(monkeypatch)
+    want = greedy_coverage_order(cover, 7, lazy=False)
+    _triton_path(monkeypatch)
+    got = greedy_coverage_order(cover, 7)
+    assert torch.equal(got.cpu(), want.cpu())
+
+
+def test_coverage_plan_keeps_programs_resident(device):
+    if device.type != "cuda":
+        assert coverage_plan(4096, 1, device) == (1, 4096)
+        return
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    for n, batch in ((4096, 1), (256, 16), (16384, 1), (1024, 64), (64, 200)):
+        splits, block = coverage_plan(n, batch, device)
+        assert splits * block >= n and (splits == 1 or splits * batch <= sms), (n, batch, splits, block)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter behaviour: programs run one after another")
+def test_barrier_gives_up_and_the_torch_path_runs(device, monkeypatch):
+    """Under the interpreter a span's programs cannot meet at the barrier: the kernel reports it (None)."""
+    cover = _cover(1, 40, 3, device, seed=5)
+    scaled, gain = _scaled_and_gain(cover, 64)
+    assert coverage_order_triton(scaled, gain, 10, 65, splits=2, spin_limit=3) is None
+
+
+def test_divprune_kernel_picks_the_torch_loop(device, monkeypatch):
+    sizes = [(1, 30, 8), (3, 64, 16), (2, 100, 5)]
+    if device.type == "cuda":
+        sizes += [(1, 1024, 4096), (16, 256, 4096), (1, 4096, 4096)]
+    for i, (batch, n, dim) in enumerate(sizes):
+        gen = torch.Generator().manual_seed(i)
+        feats = torch.randn(batch, n, dim, generator=gen).to(device)
+        budget = max(1, round(0.3 * n))
+        _torch_path(monkeypatch)
+        want = divprune.divprune_order(feats, budget)
+        _triton_path(monkeypatch)
+        got = divprune.divprune_order(feats, budget)
+        assert torch.equal(got.cpu(), want.cpu()), (batch, n, dim)
+        assert all(len(set(row)) == budget for row in got.tolist())
+
+
+def test_divprune_kernel_ties(device, monkeypatch):
+    """Repeated feature vectors: exact ties everywhere."""
+    base = torch.randn(1, 5, 8)
+    feats = base.repeat(1, 4, 1).to(device)
+    for budget in (1, 5, 12, 20):
+        _torch_path(monkeypatch)
+        want = divprune.divprune_order(feats, budget)
+        _triton_path(monkeypatch)
+        got = divprune.divprune_order(feats, budget)
+        assert torch.equal(got.cpu(), want.cpu()), budget
