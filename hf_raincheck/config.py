@@ -61,9 +61,8 @@ class RaincheckConfig:
             ``False``: the chunk runs as a forward of its own just before the decode step (same result up to float
             rounding; a control for benchmarks, to show what fusion buys).
         gdn_backend: kernels for Gated DeltaNet layers (Qwen3.5): ``"auto"`` (fla-core on CUDA when installed,
-            else torch; inside compiled static-cache steps: torch, which Inductor compiles, because fla-core's
-            kernels traced by ``torch.compile`` were not seen to finish compiling on the H200), ``"torch"``
-            (transformers' torch code, CPU and CUDA) or ``"fla"`` (also inside compiled steps).
+            else torch; compiled static-cache steps too, where the kernels are one opaque custom op),
+            ``"torch"`` (transformers' torch code, CPU and CUDA) or ``"fla"``.
         schedule: optional callable ``schedule(step, pending) -> int`` asked once per decode step how many
             deferred tokens to carry (``step`` counts decode steps from 1). Default: ``chunk_size`` once
             ``step > guard_tokens``.

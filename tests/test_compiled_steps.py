@@ -158,14 +158,14 @@ def test_compiled_unfused_control_equals_eager(model, hybrid, family):
 
 
 def test_compiled_gdn_kernels_resolve_outside_the_trace(hybrid, monkeypatch):
-    """GDN kernels inside compiled steps: ``auto`` means torch on every device (fla-core under torch.compile is not
-    proven), an explicit choice is kept; and the traced step never imports them (torch 2.11's dynamo broke the
+    """GDN kernels inside compiled steps resolve as everywhere else (``auto``: fla-core on CUDA when it imports,
+    else torch; they are one opaque op in the graph), an explicit choice is kept; and the traced step never imports them (torch 2.11's dynamo broke the
     graph at an import of transformers' lazy module, 11 graphs instead of 2 on the H200): with the import
     functions made to fail, a compiled run still works once the kernels were resolved."""
     import hf_raincheck.gdn_state.kernels as kernels
     from hf_raincheck.generation.decode import compiled_gdn_backend
 
-    assert compiled_gdn_backend("auto", torch.device("cuda")) == "torch"
+    assert compiled_gdn_backend("auto", torch.device("cuda")) == ("fla" if kernels.fla_available() else "torch")
     assert compiled_gdn_backend("auto", torch.device("cpu")) == "torch"
     assert compiled_gdn_backend("torch", torch.device("cuda")) == "torch"
     with pytest.raises(ValueError, match="gdn backend"):

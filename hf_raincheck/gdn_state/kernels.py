@@ -86,14 +86,24 @@ def gated_delta(backend: str, q, k, v, g, beta, state):
     return out, final.float()
 
 
-def advance(backend: str, q, k, v, g, beta, state, carry: int = 0):
+def advance(backend: str, q, k, v, g, beta, state, carry: int = 0, opaque: bool = False):
     """`gated_delta` on a state whose last `carry` columns hold a transition map ``P`` (advanced with ``v = 0``).
 
     `state` ``[1, H_v, K, V + carry]`` (``None``: zeros, only with ``carry = 0``). Returns ``(o [1, T, H_v, V],
     final state [1, H_v, K, V + carry])``: the first V columns are the new state, the last `carry` are
     ``A_T ... A_1 P``. Keeping ``[S | P]`` in one buffer costs one kernel call per row block for both.
+
+    `opaque`: call the kernels through the ``hf_raincheck::gated_delta`` custom op (`ops.py`), one node in a traced
+    graph (compiled steps, `gdn_rows_forward_graph`; `functions(backend)` must have run before tracing).
     """
     if carry:
         v = torch.cat([v, v.new_zeros(*v.shape[:-1], carry)], dim=-1)
-    out, final = gated_delta(backend, q, k, v, g, beta, state)
+    if opaque:
+        out, final = torch.ops.hf_raincheck.gated_delta(q, k, v, g, beta, state, backend)
+    else:
+        out, final = gated_delta(backend, q, k, v, g, beta, state)
     return (out[..., : out.shape[-1] - carry] if carry else out), final
+
+
+# registers hf_raincheck::gated_delta (ops.py calls `gated_delta` above, through this module)
+from . import ops as _ops  # noqa: E402,F401

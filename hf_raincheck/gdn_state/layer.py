@@ -146,7 +146,8 @@ def gdn_rows_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, layer: G
 
     Rows: ``chunk`` deferred rows (padding after the real ones: ``beta = 0`` and ``g = 0`` make a padding row the
     identity on the state, and the conv window after the chunk is taken at the last real row) then one decode row;
-    or the decode row alone. The layer is in the fixed layout (``[S | P_tail]`` always).
+    or the decode row alone. The layer is in the fixed layout (``[S | P_tail]`` always). Kernels run through the
+    ``hf_raincheck::gated_delta`` custom op (`ops.py`): one opaque node per call in the traced graph.
     """
     qkv, z, b, a = glue.project(module, hidden)
     value_dim = layer.value_dim
@@ -163,7 +164,7 @@ def gdn_rows_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, layer: G
         valid = step.valid[None, :, None]
         g = torch.where(valid, g, torch.zeros_like(g))
         beta = torch.where(valid, beta, torch.zeros_like(beta))
-        out, new_prefix = advance(step.backend, q, k, v, g, beta, prefix.recurrent)
+        out, new_prefix = advance(step.backend, q, k, v, g, beta, prefix.recurrent, opaque=True)
         update = torch.matmul(layer.state[..., value_dim:], new_prefix - prefix.recurrent)
         layer.state[..., :value_dim] += update
         prefix.recurrent.copy_(new_prefix)
@@ -172,7 +173,7 @@ def gdn_rows_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, layer: G
     if step.live:
         conv_out = glue.conv_step_(module, qkv[..., -1:], layer.conv)
         q, k, v, g, beta = glue.factors(module, conv_out, a[:, -1:], b[:, -1:])
-        out, state = advance(step.backend, q, k, v, g, beta, layer.state, layer.carry)
+        out, state = advance(step.backend, q, k, v, g, beta, layer.state, layer.carry, opaque=True)
         layer.state.copy_(state)
         outs.append(out)
     core = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

@@ -1,0 +1,135 @@
+"""``hf_raincheck::gated_delta`` (`hf_raincheck.gdn_state.ops`): the GDN kernel call as one custom op, so compiled
+static steps hold one opaque node per call instead of the traced kernels (CPU: torch kernels, dynamo fullgraph)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch._dynamo
+from transformers.generation.configuration_utils import CompileConfig
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from handmade import _conv  # noqa: E402
+from helpers import generate, new_tokens  # noqa: E402
+
+import hf_raincheck.gdn_state.kernels as kernels  # noqa: E402
+from hf_raincheck import RaincheckConfig, enable_raincheck  # noqa: E402
+from hf_raincheck.gdn_state import advance, gated_delta  # noqa: E402
+
+HK, HV, K, V = 2, 4, 16, 12
+CASES = {"decode_row": (1, True), "chunk_of_7": (7, True), "no_state": (5, False)}
+
+
+def factors(t, with_state, seed=0, dtype=torch.float32, width=V):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, t, HK, K, generator=gen).to(dtype)
+    k = torch.randn(1, t, HK, K, generator=gen).to(dtype)
+    v = torch.randn(1, t, HV, V, generator=gen).to(dtype)
+    g = -torch.rand(1, t, HV, generator=gen)
+    beta = torch.rand(1, t, HV, generator=gen).to(dtype)
+    state = torch.randn(1, HV, K, width, generator=gen) if with_state else None
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_op_equals_gated_delta(case, dtype):
+    q, k, v, g, beta, state = factors(*CASES[case], dtype=dtype)
+    out, final = torch.ops.hf_raincheck.gated_delta(q, k, v, g, beta, state, "torch")
+    ref_out, ref_final = gated_delta("torch", q, k, v, g, beta, state)
+    assert out.shape == (1, CASES[case][0], HV, V) and out.dtype == dtype
+    assert final.shape == (1, HV, K, V) and final.dtype == torch.float32
+    assert torch.equal(out, ref_out) and torch.equal(final, ref_final)
+
+
+@pytest.mark.parametrize("t", [1, 7])
+def test_opaque_advance_carries_the_transition_map_alike(t):
+    q, k, v, g, beta, stacked = factors(t, True, seed=2, width=V + K)
+    out, final = advance("torch", q, k, v, g, beta, stacked, carry=K, opaque=True)
+    ref_out, ref_final = advance("torch", q, k, v, g, beta, stacked, carry=K)
+    assert out.shape == (1, t, HV, V) and final.shape == (1, HV, K, V + K)
+    assert torch.equal(out, ref_out) and torch.equal(final, ref_final)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_opcheck(case, dtype):
+    """Schema, fake (meta) outputs against the real ones, and AOT dispatch (static and dynamic shapes)."""
+    args = (*factors(*CASES[case], dtype=dtype), "torch")
+    torch.library.opcheck(torch.ops.hf_raincheck.gated_delta.default, args)
+
+
+def test_op_imports_and_runs_without_fla():
+    """fla-core absent (its import blocked): the op still registers and runs the torch kernels."""
+    code = (
+        "import sys; sys.modules['fla'] = None\n"
+        "import torch\n"
+        "from hf_raincheck.gdn_state import ops, fla_available\n"
+        "assert not fla_available()\n"
+        "q = torch.randn(1, 3, 2, 8); v = torch.randn(1, 3, 2, 4); g = -torch.rand(1, 3, 2)\n"
+        "out, final = torch.ops.hf_raincheck.gated_delta(q, q, v, g, torch.rand(1, 3, 2), None, 'torch')\n"
+        "assert out.shape == (1, 3, 2, 4) and final.shape == (1, 2, 8, 4)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_compiled_auto_resolves_like_everywhere_else(monkeypatch):
+    from hf_raincheck.generation.decode import compiled_gdn_backend
+
+    monkeypatch.setattr(kernels, "fla_available", lambda: True)
+    assert compiled_gdn_backend("auto", torch.device("cuda")) == "fla"
+    assert compiled_gdn_backend("auto", torch.device("cpu")) == "torch"
+    assert compiled_gdn_backend("torch", torch.device("cuda")) == "torch"
+    monkeypatch.setattr(kernels, "fla_available", lambda: False)
+    assert compiled_gdn_backend("auto", torch.device("cuda")) == "torch"
+    with pytest.raises(ValueError, match="fla-core"):
+        compiled_gdn_backend("fla", torch.device("cuda"))
+
+
+# ---------------------------------------------------------------------------------------------------- compiled
+@pytest.fixture(scope="module")
+def hybrid():
+    from handmade_qwen3_5 import tiny_qwen3_5
+
+    return enable_raincheck(tiny_qwen3_5("eager"))
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_compiled_steps_hold_the_op_not_the_traced_kernels(hybrid):
+    """Compiled Qwen3.5 steps (dynamo, fullgraph) give eager's tokens, and each graph holds one op node per GDN
+    kernel call (3 GDN layers: a decode step 1 call each, a fused step 2) and none of the torch kernels' ops."""
+    graphs = []
+
+    def recorder(gm, example_inputs, **options):  # options: CompileConfig's mode
+        graphs.append(gm)
+        return gm.forward
+
+    config = CompileConfig(backend=recorder, fullgraph=True, dynamic=False)
+    config._compile_all_devices = True
+    cfg = RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=2, pruning="uniform", completion="blocking")
+    inputs = _conv([(1, 8, 8), (1, 8, 8)], [3, 2, 4], seed=0)
+    eager = generate(hybrid, inputs, 12, cfg)
+    compiled = generate(hybrid, inputs, 12, cfg, cache_implementation="static", compile_config=config)
+    assert new_tokens(compiled, inputs) == new_tokens(eager, inputs)
+    torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(eager.logits), atol=2e-5, rtol=1e-4)
+
+    layers = sum(t == "linear_attention" for t in hybrid.config.text_config.layer_types)
+    ops, kernel_ops = [], []
+    for gm in graphs:
+        targets = [str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+        ops.append(sum("hf_raincheck.gated_delta" in t for t in targets))
+        kernel_ops.append([t for t in targets if "solve_triangular" in t or "l2norm" in t or "cumsum" in t])
+    assert sorted(ops) == [layers, 2 * layers]
+    assert kernel_ops == [[] for _ in graphs]
