@@ -161,3 +161,29 @@ def test_divprune_kernel_ties(device, monkeypatch):
         _triton_path(monkeypatch)
         got = divprune.divprune_order(feats, budget)
         assert torch.equal(got.cpu(), want.cpu()), budget
+
+
+def test_spans_past_the_register_limit_take_the_torch_loops(device, monkeypatch):
+    """Sizes whose register vectors would exceed `MAX_BLOCK` never reach the kernels, and keep the same picks."""
+    from hf_raincheck.pruning import greedy_triton
+
+    cover = _cover(1, 40, 3, device, seed=11)  # 43 rows -> a 64-wide block
+    feats = torch.randn(1, 40, 8).to(device)  # 40 tokens -> 64
+    _torch_path(monkeypatch)
+    want_cover = greedy_coverage_order(cover, 12, lazy=False)
+    want_div = divprune.divprune_order(feats, 12)
+    _triton_path(monkeypatch)
+    monkeypatch.setattr(greedy_triton, "MAX_BLOCK", 32)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the kernel ran past MAX_BLOCK")
+
+    monkeypatch.setattr(greedy_triton, "coverage_order_triton", fail)
+    monkeypatch.setattr(greedy_triton, "divprune_steps_triton", fail)
+    assert torch.equal(greedy_coverage_order(cover, 12).cpu(), want_cover.cpu())
+    assert torch.equal(divprune.divprune_order(feats, 12).cpu(), want_div.cpu())
+    monkeypatch.setattr(greedy_triton, "MAX_BLOCK", 64)  # at the limit the kernels run
+    with pytest.raises(AssertionError, match="MAX_BLOCK"):
+        greedy_coverage_order(cover, 12)
+    with pytest.raises(AssertionError, match="MAX_BLOCK"):
+        divprune.divprune_order(feats, 12)

@@ -50,9 +50,10 @@ def divprune_order(features: torch.Tensor, budget: int) -> torch.Tensor:
     nearest = sim[rows, pick].clone()  # [B, N] running max cos to the chosen set (= running min distance)
     nearest[rows, pick] = float("inf")  # chosen: never again
     if triton_enabled(device):  # the whole loop in one kernel (same picks)
-        from .greedy_triton import divprune_steps_triton
+        from . import greedy_triton
 
-        return divprune_steps_triton(sim, nearest, order, 1, budget)
+        if greedy_triton.divprune_fits(n):
+            return greedy_triton.divprune_steps_triton(sim, nearest, order, 1, budget)
     run_greedy("divprune", {"sim": sim, "nearest": nearest, "rows": rows}, _divprune_step, order, 1, budget)
     return order
 

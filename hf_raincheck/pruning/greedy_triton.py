@@ -31,6 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
+#: the largest register-resident vector a program keeps (DivPrune's ``nearest`` over N tokens, MMTok's ``best`` over
+#: R = m + n rows, as the next power of two): sizes above run the torch loops. 8192 is the largest shape run on the
+#: H200 (4096 tokens: R = 4120); beyond, the registers would spill
+MAX_BLOCK = 8192
 SPIN_LIMIT = 1 << 22  # polls of the barrier counter before a program gives up (far beyond any real wait)
 INT64_MAX = (1 << 63) - 1
 
@@ -69,6 +73,16 @@ def divprune_steps_triton(sim: torch.Tensor, nearest: torch.Tensor, order: torch
             BLOCK_N=block, num_warps=_warps(block),
         )
     return order
+
+
+def divprune_fits(n: int) -> bool:
+    """Whether `divprune_steps_triton` takes spans of `n` tokens."""
+    return triton.next_power_of_2(max(n, 1)) <= MAX_BLOCK
+
+
+def coverage_fits(rows_n: int) -> bool:
+    """Whether `coverage_order_triton` takes covers of `rows_n` rows (question tokens + span tokens)."""
+    return triton.next_power_of_2(max(rows_n, 1)) <= MAX_BLOCK
 
 
 def _on(device: torch.device):

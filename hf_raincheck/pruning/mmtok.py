@@ -124,12 +124,10 @@ def greedy_coverage_order(
         step = max(-100, min(100, e))
         scaled = scaled * 2.0**step
         e -= step
-    if lazy and triton_enabled(device):  # the whole loop in one kernel, same gains and picks
-        from .greedy_triton import coverage_order_triton
-
+    if lazy and triton_enabled(device) and _kernels().coverage_fits(rows_n):  # one kernel, same gains and picks
         real = scaled[:, :, :n]
         gain = _gains(real, torch.zeros(batch, rows_n, 1, dtype=torch.float, device=device))
-        picked = coverage_order_triton(real, gain, budget, width + 1)
+        picked = _kernels().coverage_order_triton(real, gain, budget, width + 1)
         if picked is not None:
             return picked
     cols = torch.arange(width + 1, device=device)
@@ -150,6 +148,13 @@ def greedy_coverage_order(
     else:
         run_greedy("mmtok-full", state, _full_step, order, 0, budget)
     return order
+
+
+def _kernels():
+    """`hf_raincheck.pruning.greedy_triton`, imported on first use (CPU installs may have no Triton)."""
+    from . import greedy_triton
+
+    return greedy_triton
 
 
 def _gains(cols: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
@@ -267,7 +272,7 @@ def select_mmtok(ctx: SelectionContext) -> torch.Tensor:
         x = torch.stack([ctx.span_embeddings(m) for m in members])
         x_c = torch.stack([ctx.span_vision_hidden(m, "mmtok") for m in members]).to(x.device)
         cover = coverage_matrix(x, x_c, z.to(x.device), opts["alpha"], opts["tau_tv"], opts["tau_vv"])
-        exact = n >= LAZY_MIN_TOKENS or triton_enabled(cover.device)
+        exact = n >= LAZY_MIN_TOKENS or (triton_enabled(cover.device) and _kernels().coverage_fits(cover.shape[1]))
         order = greedy_coverage_order(cover, budget) if exact else dense_greedy_coverage_order(cover, budget)
         chosen.update({m: order[i] for i, m in enumerate(members)})
     return assemble(ctx, chosen)
