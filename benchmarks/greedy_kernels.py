@@ -1,0 +1,151 @@
+"""The Triton greedy kernels alone (`hf_raincheck.pruning.greedy_triton`), at Qwen3-VL-8B selection shapes.
+
+    python benchmarks/greedy_kernels.py --device cuda                 # the H200 run, ~1 min
+    TRITON_INTERPRET=1 python benchmarks/greedy_kernels.py --small    # CPU smoke run under Triton's interpreter
+
+`selector_speed.py` times whole selectors; this times the greedy loop only, to see where a step's time goes:
+
+- MMTok (`coverage_order_triton`) for every split count (programs per span meeting at a per-step barrier; 1 = no
+  barrier) on covers built like `mmtok.coverage_matrix` from random features (hidden 4096, ViT 1152, a 24-token
+  question), retention 0.3: ms per call and us per greedy step, and how many cover rows changed over the loop
+  (the incremental update's work);
+- DivPrune (`divprune_steps_triton`) on the same spans' features.
+
+Median of ``--repeats`` CUDA-synchronised calls after a warm-up (the warm-up compiles). Writes ``--out`` (JSON)
+and prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hf_raincheck.pruning import divprune  # noqa: E402
+from hf_raincheck.pruning.mmtok import _gains, coverage_matrix  # noqa: E402
+
+CASES = {"image1024": (1, 1024), "image4096": (1, 4096), "video16": (16, 256)}
+SMALL_CASES = {"image64": (1, 64), "video4": (4, 16)}
+
+
+def scaled_cover(cover: torch.Tensor, width: int):
+    """The fixed-point scaling of `mmtok.greedy_coverage_order` and the initial gains."""
+    import math
+
+    mass = float(cover.clamp_min(0).sum(dim=1).amax())
+    e = 60 - (width + 1).bit_length() - math.frexp(mass)[1]
+    scaled = cover.float() * 2.0**e
+    zeros = torch.zeros(cover.shape[0], cover.shape[1], 1, device=cover.device)
+    return scaled, _gains(scaled, zeros)
+
+
+def timed(fn, device, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def changed_rows(cover: torch.Tensor, order: torch.Tensor) -> int:
+    """Rows whose best value rose over the greedy loop, summed over steps (span 0)."""
+    best = torch.zeros(cover.shape[1], device=cover.device)
+    total = 0
+    for j in order[0].tolist():
+        col = cover[0, :, j]
+        total += int((col > best).sum())
+        best = torch.maximum(best, col)
+    return total
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--small", action="store_true", help="small sizes (CPU, Triton's interpreter)")
+    parser.add_argument("--splits", default="1,2,4,8,16,32,64", help="comma list of MMTok split counts to try")
+    parser.add_argument("--retention", type=float, default=0.3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="greedy_kernels.json")
+    args = parser.parse_args(argv)
+
+    from hf_raincheck.pruning import greedy_triton
+
+    device = torch.device(args.device)
+    hidden, vit, query = (64, 32, 6) if args.small else (4096, 1152, 24)
+    cases = SMALL_CASES if args.small else CASES
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for case, (batch, n) in cases.items():
+        x = torch.randn(batch, n, hidden, generator=gen).to(device)
+        x_c = torch.randn(batch, n, vit, generator=gen).to(device)
+        z = torch.randn(query, hidden, generator=gen).to(device)
+        cover = coverage_matrix(x, x_c, z, 0.5, 0.01, 0.2)
+        budget = max(1, round(args.retention * n))
+        width = max(n, 64)
+        scaled, gain = scaled_cover(cover, width)
+        reference = None
+        for splits in [int(s) for s in args.splits.split(",") if s.strip()]:
+            if splits > 1 and (n // splits < 16 or (device.type != "cuda")):
+                continue  # at least 16 columns a program; barriers need a GPU (the interpreter runs programs in turn)
+            if splits * batch > greedy_triton._sm_count(device) and splits > 1:
+                continue  # the grid must be resident at once
+            order = greedy_triton.coverage_order_triton(scaled, gain, budget, width + 1, splits=splits)
+            if order is None:
+                rows.append(dict(case=case, kernel="mmtok", splits=splits, ms=None, note="barrier gave up"))
+                continue
+            reference = order if reference is None else reference
+            same = bool(torch.equal(order, reference))
+            ms = timed(lambda: greedy_triton.coverage_order_triton(scaled, gain, budget, width + 1, splits=splits),
+                       device, args.repeats)
+            rows.append(dict(case=case, kernel="mmtok", spans=batch, tokens=n, budget=budget, splits=splits,
+                             ms=round(ms, 3), us_per_step=round(1e3 * ms / budget, 2), same_picks=same))
+            print(json.dumps(rows[-1]), flush=True)
+        if reference is not None:
+            rows.append(dict(case=case, kernel="mmtok", changed_rows=changed_rows(scaled, reference), budget=budget))
+        feats = divprune.l2_normalize(x)
+        sim = torch.matmul(feats, feats.transpose(1, 2))
+        eye = torch.eye(n, dtype=torch.bool, device=device)
+        first = sim.masked_fill(eye, float("-inf")).amax(dim=-1).argmin(dim=-1)
+        order = torch.empty(batch, budget, dtype=torch.long, device=device)
+        order[:, 0] = first
+
+        def run_divprune():
+            nearest = sim[torch.arange(batch, device=device), first].clone()
+            nearest[torch.arange(batch, device=device), first] = float("inf")
+            greedy_triton.divprune_steps_triton(sim, nearest, order, 1, budget)
+
+        ms = timed(run_divprune, device, args.repeats)
+        rows.append(dict(case=case, kernel="divprune", spans=batch, tokens=n, budget=budget, ms=round(ms, 3),
+                         us_per_step=round(1e3 * ms / budget, 2)))
+        print(json.dumps(rows[-1]), flush=True)
+
+    meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
+                command=" ".join(sys.argv), retention=args.retention, repeats=args.repeats)
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=2)
+    print("\n| case | kernel | splits | ms | us / step | same picks |\n| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        if "ms" in r:
+            print(f"| {r['case']} | {r['kernel']} | {r.get('splits', '-')} | {r['ms']} | {r.get('us_per_step', '-')} | "
+                  f"{r.get('same_picks', '-')} |")
+    for r in rows:
+        if "changed_rows" in r:
+            print(f"{r['case']}: {r['changed_rows']} cover rows changed over {r['budget']} steps")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
