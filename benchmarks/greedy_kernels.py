@@ -29,21 +29,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_raincheck.pruning import divprune  # noqa: E402
-from hf_raincheck.pruning.mmtok import _gains, coverage_matrix  # noqa: E402
+from hf_raincheck.pruning.mmtok import coverage_matrix, fixed_point, initial_gains  # noqa: E402
 
 CASES = {"image1024": (1, 1024), "image4096": (1, 4096), "video16": (16, 256)}
 SMALL_CASES = {"image64": (1, 64), "video4": (4, 16)}
-
-
-def scaled_cover(cover: torch.Tensor, width: int):
-    """The fixed-point scaling of `mmtok.greedy_coverage_order` and the initial gains."""
-    import math
-
-    mass = float(cover.clamp_min(0).sum(dim=1).amax())
-    e = 60 - (width + 1).bit_length() - math.frexp(mass)[1]
-    scaled = cover.float() * 2.0**e
-    zeros = torch.zeros(cover.shape[0], cover.shape[1], 1, device=cover.device)
-    return scaled, _gains(scaled, zeros)
 
 
 def timed(fn, device, repeats: int) -> float:
@@ -95,7 +84,8 @@ def main(argv=None):
         cover = coverage_matrix(x, x_c, z, 0.5, 0.01, 0.2)
         budget = max(1, round(args.retention * n))
         width = max(n, 64)
-        scaled, gain = scaled_cover(cover, width)
+        scaled = fixed_point(cover, width)
+        gain = initial_gains(scaled)
         reference = None
         for splits in [int(s) for s in args.splits.split(",") if s.strip()]:
             if splits > 1 and (n // splits < 16 or (device.type != "cuda")):

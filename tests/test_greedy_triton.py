@@ -13,7 +13,7 @@ triton = pytest.importorskip("triton")
 
 from hf_raincheck.pruning import divprune  # noqa: E402
 from hf_raincheck.pruning.greedy_triton import coverage_order_triton, coverage_plan  # noqa: E402
-from hf_raincheck.pruning.mmtok import _gains, coverage_matrix, greedy_coverage_order  # noqa: E402
+from hf_raincheck.pruning.mmtok import coverage_matrix, fixed_point, greedy_coverage_order, initial_gains  # noqa: E402
 from hf_raincheck.pruning.triton_support import interpreted  # noqa: E402
 
 pytestmark = [
@@ -77,7 +77,6 @@ def test_mmtok_kernel_every_split_count(device, monkeypatch):
     splits_tried = [1] + ([2, 3, 6] if device.type == "cuda" else [])
     width = max(96, 64)
     for splits in splits_tried:
-        # the same scaling as greedy_coverage_order: recover it from the torch path's inputs
         scaled, gain = _scaled_and_gain(cover, width)
         got = coverage_order_triton(scaled, gain, budget, width + 1, splits=splits)
         assert got is not None
@@ -85,13 +84,8 @@ def test_mmtok_kernel_every_split_count(device, monkeypatch):
 
 
 def _scaled_and_gain(cover, width):
-    import math
-
-    mass = float(cover.clamp_min(0).sum(dim=1).amax())
-    e = 60 - (width + 1).bit_length() - math.frexp(mass)[1]
-    scaled = cover.float() * 2.0**e
-    zeros = torch.zeros(cover.shape[0], cover.shape[1], 1, device=cover.device)
-    return scaled, _gains(scaled, zeros)
+    scaled = fixed_point(cover.float(), width)
+    return scaled, initial_gains(scaled)
 
 
 def test_mmtok_kernel_budget_edges(device, monkeypatch):

@@ -98,6 +98,25 @@ LAZY_MIN_TOKENS = 2048
 TAKEN = 1 << 62  # rank of a chosen column: after every unchosen one, before the padding
 
 
+def fixed_point(cover: torch.Tensor, width: int) -> torch.Tensor:
+    """``cover [B, R, n]`` (fp32) scaled by an exact power of two so that gains are integers in units of 2^-e with
+    every column's total below ``2^61 / (width + 1)``: ranks ``j - (width + 1) g`` fit in int64."""
+    mass = float(cover.clamp_min(0).sum(dim=1).amax()) if cover.numel() else 0.0  # one host synchronisation
+    e = 60 - (width + 1).bit_length() - math.frexp(mass)[1]  # mass < 2^frexp: totals < 2^61 / (width + 1)
+    scaled = cover
+    while e != 0:  # by exact powers of two, none of them out of fp32's range
+        step = max(-100, min(100, e))
+        scaled = scaled * 2.0**step
+        e -= step
+    return scaled
+
+
+def initial_gains(scaled: torch.Tensor) -> torch.Tensor:
+    """Every column's fixed-point gain with nothing chosen yet (``best = 0``): int64 ``[B, n]``."""
+    zeros = torch.zeros(scaled.shape[0], scaled.shape[1], 1, dtype=torch.float, device=scaled.device)
+    return _gains(scaled, zeros)
+
+
 @torch.no_grad()
 def greedy_coverage_order(
     cover: torch.Tensor, budget: int, lazy: bool = True, k: int | None = None
@@ -116,18 +135,10 @@ def greedy_coverage_order(
     cover = cover.float()
     if width > n:
         cover = torch.cat([cover, cover.new_zeros(batch, rows_n, width - n)], dim=2)
-    # fixed point: gains in units of 2^-e, every column's total below 2^62 / (width + 1) (ranks fit in int64)
-    mass = float(cover.clamp_min(0).sum(dim=1).amax()) if cover.numel() else 0.0  # one host synchronisation
-    e = 60 - (width + 1).bit_length() - math.frexp(mass)[1]  # mass < 2^frexp: totals < 2^61 / (width + 1)
-    scaled = cover
-    while e != 0:  # by exact powers of two, none of them out of fp32's range
-        step = max(-100, min(100, e))
-        scaled = scaled * 2.0**step
-        e -= step
+    scaled = fixed_point(cover, width)
     if lazy and triton_enabled(device) and _kernels().coverage_fits(rows_n):  # one kernel, same gains and picks
         real = scaled[:, :, :n]
-        gain = _gains(real, torch.zeros(batch, rows_n, 1, dtype=torch.float, device=device))
-        picked = _kernels().coverage_order_triton(real, gain, budget, width + 1)
+        picked = _kernels().coverage_order_triton(real, initial_gains(real), budget, width + 1)
         if picked is not None:
             return picked
     cols = torch.arange(width + 1, device=device)
