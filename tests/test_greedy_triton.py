@@ -9,12 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
-
-from hf_raincheck.pruning import divprune  # noqa: E402
-from hf_raincheck.pruning.greedy_triton import coverage_order_triton, coverage_plan  # noqa: E402
-from hf_raincheck.pruning.mmtok import coverage_matrix, fixed_point, greedy_coverage_order, initial_gains  # noqa: E402
-from hf_raincheck.pruning.triton_support import interpreted  # noqa: E402
+from hf_raincheck.pruning import divprune
+from hf_raincheck.pruning.mmtok import coverage_matrix, fixed_point, greedy_coverage_order, initial_gains
+from hf_raincheck.pruning.triton_support import interpreted, triton_importable
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,11 +23,25 @@ pytestmark = [
 
 @pytest.fixture
 def device():
+    if not triton_importable():
+        pytest.skip("needs Triton")
     if torch.cuda.is_available():
         return torch.device("cuda")
     if interpreted():
         return torch.device("cpu")
     pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1")
+
+
+def coverage_order_triton(*args, **kwargs):
+    from hf_raincheck.pruning.greedy_triton import coverage_order_triton as kernel  # needs Triton
+
+    return kernel(*args, **kwargs)
+
+
+def coverage_plan(*args, **kwargs):
+    from hf_raincheck.pruning.greedy_triton import coverage_plan as plan
+
+    return plan(*args, **kwargs)
 
 
 def _torch_path(monkeypatch):
