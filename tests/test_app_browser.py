@@ -128,6 +128,17 @@ def _stats_rows(page) -> list[list[str]]:
     return [row.locator("td").all_inner_texts() for row in page.locator("#stats tbody tr").all()]
 
 
+def _settled_text(locator, timeout_s: float = 15.0) -> str:
+    """The element's text once Gradio's pending-update timer ("0.0s", prepended to a component while its update is
+    on the way) is gone (CI once read the caption mid-update); the text as it is after `timeout_s` otherwise."""
+    deadline = time.monotonic() + timeout_s
+    text = locator.inner_text()
+    while re.match(r"\s*\d+(\.\d+)?s\b", text) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        text = locator.inner_text()
+    return text
+
+
 def _ask(page, question: str, turn: int) -> None:
     box = page.locator("#input textarea")
     box.fill(question)
@@ -184,7 +195,7 @@ def test_two_questions_in_a_real_browser(chromium, server, tmp_path):
                 assert ttft > 0 and tpot > 0 and tokens == ANSWER_TOKENS, row
             assert [int(rows[0][5]), int(rows[1][5])] == [44, 0]  # 64 tokens, retention 0.3: 44 deferred
             assert int(rows[0][7]) > 0  # restored by fused decode steps during the first answer
-            caption = page.locator("#overlay-caption").inner_text()
+            caption = _settled_text(page.locator("#overlay-caption"))
             assert caption.startswith("Turn 1") and "kept at first: 20" in caption, caption
             assert page.locator("[data-testid='toast-body']").filter(has_text="The model").count() == 0
 
