@@ -31,6 +31,20 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def triton_device() -> torch.device:
+    """Where the Triton kernel tests run: CUDA, or the CPU under Triton's interpreter (``TRITON_INTERPRET=1``)."""
+    from hf_raincheck.pruning.triton_support import interpreted, triton_importable
+
+    if not triton_importable():
+        pytest.skip("needs Triton")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if interpreted():
+        return torch.device("cpu")
+    pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1")
+
+
+@pytest.fixture(scope="session")
 def tiny_vl_path(tmp_path_factory) -> str:
     """Directory of a tiny random Qwen3-VL checkpoint (seed 0), built once per test session."""
     return build_tiny_qwen3_vl(tmp_path_factory.mktemp("tiny_qwen3_vl") / "seed0", seed=0)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_raincheck.pruning.hiprune import ranking
-from hf_raincheck.pruning.triton_support import interpreted, triton_enabled, triton_importable
+from hf_raincheck.pruning.triton_support import triton_enabled
 from hf_raincheck.pruning.vision import pool_merged, received_attention, received_attention_torch
 
 pytestmark = [
@@ -34,14 +34,8 @@ SEGMENTS = {
 
 
 @pytest.fixture(scope="module")
-def device() -> torch.device:
-    if not triton_importable():
-        pytest.skip("needs Triton")
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if interpreted():
-        return torch.device("cpu")
-    pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1")
+def device(triton_device) -> torch.device:
+    return triton_device
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import torch
 
 from hf_raincheck.pruning import divprune
 from hf_raincheck.pruning.mmtok import coverage_matrix, fixed_point, greedy_coverage_order, initial_gains
-from hf_raincheck.pruning.triton_support import interpreted, triton_importable
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,15 +20,9 @@ pytestmark = [
 ]
 
 
-@pytest.fixture
-def device():
-    if not triton_importable():
-        pytest.skip("needs Triton")
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if interpreted():
-        return torch.device("cpu")
-    pytest.skip("needs a CUDA GPU or TRITON_INTERPRET=1")
+@pytest.fixture(scope="module")
+def device(triton_device) -> torch.device:
+    return triton_device
 
 
 def coverage_order_triton(*args, **kwargs):
