@@ -12,7 +12,8 @@ Per span (an image or a video frame) of ``N`` tokens with budget ``b``, on the p
 ties go to the lowest index; the kept indices are returned sorted. Better than the official loop: a running
 minimum (``O(bN)`` after the ``O(N^2 D)`` similarity matrix, instead of re-reducing ``|S| x N`` every step),
 chosen tokens excluded (the official code can pick a token twice), per-span budgets, spans of equal size and
-budget (the frames of a video) selected in one batched pass, and on CUDA the loop replayed as a CUDA graph
+budget (the frames of a video) selected in one batched pass, and on CUDA the loop as one Triton kernel
+(`hf_raincheck.pruning.greedy_triton`, same picks) or, without Triton, replayed as a CUDA graph
 (`hf_raincheck.pruning.greedy`). Computed as ``argmin max cos`` (the same order, and exact ties stay ties).
 No options.
 """

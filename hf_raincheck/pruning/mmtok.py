@@ -37,7 +37,10 @@ many gains drop together) flags itself; the loop (`hf_raincheck.pruning.greedy`,
 once per chunk of 16 steps, keeps the picks before the first flagged step, rewinds to there (ranks saved before
 the chunk, still bounds; ``best`` from the kept picks), evaluates every column (`_refresh`, one ``[B, R, n]`` pass)
 and goes on. After a refresh every rank is exact, so the next step certifies: each chunk makes progress. No host
-synchronisation inside a step; on CUDA the chunk (and the refresh) are CUDA graphs. ``k = 64``: the measured
+synchronisation inside a step; on CUDA the chunk (and the refresh) are CUDA graphs. Where Triton runs
+(`kernel_runs`: CUDA), the whole full greedy is one kernel instead (`hf_raincheck.pruning.greedy_triton`: gains
+kept incrementally over the rows each pick changes, the same fixed-point arithmetic, so the same picks), for spans
+of every size. ``k = 64``: the measured
 fallbacks on covers of this shape were a few per span (1 at n = 1024, ~2-7 at n = 4096, b = 0.3 n; smaller k
 costs more fallbacks, larger k more work per step).
 
@@ -132,15 +135,13 @@ def greedy_coverage_order(
     if budget <= 0:
         return order
     width = max(n, k)  # columns, padded with zero columns if needed: topk always finds k candidates
-    cover = cover.float()
-    if width > n:
-        cover = torch.cat([cover, cover.new_zeros(batch, rows_n, width - n)], dim=2)
-    scaled = fixed_point(cover, width)
-    if lazy and triton_enabled(device) and _kernels().coverage_fits(rows_n):  # one kernel, same gains and picks
-        real = scaled[:, :, :n]
-        picked = _kernels().coverage_order_triton(real, initial_gains(real), budget, width + 1)
+    scaled = fixed_point(cover.float(), width)
+    if lazy and kernel_runs(device, rows_n):  # one kernel, same gains and picks
+        picked = _kernels().coverage_order_triton(scaled, initial_gains(scaled), budget, width + 1)
         if picked is not None:
             return picked
+    if width > n:  # zero columns (zero after scaling too)
+        scaled = torch.cat([scaled, scaled.new_zeros(batch, rows_n, width - n)], dim=2)
     cols = torch.arange(width + 1, device=device)
     # real columns: no bound yet (the first refresh evaluates them); padding n .. width: after everything, distinct
     rank = torch.where(cols < n, torch.iinfo(torch.long).min, (1 << 63) - 1 - (width - cols))
@@ -166,6 +167,11 @@ def _kernels():
     from . import greedy_triton
 
     return greedy_triton
+
+
+def kernel_runs(device: torch.device, rows_n: int) -> bool:
+    """Whether `greedy_coverage_order` runs the Triton kernel for covers of `rows_n` rows on `device`."""
+    return triton_enabled(device) and _kernels().coverage_fits(rows_n)
 
 
 def _gains(cols: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
@@ -283,7 +289,7 @@ def select_mmtok(ctx: SelectionContext) -> torch.Tensor:
         x = torch.stack([ctx.span_embeddings(m) for m in members])
         x_c = torch.stack([ctx.span_vision_hidden(m, "mmtok") for m in members]).to(x.device)
         cover = coverage_matrix(x, x_c, z.to(x.device), opts["alpha"], opts["tau_tv"], opts["tau_vv"])
-        exact = n >= LAZY_MIN_TOKENS or (triton_enabled(cover.device) and _kernels().coverage_fits(cover.shape[1]))
+        exact = n >= LAZY_MIN_TOKENS or kernel_runs(cover.device, cover.shape[1])
         order = greedy_coverage_order(cover, budget) if exact else dense_greedy_coverage_order(cover, budget)
         chosen.update({m: order[i] for i, m in enumerate(members)})
     return assemble(ctx, chosen)
