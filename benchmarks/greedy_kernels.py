@@ -65,6 +65,8 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--small", action="store_true", help="small sizes (CPU, Triton's interpreter)")
     parser.add_argument("--splits", default="1,2,4,8,16,32,64", help="comma list of MMTok split counts to try")
+    parser.add_argument("--warps", default="", help="comma list of warps per MMTok program to try (default: the kernel's)")
+    parser.add_argument("--tiles", default="", help="comma list of MMTok changed-row tiles to try (default: the kernel's)")
     parser.add_argument("--retention", type=float, default=0.3)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="greedy_kernels.json")
@@ -87,22 +89,32 @@ def main(argv=None):
         scaled = fixed_point(cover, width)
         gain = initial_gains(scaled)
         reference = None
+        warps_tried = [int(w) for w in args.warps.split(",") if w.strip()] or [None]
+        tiles_tried = [int(t) for t in args.tiles.split(",") if t.strip()] or [None]
         for splits in [int(s) for s in args.splits.split(",") if s.strip()]:
             if splits > 1 and (n // splits < 16 or (device.type != "cuda")):
                 continue  # at least 16 columns a program; barriers need a GPU (the interpreter runs programs in turn)
             if splits * batch > greedy_triton._sm_count(device) and splits > 1:
                 continue  # the grid must be resident at once
-            order = greedy_triton.coverage_order_triton(scaled, gain, budget, width + 1, splits=splits)
-            if order is None:
-                rows.append(dict(case=case, kernel="mmtok", splits=splits, ms=None, note="barrier gave up"))
-                continue
-            reference = order if reference is None else reference
-            same = bool(torch.equal(order, reference))
-            ms = timed(lambda: greedy_triton.coverage_order_triton(scaled, gain, budget, width + 1, splits=splits),
-                       device, args.repeats)
-            rows.append(dict(case=case, kernel="mmtok", spans=batch, tokens=n, budget=budget, splits=splits,
-                             ms=round(ms, 3), us_per_step=round(1e3 * ms / budget, 2), same_picks=same))
-            print(json.dumps(rows[-1]), flush=True)
+            for warps, tile in [(w, t) for w in warps_tried for t in tiles_tried]:
+                def run(splits=splits, warps=warps, tile=tile):
+                    return greedy_triton.coverage_order_triton(scaled, gain, budget, width + 1, splits=splits,
+                                                               num_warps=warps, tile_r=tile)
+
+                order = run()
+                if order is None:
+                    rows.append(dict(case=case, kernel="mmtok", splits=splits, warps=warps, tile_r=tile, ms=None,
+                                     note="barrier gave up"))
+                    continue
+                reference = order if reference is None else reference
+                same = bool(torch.equal(order, reference))
+                ms = timed(run, device, args.repeats)
+                rows.append(dict(case=case, kernel="mmtok", spans=batch, tokens=n, budget=budget, splits=splits,
+                                 warps=warps, tile_r=tile, ms=round(ms, 3), us_per_step=round(1e3 * ms / budget, 2),
+                                 same_picks=same))
+                print(json.dumps(rows[-1]), flush=True)
+        plan = greedy_triton.coverage_plan(n, batch, device)
+        rows.append(dict(case=case, kernel="mmtok", plan_splits=plan[0], plan_block=plan[1]))
         if reference is not None:
             rows.append(dict(case=case, kernel="mmtok", changed_rows=changed_rows(scaled, reference), budget=budget))
         feats = divprune.l2_normalize(x)
@@ -126,11 +138,14 @@ def main(argv=None):
                 command=" ".join(sys.argv), retention=args.retention, repeats=args.repeats)
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=2)
-    print("\n| case | kernel | splits | ms | us / step | same picks |\n| --- | --- | --- | --- | --- | --- |")
+    print("\n| case | kernel | splits | warps | tile | ms | us / step | same picks |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if "ms" in r:
-            print(f"| {r['case']} | {r['kernel']} | {r.get('splits', '-')} | {r['ms']} | {r.get('us_per_step', '-')} | "
-                  f"{r.get('same_picks', '-')} |")
+            print(f"| {r['case']} | {r['kernel']} | {r.get('splits', '-')} | {r.get('warps') or '-'} | {r.get('tile_r') or '-'} | {r['ms']} | "
+                  f"{r.get('us_per_step', '-')} | {r.get('same_picks', '-')} |")
+    for r in rows:
+        if "plan_splits" in r:
+            print(f"{r['case']}: coverage_plan picks {r['plan_splits']} programs of {r['plan_block']} columns")
     for r in rows:
         if "changed_rows" in r:
             print(f"{r['case']}: {r['changed_rows']} cover rows changed over {r['budget']} steps")

@@ -415,6 +415,28 @@ def profile_steps(bench: Bench, inputs, cache: str) -> str:
     return "\n".join(parts)
 
 
+def profile_ttft(bench: Bench, inputs, cache: str) -> str:
+    """torch.profiler tables of one first-token call (vision, selection and prefill) of Full, Hard and Raincheck:
+    where a first turn's time goes, sorted by GPU time and by host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    args = bench.args
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.cuda else [])
+    policies = [p for p in main_policies(args) if p.name in ("full", "hard", "raincheck") and p.fused is not False]
+    parts = []
+    for policy in policies:
+        bench.generate(inputs, policy, cache, stop_after=1)  # warm-up (compilation, autotuning)
+        with profile(activities=activities) as prof:
+            _, _, start, end = bench.generate(inputs, policy, cache, stop_after=1)
+        parts.append(f"## first token, {policy.label} ({cache} cache): wall {1e3 * (end - start):.2f} ms"
+                     f"{kernel_busy(prof)}\n")
+        averages = prof.key_averages()
+        if bench.cuda:
+            parts.append(averages.table(sort_by="device_time_total", row_limit=args.profile_rows))
+        parts.append(averages.table(sort_by="self_cpu_time_total", row_limit=args.profile_rows))
+    return "\n".join(parts)
+
+
 def kernel_busy(prof) -> str:
     """', GPU kernels busy X ms' (host-bound when far below the wall time), or '' without CUDA events."""
     try:
@@ -732,10 +754,12 @@ def run_model(model_name: str, gpus: int, args, workloads: dict, budget: Budget,
     print(f"\n== {model_name}{where}: built in {time.perf_counter() - started:.1f} s", flush=True)
     plan = run_plan(args)
     inputs = {name: workloads[name].inputs(devices[0], dtype) for name in dict.fromkeys(w for w, _, _ in plan)}
-    if args.profile and model_name == args.models[0]:
+    if (args.profile or args.profile_ttft) and model_name == args.models[0]:
         first = args.workloads[0]
         try:
-            text = "\n".join(profile_steps(bench, inputs[first], cache) for cache in args.caches)
+            text = "\n".join(profile_steps(bench, inputs[first], cache) for cache in args.caches) if args.profile else ""
+            if args.profile_ttft:
+                text += "\n".join(profile_ttft(bench, inputs[first], cache) for cache in args.caches)
         except Exception as error:  # noqa: BLE001
             text = f"profile failed: {type(error).__name__}: {error}"
             print(f"  {text}")
@@ -782,6 +806,8 @@ def parse_args(argv=None):
     parser.add_argument("--budget-s", type=float, default=400.0,
                         help="wall-clock budget of the runs (s): what does not fit is skipped")
     parser.add_argument("--profile", action="store_true", help="torch.profiler tables of one fused step")
+    parser.add_argument("--profile-ttft", action="store_true",
+                        help="torch.profiler tables of one first-token call of Full, Hard and Raincheck")
     parser.add_argument("--profile-rows", type=int, default=30)
     parser.add_argument("--save", action="store_true", help="write latency.json and latency.png to --results-dir")
     parser.add_argument("--merge", action="store_true", help="with --save: keep the existing file's other records")

@@ -15,11 +15,14 @@ kernel, the state stays in registers.
   ``t(x, b) = trunc(max(x, b) - b)`` (int64). Integer sums are exact, so every gain equals a full evaluation's,
   and the picks are the full greedy's (`mmtok.greedy_coverage_order`, ``lazy=False``) bit for bit.
   The columns of a span are split over ``splits`` programs that run concurrently; each keeps its columns' gains and
-  the whole ``best`` vector in registers. Per step each program proposes its best rank (``atomic_min`` into a
-  per-step slot), then waits for the span's other programs (an arrival counter per step: a grid barrier, which
-  needs every program of a span resident at once: the host keeps the grid within the GPU's SM count). A program
-  that waits too long (``SPIN_LIMIT`` polls: programs not co-resident, or Triton's interpreter, which runs programs
-  one after another) raises the span's failure flag and stops; the host then runs the torch path for the batch.
+  the whole ``best`` vector in registers (as two vectors, question rows and span rows, so that R = m + n is not
+  padded to a power of two whole: 4120 -> 32 + 4096, not 8192). Per step each program stores its best rank in its
+  own slot of the step (filled with INT64_MIN by the host, a value no rank takes) and reads the span's slots until
+  none is INT64_MIN: a grid barrier of one store and one vector load, with no atomics and no fences (nothing else
+  is published), which needs every program of a span resident at once (the host keeps the grid within the GPU's
+  SM count). A program that waits too long (``SPIN_LIMIT`` polls: programs not co-resident, or Triton's
+  interpreter, which runs programs one after another) raises the span's failure flag and stops; the host then runs
+  the torch path for the batch.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import triton.language as tl
 #: R = m + n rows, as the next power of two): sizes above run the torch loops. 8192 is the largest shape run on the
 #: H200 (4096 tokens: R = 4120); beyond, the registers would spill
 MAX_BLOCK = 8192
-SPIN_LIMIT = 1 << 22  # polls of the barrier counter before a program gives up (far beyond any real wait)
+SPIN_LIMIT = 1 << 22  # polls of the barrier's slots before a program gives up (far beyond any real wait)
 INT64_MAX = (1 << 63) - 1
 
 
@@ -97,27 +100,34 @@ def _warps(block: int) -> int:
 # ------------------------------------------------------------------------------------------------------- mmtok
 @triton.jit
 def _coverage_kernel(
-    cover_ptr, cover_t_ptr, gain_ptr, order_ptr, rank_min_ptr, arrived_ptr, fail_ptr,
+    cover_ptr, cover_t_ptr, gain_ptr, order_ptr, proposals_ptr, fail_ptr,
     scratch_rows_ptr, scratch_old_ptr, scratch_new_ptr,
-    n, rows_n, budget, ranks_w,
-    SPLITS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, TILE_R: tl.constexpr,
-    SPIN: tl.constexpr,
+    n, m, budget, ranks_w,
+    SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILE_R: tl.constexpr, SPIN: tl.constexpr,
 ):
     split = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    cover = cover_ptr + b * rows_n * n  # [R, n], scaled fp32
+    rows_n = m + n
+    cover = cover_ptr + b * rows_n * n  # [R, n], scaled fp32: question rows 0 .. m-1, then the span's n rows
     cover_t = cover_t_ptr + b * n * rows_n  # [n, R]
     cols = split * BLOCK_C + tl.arange(0, BLOCK_C)
     col_in = cols < n
     gain = tl.load(gain_ptr + b * n + cols, mask=col_in, other=0)  # int64, exact fixed point
     taken = cols >= n  # padding: never a candidate
-    rows = tl.arange(0, BLOCK_R)
-    row_in = rows < rows_n
-    best = tl.zeros([BLOCK_R], dtype=tl.float32)
+    # `best` as two register vectors (question rows, span rows): R = m + n is not padded to a power of two whole
+    rows_q = tl.arange(0, BLOCK_M)
+    q_in = rows_q < m
+    rows_v = tl.arange(0, BLOCK_N)
+    v_in = rows_v < n
+    best_q = tl.zeros([BLOCK_M], dtype=tl.float32)
+    best_v = tl.zeros([BLOCK_N], dtype=tl.float32)
+    others = tl.arange(0, SPLITS_P2)
+    others_in = others < SPLITS
     # this program's own compaction buffers
-    s_rows = scratch_rows_ptr + (b * SPLITS + split) * BLOCK_R
-    s_old = scratch_old_ptr + (b * SPLITS + split) * BLOCK_R
-    s_new = scratch_new_ptr + (b * SPLITS + split) * BLOCK_R
+    s_rows = scratch_rows_ptr + (b * SPLITS + split) * (BLOCK_M + BLOCK_N)
+    s_old = scratch_old_ptr + (b * SPLITS + split) * (BLOCK_M + BLOCK_N)
+    s_new = scratch_new_ptr + (b * SPLITS + split) * (BLOCK_M + BLOCK_N)
     failed = 0
     for s in range(0, budget):
         if failed == 0:
@@ -126,16 +136,20 @@ def _coverage_kernel(
             low = tl.min(rank, axis=0)
             slot = b * budget + s
             if SPLITS > 1:
-                tl.atomic_min(rank_min_ptr + slot, low)
-                seen = tl.atomic_add(arrived_ptr + slot, 1) + 1  # release: the proposal above is visible first
+                # the barrier: each program stores its proposal in its own slot of this step (the host filled them
+                # with INT64_MIN, which no rank reaches), then reads the span's slots until all are filled. Nothing
+                # else is published, so no fence or atomic is needed: one store and (usually) one load per step
+                row = proposals_ptr + slot * SPLITS
+                tl.store(row + split, low)
+                seen = tl.load(row + others, mask=others_in, other=9223372036854775807, volatile=True)
                 spins = 0
-                while (seen < SPLITS) & (spins < SPIN):
-                    seen = tl.atomic_add(arrived_ptr + slot, 0)
+                while (tl.min(seen, axis=0) == -9223372036854775807 - 1) & (spins < SPIN):
+                    seen = tl.load(row + others, mask=others_in, other=9223372036854775807, volatile=True)
                     spins += 1
-                if seen < SPLITS:
+                if tl.min(seen, axis=0) == -9223372036854775807 - 1:
                     tl.atomic_xchg(fail_ptr + b, 1)
                     failed = 1
-                low = tl.atomic_max(rank_min_ptr + slot, -9223372036854775807 - 1)  # reads the span's minimum
+                low = tl.min(seen, axis=0)
             if failed == 0:
                 # rank = j - ranks_w * gain with 0 <= j < ranks_w: j is the rank modulo ranks_w
                 j = low % ranks_w
@@ -143,14 +157,23 @@ def _coverage_kernel(
                 if split == 0:
                     tl.store(order_ptr + slot, j)
                 taken = taken | (cols == j)
-                col = tl.load(cover_t + j * rows_n + rows, mask=row_in, other=0.0)
-                changed = (col > best) & row_in
-                count = tl.sum(changed.to(tl.int32), axis=0)
-                at = tl.cumsum(changed.to(tl.int32), axis=0) - 1
-                tl.store(s_rows + at, rows, mask=changed)
-                tl.store(s_old + at, best, mask=changed)
-                tl.store(s_new + at, col, mask=changed)
-                best = tl.maximum(best, col)
+                column = cover_t + j * rows_n
+                col_q = tl.load(column + rows_q, mask=q_in, other=0.0)
+                col_v = tl.load(column + m + rows_v, mask=v_in, other=0.0)
+                changed_q = (col_q > best_q) & q_in
+                changed_v = (col_v > best_v) & v_in
+                count_q = tl.sum(changed_q.to(tl.int32), axis=0)
+                count = count_q + tl.sum(changed_v.to(tl.int32), axis=0)
+                at_q = tl.cumsum(changed_q.to(tl.int32), axis=0) - 1
+                at_v = count_q + tl.cumsum(changed_v.to(tl.int32), axis=0) - 1
+                tl.store(s_rows + at_q, rows_q, mask=changed_q)
+                tl.store(s_old + at_q, best_q, mask=changed_q)
+                tl.store(s_new + at_q, col_q, mask=changed_q)
+                tl.store(s_rows + at_v, m + rows_v, mask=changed_v)
+                tl.store(s_old + at_v, best_v, mask=changed_v)
+                tl.store(s_new + at_v, col_v, mask=changed_v)
+                best_q = tl.maximum(best_q, col_q)
+                best_v = tl.maximum(best_v, col_v)
                 tl.debug_barrier()
                 delta = tl.zeros([BLOCK_C], dtype=tl.int64)
                 for t in range(0, count, TILE_R):
@@ -179,13 +202,19 @@ def _sm_count_cached(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+#: the most programs a span's columns are split over (H200, 4096 tokens: 7.6 us per step at 64, 9.1 at 32, 7.7 at
+#: 128; 1024 tokens: 4.2 us at 64; `benchmarks/greedy_kernels.py`)
+MAX_SPLITS = 64
+
+
 def coverage_plan(n: int, batch: int, device: torch.device, splits: int | None = None) -> tuple[int, int]:
-    """``(splits, block_c)``: columns per program a power of two >= 64 (at most 1024), programs of all spans within
-    the SM count (they must be resident together for the per-step barrier). `splits` forces a split count."""
+    """``(splits, block_c)``: columns per program a power of two >= 16 (at most 1024), at most `MAX_SPLITS`
+    programs per span, programs of all spans within the SM count (they must be resident together for the per-step
+    barrier). `splits` forces a split count."""
     if splits is None:
         sms = _sm_count(device)
-        block_c = 64
-        while block_c < 1024 and (triton.cdiv(n, block_c) * batch > sms or triton.cdiv(n, block_c) > 32):
+        block_c = 16
+        while block_c < 1024 and (triton.cdiv(n, block_c) * batch > sms or triton.cdiv(n, block_c) > MAX_SPLITS):
             block_c *= 2
         splits = triton.cdiv(n, block_c)
         if splits * batch > sms:
@@ -196,33 +225,40 @@ def coverage_plan(n: int, batch: int, device: torch.device, splits: int | None =
 
 @torch.no_grad()
 def coverage_order_triton(scaled: torch.Tensor, gain: torch.Tensor, budget: int, ranks_w: int,
-                          splits: int | None = None, spin_limit: int = SPIN_LIMIT) -> torch.Tensor | None:
+                          splits: int | None = None, spin_limit: int = SPIN_LIMIT,
+                          num_warps: int | None = None, tile_r: int | None = None) -> torch.Tensor | None:
     """The full greedy on ``scaled [B, R, n]`` (fp32, scaled as in `mmtok.greedy_coverage_order`) from the initial
     fixed-point gains ``gain [B, n]`` (int64, ``best = 0``) -> ``[B, budget]`` picks in order, or None when a
     program gave up waiting at the barrier (the caller then runs the torch path). `splits` forces the number of
-    programs per span (`coverage_plan`), `spin_limit` the barrier's patience (tests)."""
+    programs per span (`coverage_plan`), `spin_limit` the barrier's patience (tests), `num_warps` the warps per
+    program and `tile_r` the changed rows per tile of the gain update (benchmarks; defaults: 8 warps for spans of
+    4096+ tokens, else 4; ``4096 // block_c`` rows, at most 64)."""
     batch, rows_n, n = scaled.shape
     device = scaled.device
     order = torch.zeros(batch, budget, dtype=torch.long, device=device)
     if budget <= 0:
         return order
     splits, block_c = coverage_plan(n, batch, device, splits)
-    block_r = max(16, triton.next_power_of_2(rows_n))
+    m = rows_n - n  # question rows first, then the span's rows (`mmtok.coverage_matrix`)
+    block_m = max(16, triton.next_power_of_2(max(m, 1)))
+    block_n = max(16, triton.next_power_of_2(n))
     cover = scaled.contiguous()
     cover_t = cover.transpose(1, 2).contiguous()
-    rank_min = torch.full((batch, budget), INT64_MAX, dtype=torch.long, device=device)
-    arrived = torch.zeros(batch, budget, dtype=torch.int32, device=device)
+    # per step and span, one slot per program; INT64_MIN = "not proposed yet" (ranks are > -2^62)
+    proposals = torch.full((batch, budget, splits), -INT64_MAX - 1, dtype=torch.long, device=device)
     fail = torch.zeros(batch, dtype=torch.int32, device=device)
-    scratch_rows = torch.empty(batch * splits * block_r, dtype=torch.int32, device=device)
-    scratch_old = torch.empty(batch * splits * block_r, dtype=torch.float32, device=device)
+    scratch = batch * splits * (block_m + block_n)
+    scratch_rows = torch.empty(scratch, dtype=torch.int32, device=device)
+    scratch_old = torch.empty(scratch, dtype=torch.float32, device=device)
     scratch_new = torch.empty_like(scratch_old)
-    tile_r = max(1, min(64, 4096 // block_c))
+    tile_r = tile_r or max(1, min(64, 4096 // block_c))
     with _on(device):
         _coverage_kernel[(splits, batch)](
-            cover, cover_t, gain.contiguous(), order, rank_min, arrived, fail, scratch_rows, scratch_old, scratch_new,
-            n, rows_n, budget, ranks_w,
-            SPLITS=splits, BLOCK_C=block_c, BLOCK_R=block_r, TILE_R=tile_r, SPIN=spin_limit,
-            num_warps=8 if block_r >= 4096 else 4,
+            cover, cover_t, gain.contiguous(), order, proposals, fail, scratch_rows, scratch_old, scratch_new,
+            n, m, budget, ranks_w,
+            SPLITS=splits, SPLITS_P2=max(2, triton.next_power_of_2(splits)), BLOCK_C=block_c, BLOCK_M=block_m,
+            BLOCK_N=block_n, TILE_R=tile_r, SPIN=spin_limit,
+            num_warps=num_warps or (8 if block_n >= 4096 else 4),
         )
     if splits > 1 and bool(fail.any()):  # one host synchronisation
         return None
