@@ -12,9 +12,12 @@ What is timed, per case and selector (median of ``--repeats`` after one warm-up,
 - ``select_ms``: ``select_kept(name, ctx)`` on a context like the one `generate` builds: placeholder embeddings
   ``[N, hidden]`` (bf16 on CUDA), a question of ``--query-tokens`` tokens, and the vision extras the selector
   declares (random; selection time does not depend on values: the greedy selectors always run ``b`` steps);
-- ``extras_ms``: computing those extras inside the vision pass: `received_attention` of one ViT block from q/k
-  ``[4N, heads, head_dim]`` per requested block (hiprune: 2 blocks, visionzip: 1), pooling of the last block's
-  output (mmtok);
+- ``extras_ms``: computing those extras inside the vision pass, per requested block (hiprune: 2 blocks,
+  visionzip: 1) the attention its keys receive, pooling of the last block's output (mmtok). With Triton on CUDA
+  (``vision_attention: "lse"``) the block's own per-segment SDPA calls return their log-sum-exp
+  (`hf_raincheck.pruning.vision.FlashLSECapture`) and only the second Triton pass runs: timed as those calls plus
+  the pass, minus the same calls made plainly. Otherwise (``"recompute"``) `received_attention` from q/k
+  ``[4N, heads, head_dim]`` (both passes);
 - ``total_ms`` = select + extras, and its share of Full TTFT when ``--ttft`` is given (one plain ``generate``
   step of the same media on a random-weight model of the shape).
 
@@ -117,30 +120,58 @@ def build_context(grids, shape: dict, retention: float, query_tokens: int, devic
     )
 
 
-def extras_time(name: str, grids, shape: dict, device: str, dtype, repeats: int) -> float:
-    """Time to compute the selector's vision extras during the vision pass (attention of its blocks, pooling)."""
+def extras_time(name: str, grids, shape: dict, device: str, dtype, repeats: int) -> tuple[float, str | None]:
+    """Time to compute the selector's vision extras during the vision pass (attention of its blocks, pooling), and
+    how the attention was computed: ``"lse"`` (the package's path where SDPA runs the block with its flash / cuDNN
+    backend: the block's own calls return the log-sum-exp, and the extra time is theirs minus plain SDPA's, plus
+    pass 2), ``"recompute"`` (both passes from q, k: `received_attention`), or None (no attention needed)."""
+    import torch.nn.functional as F
+
+    from hf_raincheck.pruning.vision import FlashLSECapture
+
     want = selector_requirements(name, {}, shape["vit_depth"])
     if not want:
-        return 0.0
+        return 0.0, None
     patches = 4 * sum(h * w for h, w in grids)
     heads = shape["vit_heads"]
     head_dim = shape["vit_hidden"] // heads
     gen = torch.Generator(device="cpu").manual_seed(1)
-    q = torch.randn(patches, heads, head_dim, generator=gen).to(device, dtype)
-    k = torch.randn(patches, heads, head_dim, generator=gen).to(device, dtype)
+    q, k, v = (torch.randn(patches, heads, head_dim, generator=gen).to(device, dtype) for _ in range(3))
     hidden = torch.randn(patches, shape["vit_hidden"], generator=gen).to(device, dtype)
     bounds = [0]
     for h, w in grids:
         bounds.append(bounds[-1] + 4 * h * w)
     cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    scale = head_dim**-0.5
+    # the ViT's own calls, as transformers' Qwen-VL vision attention makes them: one SDPA call per segment
+    q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    segments = list(zip(bounds[:-1], bounds[1:]))
+
+    def vit_attention():
+        for a, b in segments:
+            F.scaled_dot_product_attention(q4[:, :, a:b], k4[:, :, a:b], v4[:, :, a:b], scale=scale)
+
+    def vit_attention_with_lse():
+        with FlashLSECapture() as capture:
+            vit_attention()
+        return capture.received_attention(patches)
+
+    lse = triton_enabled(torch.device(device)) and want[VISION_ATTENTION] and vit_attention_with_lse() is not None
+    blocks = len(want[VISION_ATTENTION])
 
     def run():
         for _ in want[VISION_ATTENTION]:
-            pool_merged(received_attention(q, k, cu, head_dim**-0.5), 4)
+            if lse:
+                pool_merged(vit_attention_with_lse(), 4)
+            else:
+                pool_merged(received_attention(q, k, cu, scale), 4)
         if want[VISION_HIDDEN]:
             pool_merged(hidden, 4)
 
-    return timed(run, device, repeats)
+    ms = timed(run, device, repeats)
+    if lse:  # the blocks' own attention is part of the tower's time, not the selector's
+        ms -= blocks * timed(vit_attention, device, repeats)
+    return ms, ("lse" if lse else "recompute") if blocks else None
 
 
 def full_ttft(model, grids, query_tokens: int, device: str, dtype, repeats: int) -> float:
@@ -222,7 +253,7 @@ def main(argv=None):
             sync(device)
             cold_ms = (time.perf_counter() - t0) * 1e3
             select_ms = timed(lambda: select_kept(name, ctx), device, args.repeats)
-            extra_ms = extras_time(name, grids, shape, device, dtype, args.repeats)
+            extra_ms, attention = extras_time(name, grids, shape, device, dtype, args.repeats)
             row = dict(
                 case=case,
                 selector=name,
@@ -233,6 +264,7 @@ def main(argv=None):
                 select_ms=round(select_ms, 3),
                 first_call_ms=round(cold_ms, 3),
                 extras_ms=round(extra_ms, 3),
+                vision_attention=attention,
                 total_ms=round(select_ms + extra_ms, 3),
                 full_ttft_ms=None if ttft is None else round(ttft, 3),
                 share_of_ttft=None if ttft is None else round((select_ms + extra_ms) / ttft, 4),

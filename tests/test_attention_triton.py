@@ -1,6 +1,8 @@
 """`received_attention`'s Triton kernels (`hf_raincheck.pruning.attention_triton`) against the torch reference
 `received_attention_torch` on the same values in fp32: segments (straddling blocks, shorter than a block, empty),
-head dims (not powers of two), heads, dtypes, strided q / k, and the VisionZip ranking they give.
+head dims (not powers of two), heads, dtypes, strided q / k, and the VisionZip ranking they give; pass 2 alone
+from a given log-sum-exp (`received_attention_from_lse`: the reference's, and that of SDPA's flash backend), and
+launch configs passed in (the tuning sweep's).
 
 On CUDA; on CPU under Triton's interpreter (``TRITON_INTERPRET=1``, small sizes only), which the ``triton``
 marker lets run on a machine without a GPU (tests/conftest.py)."""
@@ -124,3 +126,108 @@ def test_large_on_cuda(kernel, device, case):
     q, k = make_qk(frames * patches, 16, 72, torch.bfloat16, device, seed=7, sharpness=1.0)
     cu = torch.arange(frames + 1, device=device, dtype=torch.int32) * patches
     check(kernel, q, k, cu, *TOLERANCES[torch.bfloat16])
+
+
+# ------------------------------------------------------------------------------------------ pass 2 from a given LSE
+def torch_lse(q, k, cu, scale):
+    """``[heads, P]`` fp32 natural-log LSE of each query over its segment's keys (rows outside segments: 0)."""
+    lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+    for a, b in zip(cu[:-1], cu[1:]):
+        logits = torch.einsum("qhd,khd->hqk", q[a:b].float(), k[a:b].float()) * scale
+        lse[:, a:b] = torch.logsumexp(logits, dim=-1)
+    return lse
+
+
+def flash_lse(q, k, cu, scale):
+    """The same from SDPA's flash backend, one call per segment as the ViT's attention makes them (the LSE the
+    hooks take from the ViT): CUDA with 16-bit q / k, the CPU with fp32."""
+    from hf_raincheck.pruning.vision import SDPACall, flash_attention_with_lse
+
+    lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+    for a, b in zip(cu[:-1], cu[1:]):
+        qs, ks = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k))  # [1, heads, n, d]
+        got = flash_attention_with_lse(SDPACall(qs, ks, ks, scale=scale))
+        assert got is not None, "SDPA would not run its flash backend here"
+        lse[:, a:b] = got[1][0]
+    return lse
+
+
+@pytest.fixture(scope="module")
+def from_lse(device):
+    from hf_raincheck.pruning.attention_triton import received_attention_from_lse
+
+    return received_attention_from_lse
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("segments", list(SEGMENTS))
+@pytest.mark.parametrize("heads,head_dim", [(1, 72), (4, 72), (2, 16)])
+def test_from_lse_matches_torch(from_lse, device, dtype, segments, heads, head_dim):
+    cu = SEGMENTS[segments]
+    q, k = make_qk(cu[-1] + 7, heads, head_dim, dtype, device, seed=heads * 100 + head_dim)
+    scale = head_dim**-0.5
+    got = from_lse(q, k, torch_lse(q, k, cu, scale), cu, scale)
+    want = received_attention_torch(q.float(), k.float(), cu, scale)
+    torch.testing.assert_close(got, want, rtol=TOLERANCES[dtype][0], atol=TOLERANCES[dtype][1])
+    assert torch.all(got[cu[-1] :] == 0)
+
+
+@pytest.mark.parametrize("case", ["small", "image", "video"])
+def test_from_flash_lse_matches_torch(from_lse, device, case):
+    """With the LSE of SDPA's flash backend (bf16 on CUDA, fp32 on the CPU); on CUDA also at Qwen3-VL's ViT sizes."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if case != "small" and device.type != "cuda":
+        pytest.skip("large sizes: CUDA only")
+    frames, patches, heads = {"small": (3, 70, 2), "image": (1, 16384, 16), "video": (16, 1024, 16)}[case]
+    q, k = make_qk(frames * patches, heads, 72, dtype, device, seed=11, sharpness=1.0)
+    cu = [i * patches for i in range(frames + 1)]
+    scale = 72**-0.5
+    got = from_lse(q, k, flash_lse(q, k, cu, scale), torch.tensor(cu, device=device), scale)
+    want = received_attention_torch(q.float(), k.float(), cu, scale)
+    torch.testing.assert_close(got, want, rtol=TOLERANCES[dtype][0], atol=TOLERANCES[dtype][1])
+
+
+def test_from_lse_checks_its_inputs(from_lse, device):
+    q, k = make_qk(50, 2, 16, torch.float32, device)
+    with pytest.raises(ValueError, match="lse must be"):
+        from_lse(q, k, torch.zeros(50, 2, device=device), [0, 50], 0.25)
+    assert from_lse(q[:0], k[:0], torch.zeros(2, 0, device=device), [0], 0.25).shape == (0,)
+
+
+# ------------------------------------------------------------------------------------------ launch configs
+def test_configs_can_be_passed_in(kernel, device):
+    """Other launch configs (as the tuning sweep passes them) give the same sums; bad ones are refused."""
+    from hf_raincheck.pruning.attention_triton import CONFIGS
+
+    cu = SEGMENTS["several"]
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k = make_qk(cu[-1], 1, 72, dtype, device, seed=4)
+        default = kernel(q, k, cu, 0.1)
+        for configs in ({"lse": (32, 64, 4, 1)}, {"received": (64, 32, 2, 2)}, {"lse": (128, 32, 8, 4)}):
+            torch.testing.assert_close(kernel(q, k, cu, 0.1, configs=configs), default, rtol=1e-5, atol=1e-6)
+    before = dict(CONFIGS)
+    for bad, match in (({"pass1": (32, 32, 4, 2)}, "keyed by pass"), ({"lse": (8, 32, 4, 2)}, "powers of two"),
+                       ({"received": (48, 32, 4, 2)}, "powers of two"), ({"lse": (32, 32)}, "a config is")):
+        with pytest.raises(ValueError, match=match):
+            kernel(q, k, cu, 0.1, configs=bad)
+    assert CONFIGS == before
+
+
+def test_tuning_sweep_smoke(device, tmp_path, capsys):
+    """``benchmarks/received_attention.py --small`` (two configs per pass) writes its table and JSON."""
+    import importlib.util
+    import json
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, "benchmarks", "received_attention.py")
+    spec = importlib.util.spec_from_file_location("received_attention_sweep", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    out = tmp_path / "sweep.json"
+    sweep.main(["--small", "--device", device.type, "--cases", "image", "--repeats", "1", "--warmup", "0",
+                "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert len(report["records"]) == 4 and all(r["error"] is None and r["ok"] for r in report["records"])
+    assert set(report["best"]) == {"lse", "received"}
+    assert "| # | BLOCK_M | BLOCK_N | warps | stages | image ms |" in capsys.readouterr().out

@@ -67,7 +67,8 @@ def functions(backend: str) -> tuple:
 # fla-core only: rows from a state up to this many take the fused recurrent kernel instead of the chunked one. In the
 # H200 profile of an eager Qwen3.5-9B fused step (32 rows), fla's chunked function cost 1.76 ms of host time per
 # layer call against 0.31 ms for the recurrent one on a decode row (GPU time is small for both). Default 1 (as
-# transformers) until a GPU run compares them: HF_RAINCHECK_FLA_RECURRENT_ROWS=64.
+# transformers): compiled (CUDA graphs, no host time per call), HF_RAINCHECK_FLA_RECURRENT_ROWS=64 made a fused step's
+# GPU time longer on the H200 (8.15 vs 7.81 ms: the recurrent kernel takes 24 us per layer on 32 rows; README).
 FLA_RECURRENT_MAX_ROWS = int(os.environ.get("HF_RAINCHECK_FLA_RECURRENT_ROWS", "1"))
 
 

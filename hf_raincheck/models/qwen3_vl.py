@@ -30,6 +30,21 @@ def qwen_vision_attn_qk(attn, args, kwargs):
     return q, k, cu_seqlens, attn.scaling
 
 
+def qwen_vision_attn_sdpa_input(attn, args, kwargs):
+    """The input hidden states ``[P, hidden]`` of a Qwen-VL vision attention module ``block.attn`` whose forward runs
+    its attention as one ``F.scaled_dot_product_attention(q, k, v, attn_mask=None, scale=attn.scaling)`` call per
+    segment of ``cu_seqlens``, in order, with q, k ``[1, heads, n, head_dim]`` (rotary applied, the values
+    `qwen_vision_attn_qk` gives), else None: the ``sdpa_input`` of `BlockAttentionHooks`.
+
+    That is the forward of transformers 5.23's ``Qwen3VLVisionAttention`` (and Qwen2.5-VL's, Qwen3.5's: the same
+    code) with ``attn_implementation="sdpa"``; the other implementations (eager, flash_attention_2, ...) never call
+    SDPA (None: the hooks recompute q, k). Keep in step with that forward when the pin moves (the hooks check the
+    calls cover the ``P`` rows, and fall back to `qwen_vision_attn_qk` otherwise)."""
+    if getattr(attn.config, "_attn_implementation", None) != "sdpa":
+        return None
+    return args[0] if args else kwargs["hidden_states"]
+
+
 def qwen_vision_block_qk(block, args, kwargs):
     """`qwen_vision_attn_qk` from the forward inputs of the whole block (``hidden_states`` before ``norm1``)."""
     hidden = args[0] if args else kwargs["hidden_states"]
@@ -130,13 +145,14 @@ class Qwen3VLAdapter(ModelAdapter):
 
     def _vision_pass(self, modality, pixel_values, grid_thw, want):
         """One vision-tower run; `want` adds per-placeholder extras (see `hf_raincheck.pruning.base`): attention
-        received at some blocks (pre-hooks on those blocks' attention modules only) and/or the last block's output,
+        received at some blocks (hooks on those blocks' attention modules only; with the Triton kernels and SDPA's
+        flash backend, from those blocks' own attention, see `BlockAttentionHooks`) and/or the last block's output,
         pooled over each merged token's patches, put in placeholder (raster) order and on `input_device`."""
         want = want or {}
         visual = self.core.visual
         layers = want.get(VISION_ATTENTION, ())
         attention_modules = [block.attn for block in visual.blocks]
-        with BlockAttentionHooks(attention_modules, layers, qwen_vision_attn_qk) as hooks:
+        with BlockAttentionHooks(attention_modules, layers, qwen_vision_attn_qk, qwen_vision_attn_sdpa_input) as hooks:
             if modality == "image":
                 out = self.core.get_image_features(pixel_values, grid_thw, return_dict=True)
             else:

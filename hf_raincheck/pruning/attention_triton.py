@@ -7,6 +7,11 @@ style: the ``[heads, queries, keys]`` probabilities are never materialised.
   ``exp2(scale * log2(e) * q.k - lse)`` (lse in base 2), written to ``[heads, P]`` and averaged over heads in
   torch (deterministic: no atomics).
 
+Entry points: `received_attention_triton` (both passes), `received_attention_from_lse` (pass 2 only, from the
+natural-log LSE an attention kernel returns: `hf_raincheck.pruning.vision.FlashLSECapture` takes it from the
+hooked ViT block's own flash attention); `lse_pass` / `received_pass` launch one pass each (timed by
+``benchmarks/received_attention.py``, the tuning sweep of `CONFIGS`).
+
 Segments (``cu_seqlens``) reach the kernels as per-row ``[start, stop)`` bounds, so a block of rows may straddle
 segments: each program loops over the union of its rows' segments; only the blocks at segment edges mask pairs
 from different segments (those inside every row's segment, nearly all of a large image, skip the mask).
@@ -29,7 +34,8 @@ from .triton_support import interpreted
 
 #: (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages) per pass and input kind. 16-bit: the fastest measured on an
 #: H200 (16384 patches, 16 heads of 72, bf16, one segment: pass 1 2.9 ms, pass 2 3.5 ms); fp32 inputs (ieee dots on
-#: the CUDA cores) are for tests and the interpreter, so they take small tiles
+#: the CUDA cores) are for tests and the interpreter, so they take small tiles. Callers may pass others (``configs=`` /
+#: ``config=``), e.g. the tuning sweep ``benchmarks/received_attention.py``
 CONFIGS = {
     ("lse", "16bit"): (256, 64, 8, 3),
     ("received", "16bit"): (128, 128, 4, 3),
@@ -213,36 +219,131 @@ def segment_bounds(cu_seqlens: torch.Tensor | Iterable[int], total: int, device)
     return start.to(torch.int32), stop.to(torch.int32)
 
 
+#: natural log -> base 2 (the kernels' LSE is in base 2)
+LOG2E = math.log2(math.e)
+
+
+def _check_config(config) -> tuple[int, int, int, int]:
+    """`config` as ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` ints, or ValueError."""
+    try:
+        bm, bn, warps, stages = (int(x) for x in config)
+    except (TypeError, ValueError):
+        raise ValueError(f"a config is (BLOCK_M, BLOCK_N, num_warps, num_stages), got {config!r}") from None
+    powers = all(x > 0 and x & (x - 1) == 0 for x in (bm, bn, warps))
+    if not powers or min(bm, bn) < 16 or stages < 1:
+        raise ValueError(f"BLOCK_M, BLOCK_N (>= 16) and num_warps must be powers of two, num_stages >= 1: {config!r}")
+    return bm, bn, warps, stages
+
+
+def _config(pass_name: str, kind: str, config=None) -> tuple[int, int, int, int]:
+    """The launch config of pass `pass_name` (``"lse"`` / ``"received"``) for inputs of `kind`: `config` when given,
+    else the default of `CONFIGS`."""
+    return _check_config(CONFIGS[(pass_name, kind)] if config is None else config)
+
+
+def prepare_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """``(q, k, kind)``: q, k checked (``[P, heads, head_dim]``, one shape) and as the kernels read them (bf16 / fp16
+    kept, anything else in fp32); kind ``"16bit"`` or ``"fp32"`` (the key of `CONFIGS`)."""
+    if q.shape != k.shape or q.dim() != 3:
+        raise ValueError(f"q and k must be [P, heads, head_dim] of one shape, got {tuple(q.shape)}, {tuple(k.shape)}")
+    if not (q.dtype == k.dtype and q.dtype in (torch.bfloat16, torch.float16)):
+        q, k = q.float(), k.float()
+    return q, k, ("fp32" if q.dtype == torch.float32 else "16bit")
+
+
+def _shared(q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[tuple, dict]:
+    """The kernels' common runtime arguments and constexprs."""
+    total, _, d = q.shape
+    d0, d1 = _split_head_dim(d)
+    # under the interpreter, tiles go to fp32 before the dots: its bf16 dots multiply raw bits
+    constexprs = dict(D=d, D0=d0, D1=d1, UPCAST=interpreted())
+    return (total, *q.stride(), *k.stride(), float(scale) * LOG2E), constexprs
+
+
+def _on_device(t: torch.Tensor):
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def lse_pass(q, k, start, stop, scale: float, config=None) -> torch.Tensor:
+    """Pass 1: ``[heads, P]`` fp32 base-2 log-sum-exp of each query over the keys of its segment.
+
+    q, k from `prepare_qk`; start, stop from `segment_bounds`; config ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``
+    (None: `CONFIGS`)."""
+    total, heads, _ = q.shape
+    bm, bn, warps, stages = _config("lse", prepare_qk(q, k)[2], config)
+    lse = torch.empty(heads, total, dtype=torch.float32, device=q.device)
+    args, constexprs = _shared(q, k, scale)
+    with _on_device(q):
+        _lse_kernel[(triton.cdiv(total, bm), heads)](
+            q, k, start, stop, lse, *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **constexprs
+        )
+    return lse
+
+
+def received_pass(q, k, start, stop, lse2: torch.Tensor, scale: float, config=None) -> torch.Tensor:
+    """Pass 2: ``[heads, P]`` fp32, per head and key the probabilities it receives from the queries of its segment,
+    given their base-2 log-sum-exp `lse2` ``[heads, P]`` fp32 contiguous (`lse_pass`). Arguments as `lse_pass`."""
+    total, heads, _ = q.shape
+    if lse2.shape != (heads, total) or lse2.dtype != torch.float32 or not lse2.is_contiguous():
+        raise ValueError(f"lse must be a contiguous fp32 [heads, P] = [{heads}, {total}] tensor, got "
+                         f"{lse2.dtype} {tuple(lse2.shape)}")
+    bm, bn, warps, stages = _config("received", prepare_qk(q, k)[2], config)
+    out = torch.empty(heads, total, dtype=torch.float32, device=q.device)
+    args, constexprs = _shared(q, k, scale)
+    with _on_device(q):
+        _received_kernel[(triton.cdiv(total, bn), heads)](
+            q, k, start, stop, lse2, out, *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
+            **constexprs
+        )
+    return out
+
+
 @torch.no_grad()
 def received_attention_triton(
-    q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor | Iterable[int], scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens: torch.Tensor | Iterable[int],
+    scale: float,
+    configs: dict | None = None,
 ) -> torch.Tensor:
     """`hf_raincheck.pruning.vision.received_attention` with the Triton kernels: ``[P]`` fp32.
 
     q, k: ``[P, heads, head_dim]``, any strides (e.g. slices of a qkv tensor); bf16 / fp16 (tensor-core dots) or
-    anything else (computed in fp32)."""
-    if q.shape != k.shape or q.dim() != 3:
-        raise ValueError(f"q and k must be [P, heads, head_dim] of one shape, got {tuple(q.shape)}, {tuple(k.shape)}")
-    total, heads, d = q.shape
-    if not (q.dtype == k.dtype and q.dtype in (torch.bfloat16, torch.float16)):
-        q, k = q.float(), k.float()
+    anything else (computed in fp32). configs: launch configs ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` by pass
+    (``{"lse": ..., "received": ...}``, either may be left out) in place of `CONFIGS` (tuning)."""
+    q, k, _ = prepare_qk(q, k)
+    configs = dict(configs or {})
+    unknown = set(configs) - {"lse", "received"}
+    if unknown:
+        raise ValueError(f"configs are keyed by pass, 'lse' / 'received'; got {sorted(unknown)}")
+    total, heads, _ = q.shape
     if total == 0 or heads == 0:
         return torch.zeros(total, dtype=torch.float32, device=q.device)
-    kind = "fp32" if q.dtype == torch.float32 else "16bit"
     start, stop = segment_bounds(cu_seqlens, total, q.device)
-    lse = torch.empty(heads, total, dtype=torch.float32, device=q.device)
-    out = torch.empty(heads, total, dtype=torch.float32, device=q.device)
-    d0, d1 = _split_head_dim(d)
-    # under the interpreter, tiles go to fp32 before the dots: its bf16 dots multiply raw bits
-    shared = dict(D=d, D0=d0, D1=d1, UPCAST=interpreted())
-    args = (total, *q.stride(), *k.stride(), float(scale) * math.log2(math.e))
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        bm, bn, warps, stages = CONFIGS[("lse", kind)]
-        _lse_kernel[(triton.cdiv(total, bm), heads)](
-            q, k, start, stop, lse, *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **shared
-        )
-        bm, bn, warps, stages = CONFIGS[("received", kind)]
-        _received_kernel[(triton.cdiv(total, bn), heads)](
-            q, k, start, stop, lse, out, *args, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **shared
-        )
-    return out.mean(dim=0)
+    lse2 = lse_pass(q, k, start, stop, scale, configs.get("lse"))
+    return received_pass(q, k, start, stop, lse2, scale, configs.get("received")).mean(dim=0)
+
+
+@torch.no_grad()
+def received_attention_from_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens: torch.Tensor | Iterable[int],
+    scale: float,
+    config=None,
+) -> torch.Tensor:
+    """`received_attention_triton` given each query's log-sum-exp (pass 2 only): ``[P]`` fp32.
+
+    lse: ``[heads, P]``, the natural log of ``sum_j exp(scale * q_i.k_j)`` over the keys of query ``i``'s segment,
+    as an attention kernel returns it (SDPA's flash backend: its ``logsumexp`` ``[1, heads, P]``, batch dim dropped);
+    rows outside every segment are never read. config: pass 2's launch config in place of `CONFIGS`."""
+    q, k, _ = prepare_qk(q, k)
+    total, heads, _ = q.shape
+    if lse.shape != (heads, total):
+        raise ValueError(f"lse must be [heads, P] = [{heads}, {total}], got {tuple(lse.shape)}")
+    if total == 0 or heads == 0:
+        return torch.zeros(total, dtype=torch.float32, device=q.device)
+    start, stop = segment_bounds(cu_seqlens, total, q.device)
+    lse2 = (lse.to(torch.float32) * LOG2E).contiguous()
+    return received_pass(q, k, start, stop, lse2, scale, config).mean(dim=0)

@@ -6,7 +6,13 @@
   `hf_raincheck.pruning.attention_triton` where they run (`triton_enabled`: CUDA), else by
   `received_attention_torch` (fp32, a block of queries at a time; also their reference).
 - `BlockAttentionHooks`: forward pre-hooks on the requested blocks only; a family-specific ``block_qk`` function
-  recomputes the block's q, k (with its rotary embedding) from the block's input.
+  recomputes the block's q, k (with its rotary embedding) from the block's input. Where the family says its
+  attention modules run SDPA per segment (``sdpa_input``) and the Triton kernels run, the hooks instead intercept
+  the module's own SDPA calls while it runs (`FlashLSECapture`): those that SDPA runs with its flash backend are
+  run by that backend's op, the same call SDPA makes (the tower's output is bit for bit unchanged), which also
+  returns each query's log-sum-exp; the kernels then only sum the probabilities (pass 2) from the block's own q,
+  k and that LSE: no recomputed q, k and no LSE pass. Anything else (no flash backend: CPU without the
+  interpreter, fp32, flash disabled, a mask, ...) takes the recomputing path.
 - `pool_merged`: per-patch values -> per merged token (mean over the ``merge_unit`` consecutive patches of each
   merged token, which is how Qwen-VL towers lay patches out), optionally reordered to raster order (Qwen2.5-VL
   runs its blocks in window order: pass the tower's ``reverse_index``).
@@ -14,9 +20,13 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+import math
+from typing import Callable, Iterable, NamedTuple
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
+from torch.overrides import TorchFunctionMode
 
 from .triton_support import triton_enabled
 
@@ -89,33 +99,198 @@ def pool_merged(x: torch.Tensor, merge_unit: int, reverse_index: torch.Tensor | 
 
 
 BlockQK = Callable[[torch.nn.Module, tuple, dict], tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]]
+#: ``(module, args, kwargs) -> hidden_states | None``: see `BlockAttentionHooks`
+SDPAInput = Callable[[torch.nn.Module, tuple, dict], "torch.Tensor | None"]
+
+
+class SDPACall(NamedTuple):
+    """The arguments of one ``F.scaled_dot_product_attention`` call."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    attn_mask: torch.Tensor | None = None
+    dropout_p: float = 0.0
+    is_causal: bool = False
+    scale: float | None = None
+    enable_gqa: bool = False
+
+
+def flash_attention_with_lse(call: SDPACall) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(output, logsumexp)`` of an SDPA call that SDPA would run with its flash (or cuDNN) backend, else None.
+
+    The output is that of ``F.scaled_dot_product_attention(*call)``, bit for bit: the backend's op is called as SDPA
+    calls it (CUDA: ``aten._scaled_dot_product_flash_attention``, head_dim a multiple of 8 so that SDPA pads
+    nothing; CPU: ``aten._scaled_dot_product_flash_attention_for_cpu``), with the backend SDPA's own choice
+    (``torch._fused_sdp_choice``: dtype, head_dim, ``torch.backends.cuda.enable_flash_sdp``, ``sdpa_kernel``).
+    logsumexp: ``[batch, heads, n]`` fp32, natural log of ``sum_j exp(scale * q.k_j)`` per query. None for calls
+    with a mask, dropout, causal or GQA attention, inputs that need grad, or another backend."""
+    q, k, v = call.query, call.key, call.value
+    if call.attn_mask is not None or call.dropout_p != 0.0 or call.is_causal or call.enable_gqa:
+        return None
+    if q.dim() != 4 or q.shape != k.shape or k.shape != v.shape:
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return None
+    try:
+        choice = torch._fused_sdp_choice(q, k, v, None, 0.0, False, scale=call.scale, enable_gqa=False)
+    except RuntimeError:  # no backend fits: SDPA itself will say why
+        return None
+    if choice == int(SDPBackend.CUDNN_ATTENTION) and q.device.type == "cuda":
+        # cuDNN (what SDPA picks for the Qwen vision towers on the H200): its op with the statistics output on
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, False, False, scale=call.scale)[:2]
+        return out, lse.reshape(*q.shape[:3])
+    if choice != int(SDPBackend.FLASH_ATTENTION):
+        return None
+    if q.device.type == "cuda" and q.shape[-1] % 8 == 0:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=call.scale)[:2]
+    elif q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=None, scale=call.scale
+        )
+    else:
+        return None
+    return out, lse[..., : q.shape[2]]
+
+
+class FlashLSECapture(TorchFunctionMode):
+    """While active (a torch function mode: this thread only, nothing patched), each
+    ``F.scaled_dot_product_attention`` call that SDPA runs with its flash (or cuDNN) backend is run by
+    `flash_attention_with_lse` (the same output) and its q, k and log-sum-exp are kept; any other call runs
+    unchanged and makes the capture incomplete (`received_attention` then gives None).
+
+    parts: per call, ``(q, k, lse, scale)``: q, k ``[1, heads, n, head_dim]`` as the call got them, lse
+    ``[1, heads, n]`` fp32 (natural log), the call's softmax scale (None: SDPA's default).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, float | None]] = []
+        self.complete = True
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention or not self.complete:
+            return func(*args, **kwargs)
+        try:
+            call = SDPACall(*args, **kwargs)
+        except TypeError:  # arguments this SDPA version has and this code does not know
+            call = None
+        if call is not None and call.query.dim() == 4 and call.query.shape[2] == 0:  # an empty segment: no LSE
+            out = func(*args, **kwargs)
+            self.parts.append((call.query, call.key, call.query.new_empty(call.query.shape[:3], dtype=torch.float32),
+                               call.scale))
+            return out
+        got = None if call is None else flash_attention_with_lse(call)
+        if got is None:
+            self.complete = False
+            self.parts.clear()
+            return func(*args, **kwargs)
+        out, lse = got
+        self.parts.append((call.query, call.key, lse, call.scale))
+        return out
+
+    def received_attention(self, patches: int) -> torch.Tensor | None:
+        """`received_attention` ``[patches]`` of the captured calls, taken as consecutive segments of the
+        `patches` rows, from their LSE (`received_attention_from_lse`: the Triton pass 2 only); None when the capture
+        is incomplete or the calls do not cover exactly those rows with one batch, heads, head_dim and scale."""
+        if not self.complete or not self.parts:
+            return None
+        qs, ks, lses, scales = zip(*self.parts)
+        if (
+            len({(q.shape[0], q.shape[1], q.shape[3]) for q in qs}) != 1
+            or qs[0].shape[0] != 1
+            or len(set(scales)) != 1
+            or sum(q.shape[2] for q in qs) != patches
+        ):
+            return None
+        from .attention_triton import received_attention_from_lse  # lazily: CPU installs may have no Triton
+
+        def joined(parts):
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+        q, k, lse = joined(qs), joined(ks), joined(lses)
+        bounds = [0]
+        for part in qs:
+            bounds.append(bounds[-1] + part.shape[2])
+        cu_seqlens = torch.tensor(bounds, dtype=torch.int64)
+        if q.is_cuda:  # pinned: the copy does not wait for the queued kernels
+            cu_seqlens = cu_seqlens.pin_memory().to(q.device, non_blocking=True)
+        scale = scales[0] if scales[0] is not None else 1.0 / math.sqrt(q.shape[-1])  # SDPA's default
+        return received_attention_from_lse(q[0].transpose(0, 1), k[0].transpose(0, 1), lse[0], cu_seqlens, scale)
 
 
 class BlockAttentionHooks:
     """Context manager: while active, each forward of ``blocks[b]`` (``b`` in `layers`) records the attention its
     keys receive (`received_attention`), from ``block_qk(block, args, kwargs) -> (q, k, cu_seqlens, scale)``.
 
-    ``scores[b]`` is the per-patch ``[P]`` result (calls of one block concatenated in call order).
+    ``sdpa_input(block, args, kwargs)`` (optional, family glue): the block's input hidden states ``[P, hidden]``
+    when the block's forward runs its attention as one ``F.scaled_dot_product_attention`` call per segment of its
+    ``P`` rows, in order, with q, k ``[1, heads, n, head_dim]`` as `received_attention` takes them, else None. Given
+    that and where the Triton kernels run, the block's SDPA calls are intercepted for the duration of its forward
+    (`FlashLSECapture`) and, if SDPA ran them all with its flash or cuDNN backend, the attention comes from their q, k and
+    LSE, after the forward (a forward hook); otherwise from ``block_qk``, before the forward (no flash backend at
+    all: its pre-hook, as without ``sdpa_input``) or after it.
+
+    ``scores[b]`` is the per-patch ``[P]`` result (calls of one block concatenated in call order); ``paths[b]`` says
+    how each call's was computed: ``"lse"`` (from the block's own attention) or ``"recomputed"`` (``block_qk``).
     """
 
-    def __init__(self, blocks, layers: Iterable[int], block_qk: BlockQK):
+    def __init__(self, blocks, layers: Iterable[int], block_qk: BlockQK, sdpa_input: SDPAInput | None = None):
         self.blocks = blocks
         self.layers = sorted(set(int(layer) for layer in layers))
         self.block_qk = block_qk
+        self.sdpa_input = sdpa_input
         self._parts: dict[int, list[torch.Tensor]] = {layer: [] for layer in self.layers}
+        self.paths: dict[int, list[str]] = {layer: [] for layer in self.layers}
+        self._captures: dict[int, tuple[FlashLSECapture, int]] = {}
         self._handles = []
 
-    def _hook(self, layer: int):
+    def _recompute(self, layer: int, module, args, kwargs) -> None:
+        with torch.no_grad():
+            q, k, cu_seqlens, scale = self.block_qk(module, args, kwargs)
+            self._parts[layer].append(received_attention(q, k, cu_seqlens, scale))
+        self.paths[layer].append("recomputed")
+
+    def _pre_hook(self, layer: int):
         def hook(module, args, kwargs):
+            hidden = None if self.sdpa_input is None else self.sdpa_input(module, args, kwargs)
+            if hidden is not None and triton_enabled(hidden.device):
+                capture = FlashLSECapture()
+                capture.__enter__()
+                self._captures[layer] = (capture, hidden.shape[0])
+                return
+            self._recompute(layer, module, args, kwargs)
+
+        return hook
+
+    def _post_hook(self, layer: int):
+        def hook(module, args, kwargs, output):
+            if layer not in self._captures:
+                return
+            capture, patches = self._captures.pop(layer)
+            capture.__exit__(None, None, None)
+            if output is None:  # the forward raised (an always-called hook)
+                return
             with torch.no_grad():
-                q, k, cu_seqlens, scale = self.block_qk(module, args, kwargs)
-                self._parts[layer].append(received_attention(q, k, cu_seqlens, scale))
+                scores = capture.received_attention(patches)
+            if scores is None:
+                self._recompute(layer, module, args, kwargs)
+                return
+            self._parts[layer].append(scores)
+            self.paths[layer].append("lse")
 
         return hook
 
     def __enter__(self) -> "BlockAttentionHooks":
         for layer in self.layers:
-            self._handles.append(self.blocks[layer].register_forward_pre_hook(self._hook(layer), with_kwargs=True))
+            block = self.blocks[layer]
+            self._handles.append(block.register_forward_pre_hook(self._pre_hook(layer), with_kwargs=True))
+            if self.sdpa_input is not None:
+                self._handles.append(
+                    block.register_forward_hook(self._post_hook(layer), with_kwargs=True, always_call=True)
+                )
         return self
 
     def __exit__(self, *exc) -> None:
