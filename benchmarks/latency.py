@@ -53,7 +53,9 @@ what is left is skipped and listed under ``skipped`` in the JSON. Files go to ``
 still leaves its results; ``--merge`` keeps the file's records that this call does not measure again) and the PNG
 (``latency.png``, needs matplotlib: ``pip install -e .[bench]``); with ``--profile`` a torch.profiler table of one
 fused step and one decode-only step of Raincheck (first model and workload, each cache kind),
-``latency_profile.txt``.
+``latency_profile.txt``; with ``--profile-ttft`` (same file) one first-token call of Full, Hard and Raincheck each,
+sorted by GPU time and by host time, with the wall time and the GPU kernels' busy time (a first turn whose GPU idles
+is host-bound).
 """
 
 from __future__ import annotations
