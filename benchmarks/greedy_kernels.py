@@ -60,12 +60,22 @@ def changed_rows(cover: torch.Tensor, order: torch.Tensor) -> int:
     return total
 
 
+def save(args, device, rows: list[dict]) -> None:
+    """Writes ``--out`` (rewritten after every measurement: a run cut short keeps what it measured)."""
+    meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
+                command=" ".join(sys.argv), retention=args.retention, repeats=args.repeats)
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=2)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--small", action="store_true", help="small sizes (CPU, Triton's interpreter)")
     parser.add_argument("--splits", default="1,2,4,8,16,32,64", help="comma list of MMTok split counts to try")
     parser.add_argument("--warps", default="", help="comma list of warps per MMTok program to try (default: the kernel's)")
+    parser.add_argument("--picks", default="", help="comma list of MMTok picks per barrier round to try (default: "
+                        "HF_RAINCHECK_MMTOK_PICKS, 1)")
     parser.add_argument("--tiles", default="", help="comma list of MMTok changed-row tiles to try (default: the kernel's)")
     parser.add_argument("--retention", type=float, default=0.3)
     parser.add_argument("--repeats", type=int, default=5)
@@ -91,15 +101,16 @@ def main(argv=None):
         reference = None
         warps_tried = [int(w) for w in args.warps.split(",") if w.strip()] or [None]
         tiles_tried = [int(t) for t in args.tiles.split(",") if t.strip()] or [None]
+        picks_tried = [int(p) for p in args.picks.split(",") if p.strip()] or [None]
         for splits in [int(s) for s in args.splits.split(",") if s.strip()]:
             if splits > 1 and (n // splits < 16 or (device.type != "cuda")):
                 continue  # at least 16 columns a program; barriers need a GPU (the interpreter runs programs in turn)
             if splits * batch > greedy_triton._sm_count(device) and splits > 1:
                 continue  # the grid must be resident at once
-            for warps, tile in [(w, t) for w in warps_tried for t in tiles_tried]:
-                def run(splits=splits, warps=warps, tile=tile):
+            for warps, tile, picks in [(w, t, p) for w in warps_tried for t in tiles_tried for p in picks_tried]:
+                def run(splits=splits, warps=warps, tile=tile, picks=picks):
                     return greedy_triton.coverage_order_triton(scaled, gain, budget, width + 1, splits=splits,
-                                                               num_warps=warps, tile_r=tile)
+                                                               num_warps=warps, tile_r=tile, picks=picks)
 
                 order = run()
                 if order is None:
@@ -110,9 +121,11 @@ def main(argv=None):
                 same = bool(torch.equal(order, reference))
                 ms = timed(run, device, args.repeats)
                 rows.append(dict(case=case, kernel="mmtok", spans=batch, tokens=n, budget=budget, splits=splits,
-                                 warps=warps, tile_r=tile, ms=round(ms, 3), us_per_step=round(1e3 * ms / budget, 2),
+                                 warps=warps, tile_r=tile, picks=picks or greedy_triton.picks_per_round(),
+                                 ms=round(ms, 3), us_per_step=round(1e3 * ms / budget, 2),
                                  same_picks=same))
                 print(json.dumps(rows[-1]), flush=True)
+                save(args, device, rows)
         plan = greedy_triton.coverage_plan(n, batch, device)
         rows.append(dict(case=case, kernel="mmtok", plan_splits=plan[0], plan_block=plan[1]))
         if reference is not None:
@@ -133,16 +146,16 @@ def main(argv=None):
         rows.append(dict(case=case, kernel="divprune", spans=batch, tokens=n, budget=budget, ms=round(ms, 3),
                          us_per_step=round(1e3 * ms / budget, 2)))
         print(json.dumps(rows[-1]), flush=True)
+        save(args, device, rows)
 
-    meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
-                command=" ".join(sys.argv), retention=args.retention, repeats=args.repeats)
-    with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=2)
-    print("\n| case | kernel | splits | warps | tile | ms | us / step | same picks |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
+    save(args, device, rows)
+    print("\n| case | kernel | splits | warps | tile | picks / round | ms | us / step | same picks |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if "ms" in r:
-            print(f"| {r['case']} | {r['kernel']} | {r.get('splits', '-')} | {r.get('warps') or '-'} | {r.get('tile_r') or '-'} | {r['ms']} | "
-                  f"{r.get('us_per_step', '-')} | {r.get('same_picks', '-')} |")
+            print(f"| {r['case']} | {r['kernel']} | {r.get('splits', '-')} | {r.get('warps') or '-'} | "
+                  f"{r.get('tile_r') or '-'} | {r.get('picks') or '-'} | {r['ms']} | {r.get('us_per_step', '-')} | "
+                  f"{r.get('same_picks', '-')} |")
     for r in rows:
         if "plan_splits" in r:
             print(f"{r['case']}: coverage_plan picks {r['plan_splits']} programs of {r['plan_block']} columns")

@@ -87,6 +87,44 @@ def test_mmtok_kernel_every_split_count(device, monkeypatch):
         assert torch.equal(got.cpu(), want.cpu()), splits
 
 
+@pytest.mark.parametrize("picks", [1, 3, 7])
+def test_mmtok_kernel_picks_per_round(device, monkeypatch, picks):
+    """Several picks per barrier round (each after the first certified against the round's bounds) give the full
+    greedy's picks; 1 = one pick per round (the default)."""
+    sizes = [(1, 50, 6), (2, 64, 0), (1, 120, 8)] + ([(1, 1024, 24), (16, 256, 24)] if device.type == "cuda" else [])
+    for i, (batch, n, m) in enumerate(sizes):
+        cover = _cover(batch, n, m, device, seed=20 + i)
+        budget = max(1, round(0.3 * n)) if i else n  # (the first: every column)
+        _torch_path(monkeypatch)
+        want = greedy_coverage_order(cover, budget, lazy=False)
+        width = max(n, 64)
+        scaled, gain = _scaled_and_gain(cover, width)
+        for splits in [1] + ([2, 5] if device.type == "cuda" else []):
+            got = coverage_order_triton(scaled, gain, budget, width + 1, splits=splits, picks=picks)
+            assert got is not None
+            assert torch.equal(got.cpu(), want.cpu()), (batch, n, m, splits, picks)
+
+
+def test_mmtok_picks_setting(device, monkeypatch):
+    """``HF_RAINCHECK_MMTOK_PICKS`` sets the default picks per round (same picks); bad values name the setting."""
+    from hf_raincheck.pruning import greedy_triton
+
+    cover = _cover(1, 40, 3, device, seed=9)
+    _torch_path(monkeypatch)
+    want = greedy_coverage_order(cover, 12, lazy=False)
+    _triton_path(monkeypatch)
+    monkeypatch.setenv("HF_RAINCHECK_MMTOK_PICKS", "3")
+    assert greedy_triton.picks_per_round() == 3
+    assert torch.equal(greedy_coverage_order(cover, 12).cpu(), want.cpu())
+    for bad in ("0", "64", "two"):
+        monkeypatch.setenv("HF_RAINCHECK_MMTOK_PICKS", bad)
+        with pytest.raises(ValueError, match="HF_RAINCHECK_MMTOK_PICKS"):
+            greedy_triton.picks_per_round()
+    scaled, gain = _scaled_and_gain(cover, 64)
+    with pytest.raises(ValueError, match="picks"):
+        coverage_order_triton(scaled, gain, 12, 65, picks=0)
+
+
 def _scaled_and_gain(cover, width):
     scaled = fixed_point(cover.float(), width)
     return scaled, initial_gains(scaled)

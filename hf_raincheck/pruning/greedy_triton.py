@@ -23,12 +23,22 @@ kernel, the state stays in registers.
   SM count). A program that waits too long (``SPIN_LIMIT`` polls: programs not co-resident, or Triton's
   interpreter, which runs programs one after another) raises the span's failure flag and stops; the host then runs
   the torch path for the batch.
+  Several picks per barrier round (``HF_RAINCHECK_MMTOK_PICKS`` = K > 1, or ``picks=``; default 1): each program
+  proposes its K + 1 smallest ranks (rounded up to a power of two), every program takes the span's K + 1 smallest
+  (the round's bounds: gains only shrink, so a column's current rank is at least its bound) and, after the first
+  pick, takes candidate i + 1 without another barrier when its current rank (its bound plus the changes of this
+  round's picks, which every program computes from the same rows) is below candidate i + 2's bound: then it is
+  below every other column's current rank, the full greedy's pick. With the benchmark's random covers at 4096
+  tokens the 1229 picks then need 649 barriers at K = 1 + 1, 473 at K = 3, 389 at K = 4 and 272 at K = 8 (a
+  torch simulation of the rule, same picks). Tested for equal picks (Triton's interpreter on the CPU; the GPU tests
+  are in `tests/test_greedy_triton.py`); not yet timed on a GPU, so it stays off.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
 import triton
@@ -191,6 +201,145 @@ def _coverage_kernel(
                 tl.debug_barrier()
 
 
+@triton.jit
+def _coverage_rounds_kernel(
+    cover_ptr, cover_t_ptr, gain_ptr, order_ptr, proposals_ptr, fail_ptr,
+    scratch_rows_ptr, scratch_old_ptr, scratch_new_ptr,
+    n, m, budget, ranks_w,
+    SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILE_R: tl.constexpr, SPIN: tl.constexpr, CANDS: tl.constexpr, PICKS: tl.constexpr,
+):
+    """`_coverage_kernel` with up to ``PICKS = CANDS - 1`` picks per barrier round (see the module docstring).
+
+    Kept apart from `_coverage_kernel`, whose code is the one timed on the H200 and stays the default, until this
+    one is timed there too; then one of the two goes."""
+    split = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    rows_n = m + n
+    cover = cover_ptr + b * rows_n * n  # [R, n], scaled fp32: question rows 0 .. m-1, then the span's n rows
+    cover_t = cover_t_ptr + b * n * rows_n  # [n, R]
+    cols = split * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_in = cols < n
+    gain = tl.load(gain_ptr + b * n + cols, mask=col_in, other=0)  # int64, exact fixed point
+    taken = cols >= n  # padding: never a candidate
+    # `best` as two register vectors (question rows, span rows): R = m + n is not padded to a power of two whole
+    rows_q = tl.arange(0, BLOCK_M)
+    rows_v = tl.arange(0, BLOCK_N)
+    best_q = tl.zeros([BLOCK_M], dtype=tl.float32)
+    best_v = tl.zeros([BLOCK_N], dtype=tl.float32)
+    slots = tl.arange(0, CANDS)
+    others = tl.arange(0, SPLITS_P2 * CANDS)
+    others_in = others < SPLITS * CANDS
+    # this program's own compaction buffers
+    s_rows = scratch_rows_ptr + (b * SPLITS + split) * (BLOCK_M + BLOCK_N)
+    s_old = scratch_old_ptr + (b * SPLITS + split) * (BLOCK_M + BLOCK_N)
+    s_new = scratch_new_ptr + (b * SPLITS + split) * (BLOCK_M + BLOCK_N)
+    failed = 0
+    s = 0  # picks made
+    for rnd in range(0, budget):  # rounds: one barrier each, then 1 .. PICKS picks
+        if (failed == 0) & (s < budget):
+            rank = cols.to(tl.int64) - ranks_w * gain
+            rank = tl.where(taken, 9223372036854775807, rank)
+            top = _smallest(rank, slots, CANDS)  # this program's CANDS smallest ranks, ascending
+            if SPLITS > 1:
+                # the barrier: each program stores its proposals in its own slots of this round (the host filled
+                # them with INT64_MIN, which no rank reaches), then reads the span's slots until all are filled.
+                # Nothing else is published, so no fence or atomic is needed: one store and (usually) one load
+                row = proposals_ptr + (b * budget + rnd) * (SPLITS * CANDS)
+                tl.store(row + split * CANDS + slots, top)
+                seen = tl.load(row + others, mask=others_in, other=9223372036854775807, volatile=True)
+                spins = 0
+                while (tl.min(seen, axis=0) == -9223372036854775807 - 1) & (spins < SPIN):
+                    seen = tl.load(row + others, mask=others_in, other=9223372036854775807, volatile=True)
+                    spins += 1
+                if tl.min(seen, axis=0) == -9223372036854775807 - 1:
+                    tl.atomic_xchg(fail_ptr + b, 1)
+                    failed = 1
+                top = _smallest(seen, slots, CANDS)  # the span's CANDS smallest ranks (bounds), ascending
+            # rank = j - ranks_w * gain with 0 <= j < ranks_w and gain >= 0: j is the rank modulo ranks_w
+            cand = top % ranks_w
+            cand = tl.where(cand < 0, cand + ranks_w, cand)
+            cand_ok = top != 9223372036854775807
+            cand_gain = (cand - top) // ranks_w  # exact: cand - top = ranks_w * gain
+            go = failed == 0
+            for i in range(0, PICKS):
+                if go & (s < budget):
+                    # candidate i is the greedy's next pick: i = 0 has the smallest rank; i > 0 was certified
+                    j = tl.sum(tl.where(slots == i, cand, 0), axis=0)
+                    if split == 0:
+                        tl.store(order_ptr + b * budget + s, j)
+                    s += 1
+                    taken = taken | (cols == j)
+                    column = cover_t + j * rows_n
+                    col_q = tl.load(column + rows_q, mask=rows_q < m, other=0.0)
+                    col_v = tl.load(column + m + rows_v, mask=rows_v < n, other=0.0)
+                    count = _compact_changed(col_q, col_v, best_q, best_v, rows_q, rows_v, m, n, s_rows, s_old, s_new)
+                    best_q = tl.maximum(best_q, col_q)
+                    best_v = tl.maximum(best_v, col_v)
+                    tl.debug_barrier()
+                    delta = tl.zeros([BLOCK_C], dtype=tl.int64)
+                    delta_cand = tl.zeros([CANDS], dtype=tl.int64)  # the candidates' gains, in every program
+                    for t in range(0, count, TILE_R):
+                        k = t + tl.arange(0, TILE_R)
+                        k_in = k < count
+                        r = tl.load(s_rows + k, mask=k_in, other=0).to(tl.int64)
+                        old = tl.load(s_old + k, mask=k_in, other=0.0)
+                        new = tl.load(s_new + k, mask=k_in, other=0.0)
+                        x = tl.load(cover + r[:, None] * n + cols[None, :],
+                                    mask=k_in[:, None] & col_in[None, :], other=0.0)
+                        delta += tl.sum(_gain_terms(x, old, new), axis=0)
+                        xc = tl.load(cover + r[:, None] * n + cand[None, :],
+                                     mask=k_in[:, None] & cand_ok[None, :], other=0.0)
+                        delta_cand += tl.sum(_gain_terms(xc, old, new), axis=0)
+                    gain += delta
+                    cand_gain += delta_cand
+                    tl.debug_barrier()
+                    # certify candidate i + 1: its current rank below the round's bound of candidate i + 2, a bound
+                    # for every column not yet taken but it (gains never grow; ranks are distinct)
+                    now = tl.sum(tl.where(slots == i + 1, cand - ranks_w * cand_gain, 0), axis=0)
+                    bound = tl.sum(tl.where(slots == i + 2, top, 0), axis=0)
+                    ok = tl.sum(tl.where((slots == i + 1) & cand_ok, 1, 0), axis=0)
+                    go = (ok == 1) & (now < bound)
+
+
+@triton.jit
+def _smallest(values, slots, CANDS: tl.constexpr):
+    """The `CANDS` smallest of distinct int64 `values` (INT64_MAX, repeated: none), ascending: ``[CANDS]``."""
+    out = tl.full([CANDS], 9223372036854775807, tl.int64)
+    for i in tl.static_range(CANDS):
+        low = tl.min(values, axis=0)
+        out = tl.where(slots == i, low, out)
+        values = tl.where(values == low, 9223372036854775807, values)
+    return out
+
+
+@triton.jit
+def _compact_changed(col_q, col_v, best_q, best_v, rows_q, rows_v, m, n, s_rows, s_old, s_new):
+    """Writes the rows where the taken column raises ``best`` (row, old best, new value) to the front of the
+    program's scratch buffers (question rows first); returns how many."""
+    changed_q = (col_q > best_q) & (rows_q < m)
+    changed_v = (col_v > best_v) & (rows_v < n)
+    count_q = tl.sum(changed_q.to(tl.int32), axis=0)
+    count = count_q + tl.sum(changed_v.to(tl.int32), axis=0)
+    at_q = tl.cumsum(changed_q.to(tl.int32), axis=0) - 1
+    at_v = count_q + tl.cumsum(changed_v.to(tl.int32), axis=0) - 1
+    tl.store(s_rows + at_q, rows_q, mask=changed_q)
+    tl.store(s_old + at_q, best_q, mask=changed_q)
+    tl.store(s_new + at_q, col_q, mask=changed_q)
+    tl.store(s_rows + at_v, m + rows_v, mask=changed_v)
+    tl.store(s_old + at_v, best_v, mask=changed_v)
+    tl.store(s_new + at_v, col_v, mask=changed_v)
+    return count
+
+
+@triton.jit
+def _gain_terms(x, old, new):
+    """``t(x, new) - t(x, old)`` per row (``t(x, b) = trunc(max(x, b) - b)``, int64) for ``x [rows, cols]``."""
+    t_new = (tl.maximum(x, new[:, None]) - new[:, None]).to(tl.int64)
+    t_old = (tl.maximum(x, old[:, None]) - old[:, None]).to(tl.int64)
+    return t_new - t_old
+
+
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
@@ -205,6 +354,21 @@ def _sm_count_cached(index: int) -> int:
 #: the most programs a span's columns are split over (H200, 4096 tokens: 7.6 us per step at 64, 9.1 at 32, 7.7 at
 #: 128; 1024 tokens: 4.2 us at 64; `benchmarks/greedy_kernels.py`)
 MAX_SPLITS = 64
+
+
+def picks_per_round() -> int:
+    """The most MMTok picks per barrier round: ``HF_RAINCHECK_MMTOK_PICKS`` (default 1; see the module docstring)."""
+    return _check_picks(os.environ.get("HF_RAINCHECK_MMTOK_PICKS", "1"), "HF_RAINCHECK_MMTOK_PICKS")
+
+
+def _check_picks(value, name: str) -> int:
+    try:
+        picks = int(value)
+    except (TypeError, ValueError):
+        picks = 0
+    if picks < 1 or picks > 63:
+        raise ValueError(f"{name} must be an integer from 1 to 63 (picks per barrier round), got {value!r}")
+    return picks
 
 
 def coverage_plan(n: int, batch: int, device: torch.device, splits: int | None = None) -> tuple[int, int]:
@@ -226,13 +390,15 @@ def coverage_plan(n: int, batch: int, device: torch.device, splits: int | None =
 @torch.no_grad()
 def coverage_order_triton(scaled: torch.Tensor, gain: torch.Tensor, budget: int, ranks_w: int,
                           splits: int | None = None, spin_limit: int = SPIN_LIMIT,
-                          num_warps: int | None = None, tile_r: int | None = None) -> torch.Tensor | None:
+                          num_warps: int | None = None, tile_r: int | None = None,
+                          picks: int | None = None) -> torch.Tensor | None:
     """The full greedy on ``scaled [B, R, n]`` (fp32, scaled as in `mmtok.greedy_coverage_order`) from the initial
     fixed-point gains ``gain [B, n]`` (int64, ``best = 0``) -> ``[B, budget]`` picks in order, or None when a
     program gave up waiting at the barrier (the caller then runs the torch path). `splits` forces the number of
     programs per span (`coverage_plan`), `spin_limit` the barrier's patience (tests), `num_warps` the warps per
     program and `tile_r` the changed rows per tile of the gain update (benchmarks; defaults: 8 warps for spans of
-    4096+ tokens, else 4; ``4096 // block_c`` rows, at most 64)."""
+    4096+ tokens, else 4; ``4096 // block_c`` rows, at most 64); `picks` the most picks per barrier round
+    (default `picks_per_round()`)."""
     batch, rows_n, n = scaled.shape
     device = scaled.device
     order = torch.zeros(batch, budget, dtype=torch.long, device=device)
@@ -244,8 +410,10 @@ def coverage_order_triton(scaled: torch.Tensor, gain: torch.Tensor, budget: int,
     block_n = max(16, triton.next_power_of_2(n))
     cover = scaled.contiguous()
     cover_t = cover.transpose(1, 2).contiguous()
-    # per step and span, one slot per program; INT64_MIN = "not proposed yet" (ranks are > -2^62)
-    proposals = torch.full((batch, budget, splits), -INT64_MAX - 1, dtype=torch.long, device=device)
+    picks = picks_per_round() if picks is None else _check_picks(picks, "picks")
+    cands = 1 if picks == 1 else triton.next_power_of_2(picks + 1)  # per round: the picks, then one bound
+    # per round, span and program, `cands` slots; INT64_MIN = "not proposed yet" (ranks are > -2^62)
+    proposals = torch.full((batch, budget, splits * cands), -INT64_MAX - 1, dtype=torch.long, device=device)
     fail = torch.zeros(batch, dtype=torch.int32, device=device)
     scratch = batch * splits * (block_m + block_n)
     scratch_rows = torch.empty(scratch, dtype=torch.int32, device=device)
@@ -253,13 +421,15 @@ def coverage_order_triton(scaled: torch.Tensor, gain: torch.Tensor, budget: int,
     scratch_new = torch.empty_like(scratch_old)
     tile_r = tile_r or max(1, min(64, 4096 // block_c))
     with _on(device):
-        _coverage_kernel[(splits, batch)](
-            cover, cover_t, gain.contiguous(), order, proposals, fail, scratch_rows, scratch_old, scratch_new,
-            n, m, budget, ranks_w,
-            SPLITS=splits, SPLITS_P2=max(2, triton.next_power_of_2(splits)), BLOCK_C=block_c, BLOCK_M=block_m,
-            BLOCK_N=block_n, TILE_R=tile_r, SPIN=spin_limit,
-            num_warps=num_warps or (8 if block_n >= 4096 else 4),
-        )
+        shapes = dict(SPLITS=splits, SPLITS_P2=max(2, triton.next_power_of_2(splits)), BLOCK_C=block_c,
+                      BLOCK_M=block_m, BLOCK_N=block_n, TILE_R=tile_r, SPIN=spin_limit,
+                      num_warps=num_warps or (8 if block_n >= 4096 else 4))
+        args = (cover, cover_t, gain.contiguous(), order, proposals, fail, scratch_rows, scratch_old, scratch_new,
+                n, m, budget, ranks_w)
+        if picks == 1:
+            _coverage_kernel[(splits, batch)](*args, **shapes)
+        else:
+            _coverage_rounds_kernel[(splits, batch)](*args, CANDS=cands, PICKS=cands - 1, **shapes)
     if splits > 1 and bool(fail.any()):  # one host synchronisation
         return None
     return order
