@@ -9,24 +9,20 @@ marker lets run on a machine without a GPU (tests/conftest.py)."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
-from hf_raincheck.pruning.hiprune import ranking
-from hf_raincheck.pruning.triton_support import triton_enabled
-from hf_raincheck.pruning.vision import pool_merged, received_attention, received_attention_torch
+sys.path.insert(0, os.path.dirname(__file__))
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.triton,
-    # the interpreter evaluates masked-off lanes too (log2(0), exp2 overflow) and takes loop bounds from 1-element
-    # arrays, which numpy warns about
-    pytest.mark.filterwarnings(
-        "ignore:divide by zero:RuntimeWarning",
-        "ignore:overflow:RuntimeWarning",
-        "ignore:Conversion of an array with ndim > 0:DeprecationWarning",
-    ),
-]
+from helpers import TRITON_MARKS  # noqa: E402
+from hf_raincheck.pruning.hiprune import ranking  # noqa: E402
+from hf_raincheck.pruning.triton_support import triton_enabled  # noqa: E402
+from hf_raincheck.pruning.vision import pool_merged, received_attention, received_attention_torch  # noqa: E402
+
+pytestmark = TRITON_MARKS
 
 SEGMENTS = {
     "one": [0, 200],

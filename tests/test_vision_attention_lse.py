@@ -8,28 +8,24 @@ backend), or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``: SDPA
 
 from __future__ import annotations
 
+import os
+import sys
+
 import contextlib
 
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from hf_raincheck.models.qwen3_vl import qwen_vision_attn_qk, qwen_vision_attn_sdpa_input
-from hf_raincheck.pruning.base import VISION_ATTENTION, VISION_HIDDEN
-from hf_raincheck.pruning.hiprune import ranking
-from hf_raincheck.pruning.vision import BlockAttentionHooks, received_attention_torch
+sys.path.insert(0, os.path.dirname(__file__))
 
-LSE_MARKS = [
-    pytest.mark.gpu,
-    pytest.mark.triton,
-    # the interpreter evaluates masked-off lanes too (log2(0), exp2 overflow) and takes loop bounds from 1-element
-    # arrays, which numpy warns about
-    pytest.mark.filterwarnings(
-        "ignore:divide by zero:RuntimeWarning",
-        "ignore:overflow:RuntimeWarning",
-        "ignore:Conversion of an array with ndim > 0:DeprecationWarning",
-    ),
-]
+from helpers import TRITON_MARKS  # noqa: E402
+from hf_raincheck.models.qwen3_vl import qwen_vision_attn_qk, qwen_vision_attn_sdpa_input  # noqa: E402
+from hf_raincheck.pruning.base import VISION_ATTENTION, VISION_HIDDEN  # noqa: E402
+from hf_raincheck.pruning.hiprune import ranking  # noqa: E402
+from hf_raincheck.pruning.vision import BlockAttentionHooks, received_attention_torch  # noqa: E402
+
+LSE_MARKS = TRITON_MARKS
 
 
 def lse_test(fn):
