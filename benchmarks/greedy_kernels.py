@@ -73,10 +73,12 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--small", action="store_true", help="small sizes (CPU, Triton's interpreter)")
     parser.add_argument("--splits", default="1,2,4,8,16,32,64", help="comma list of MMTok split counts to try")
-    parser.add_argument("--warps", default="", help="comma list of warps per MMTok program to try (default: the kernel's)")
+    parser.add_argument("--warps", default="",
+                        help="comma list of warps per MMTok program to try (default: the kernel's)")
     parser.add_argument("--picks", default="", help="comma list of MMTok picks per barrier round to try (default: "
                         "HF_RAINCHECK_MMTOK_PICKS, 1)")
-    parser.add_argument("--tiles", default="", help="comma list of MMTok changed-row tiles to try (default: the kernel's)")
+    parser.add_argument("--tiles", default="",
+                        help="comma list of MMTok changed-row tiles to try (default: the kernel's)")
     parser.add_argument("--retention", type=float, default=0.3)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="greedy_kernels.json")

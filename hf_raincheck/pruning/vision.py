@@ -229,8 +229,8 @@ class BlockAttentionHooks:
     when the block's forward runs its attention as one ``F.scaled_dot_product_attention`` call per segment of its
     ``P`` rows, in order, with q, k ``[1, heads, n, head_dim]`` as `received_attention` takes them, else None. Given
     that and where the Triton kernels run, the block's SDPA calls are intercepted for the duration of its forward
-    (`FlashLSECapture`) and, if SDPA ran them all with its flash or cuDNN backend, the attention comes from their q, k and
-    LSE, after the forward (a forward hook); otherwise from ``block_qk``, before the forward (no flash backend at
+    (`FlashLSECapture`) and, if SDPA ran them all with its flash or cuDNN backend, the attention comes from their q, k
+    and LSE, after the forward (a forward hook); otherwise from ``block_qk``, before the forward (no flash backend at
     all: its pre-hook, as without ``sdpa_input``) or after it.
 
     ``scores[b]`` is the per-patch ``[P]`` result (calls of one block concatenated in call order); ``paths[b]`` says

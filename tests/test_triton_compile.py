@@ -1,0 +1,107 @@
+"""Every Triton kernel of the package compiles for the H200 (sm_90a) at the shapes it runs there, without a GPU:
+Triton's own compiler down to PTX, then the ptxas that ships with Triton, with register spills reported.
+
+The interpreter tests (``TRITON_INTERPRET=1``) prove what the kernels compute; this proves the real compiler takes
+them (a kernel the interpreter runs can still fail to lower), so a kernel changed on a machine without a GPU is
+known to build before a GPU session spends time on it. Marked ``gpu`` + ``triton`` like the other kernel tests
+(CI has no Triton); runs on the CPU with ``python -m pytest -m triton tests/`` (README Notes), and on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from helpers import TRITON_MARKS  # noqa: E402
+
+pytestmark = TRITON_MARKS
+
+triton = pytest.importorskip("triton")
+
+GREEDY_ARGS = {
+    "cover_ptr": "*fp32", "cover_t_ptr": "*fp32", "gain_ptr": "*i64", "order_ptr": "*i64", "proposals_ptr": "*i64",
+    "fail_ptr": "*i32", "scratch_rows_ptr": "*i32", "scratch_old_ptr": "*fp32", "scratch_new_ptr": "*fp32",
+}
+ATTENTION_ARGS = {"Q": "*bf16", "K": "*bf16", "SEG_START": "*i32", "SEG_STOP": "*i32", "LSE": "*fp32",
+                  "OUT": "*fp32", "qk_scale": "fp32"}
+DIVPRUNE_ARGS = {"sim_ptr": "*fp32", "nearest_ptr": "*fp32", "order_ptr": "*i64"}
+#: MMTok at 4096 tokens (`coverage_plan`: 64 programs of 64 columns, 8 warps; 24 question rows -> 32)
+MMTOK_4096 = dict(SPLITS=64, SPLITS_P2=64, BLOCK_C=64, BLOCK_M=32, BLOCK_N=4096, TILE_R=64, SPIN=1 << 22)
+
+
+def compile_for_hopper(kernel, types: dict, constexprs: dict, num_warps: int, num_stages: int = 3):
+    """``triton.compile`` of `kernel` for sm_90a: pointer and float arguments typed by `types`, the others i32."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    signature = {name: ("constexpr" if name in constexprs else types.get(name, "i32")) for name in names}
+    source = ASTSource(fn=kernel, signature=signature,
+                       constexprs={(names.index(name),): value for name, value in constexprs.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def ptxas_report(compiled, tmp_path) -> str:
+    """ptxas ``-v`` on the kernel's PTX (the ptxas Triton ships): its register and spill lines."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    ptx = tmp_path / "kernel.ptx"
+    ptx.write_text(compiled.asm["ptx"])
+    run = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(ptx), "-o", str(tmp_path / "kernel.cubin")],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return "\n".join(line for line in (run.stdout + run.stderr).splitlines() if "registers" in line or "spill" in line)
+
+
+def kernels():
+    from hf_raincheck.pruning import attention_triton, greedy_triton
+
+    cases = {
+        "mmtok-4096": (greedy_triton._coverage_kernel, GREEDY_ARGS, MMTOK_4096, 8),
+        "mmtok-4096-3-picks": (greedy_triton._coverage_rounds_kernel, GREEDY_ARGS,
+                               dict(MMTOK_4096, CANDS=4, PICKS=3), 8),
+        "mmtok-4096-7-picks": (greedy_triton._coverage_rounds_kernel, GREEDY_ARGS,
+                               dict(MMTOK_4096, CANDS=8, PICKS=7), 8),
+        "mmtok-video": (greedy_triton._coverage_kernel, GREEDY_ARGS,
+                        dict(MMTOK_4096, SPLITS=8, SPLITS_P2=8, BLOCK_C=32, BLOCK_N=256, TILE_R=64), 4),
+        "divprune-4096": (greedy_triton._divprune_kernel, DIVPRUNE_ARGS, dict(BLOCK_N=4096), 8),
+    }
+    for kind in ("lse", "received"):
+        block_m, block_n, warps, stages = attention_triton.CONFIGS[(kind, "16bit")]
+        kernel = attention_triton._lse_kernel if kind == "lse" else attention_triton._received_kernel
+        head = dict(D=72, D0=64, D1=16, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=False)  # Qwen3-VL's ViT heads
+        cases[f"attention-{kind}"] = (kernel, ATTENTION_ARGS, head, warps)
+    return cases
+
+
+def compile_case(case: str, tmp_path) -> str:
+    """Compiles one case (`kernels`) and returns ptxas' report."""
+    kernel, types, constexprs, warps = kernels()[case]
+    compiled = compile_for_hopper(kernel, types, constexprs, warps)
+    assert compiled.asm["ptx"] and compiled.asm["cubin"]
+    return ptxas_report(compiled, tmp_path)
+
+
+@pytest.mark.parametrize("case", ["mmtok-4096", "mmtok-4096-3-picks", "mmtok-4096-7-picks", "mmtok-video",
+                                  "divprune-4096", "attention-lse", "attention-received"])
+def test_kernel_compiles_for_hopper(case, tmp_path):
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the kernels are interpreted functions here: compile elsewhere
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        run = subprocess.run([sys.executable, __file__, case, str(tmp_path)], env=env, capture_output=True, text=True)
+        assert run.returncode == 0, run.stdout + run.stderr
+        report = run.stdout
+    else:
+        report = compile_case(case, tmp_path)
+    print(f"\n{case}: {report}")
+    assert "registers" in report
+
+
+if __name__ == "__main__":  # one case, in a process without the interpreter (see the test)
+    from pathlib import Path
+
+    print(compile_case(sys.argv[1], Path(sys.argv[2])))
