@@ -21,8 +21,6 @@ from helpers import TRITON_MARKS  # noqa: E402
 
 pytestmark = TRITON_MARKS
 
-triton = pytest.importorskip("triton")
-
 GREEDY_ARGS = {
     "cover_ptr": "*fp32", "cover_t_ptr": "*fp32", "gain_ptr": "*i64", "order_ptr": "*i64", "proposals_ptr": "*i64",
     "fail_ptr": "*i32", "scratch_rows_ptr": "*i32", "scratch_old_ptr": "*fp32", "scratch_new_ptr": "*fp32",
@@ -36,6 +34,7 @@ MMTOK_4096 = dict(SPLITS=64, SPLITS_P2=64, BLOCK_C=64, BLOCK_M=32, BLOCK_N=4096,
 
 def compile_for_hopper(kernel, types: dict, constexprs: dict, num_warps: int, num_stages: int = 3):
     """``triton.compile`` of `kernel` for sm_90a: pointer and float arguments typed by `types`, the others i32."""
+    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -49,6 +48,8 @@ def compile_for_hopper(kernel, types: dict, constexprs: dict, num_warps: int, nu
 
 def ptxas_report(compiled, tmp_path) -> str:
     """ptxas ``-v`` on the kernel's PTX (the ptxas Triton ships): its register and spill lines."""
+    import triton
+
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     ptx = tmp_path / "kernel.ptx"
     ptx.write_text(compiled.asm["ptx"])
