@@ -248,7 +248,12 @@ def prepare_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Te
         raise ValueError(f"q and k must be [P, heads, head_dim] of one shape, got {tuple(q.shape)}, {tuple(k.shape)}")
     if not (q.dtype == k.dtype and q.dtype in (torch.bfloat16, torch.float16)):
         q, k = q.float(), k.float()
-    return q, k, ("fp32" if q.dtype == torch.float32 else "16bit")
+    return q, k, _kind(q)
+
+
+def _kind(q: torch.Tensor) -> str:
+    """The `CONFIGS` key of inputs prepared by `prepare_qk`: ``"fp32"`` or ``"16bit"``."""
+    return "fp32" if q.dtype == torch.float32 else "16bit"
 
 
 def _shared(q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[tuple, dict]:
@@ -270,7 +275,7 @@ def lse_pass(q, k, start, stop, scale: float, config=None) -> torch.Tensor:
     q, k from `prepare_qk`; start, stop from `segment_bounds`; config ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``
     (None: `CONFIGS`)."""
     total, heads, _ = q.shape
-    bm, bn, warps, stages = _config("lse", prepare_qk(q, k)[2], config)
+    bm, bn, warps, stages = _config("lse", _kind(q), config)
     lse = torch.empty(heads, total, dtype=torch.float32, device=q.device)
     args, constexprs = _shared(q, k, scale)
     with _on_device(q):
@@ -287,7 +292,7 @@ def received_pass(q, k, start, stop, lse2: torch.Tensor, scale: float, config=No
     if lse2.shape != (heads, total) or lse2.dtype != torch.float32 or not lse2.is_contiguous():
         raise ValueError(f"lse must be a contiguous fp32 [heads, P] = [{heads}, {total}] tensor, got "
                          f"{lse2.dtype} {tuple(lse2.shape)}")
-    bm, bn, warps, stages = _config("received", prepare_qk(q, k)[2], config)
+    bm, bn, warps, stages = _config("received", _kind(q), config)
     out = torch.empty(heads, total, dtype=torch.float32, device=q.device)
     args, constexprs = _shared(q, k, scale)
     with _on_device(q):

@@ -116,28 +116,11 @@ def _coverage_kernel(
     SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, TILE_R: tl.constexpr, SPIN: tl.constexpr,
 ):
-    split = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    rows_n = m + n
-    cover = cover_ptr + b * rows_n * n  # [R, n], scaled fp32: question rows 0 .. m-1, then the span's n rows
-    cover_t = cover_t_ptr + b * n * rows_n  # [n, R]
-    cols = split * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_in = cols < n
-    gain = tl.load(gain_ptr + b * n + cols, mask=col_in, other=0)  # int64, exact fixed point
-    taken = cols >= n  # padding: never a candidate
-    # `best` as two register vectors (question rows, span rows): R = m + n is not padded to a power of two whole
-    rows_q = tl.arange(0, BLOCK_M)
-    q_in = rows_q < m
-    rows_v = tl.arange(0, BLOCK_N)
-    v_in = rows_v < n
-    best_q = tl.zeros([BLOCK_M], dtype=tl.float32)
-    best_v = tl.zeros([BLOCK_N], dtype=tl.float32)
+    split, b, cover, cover_t, cols, col_in, gain, taken, s_rows, s_old, s_new = _span_setup(
+        cover_ptr, cover_t_ptr, gain_ptr, scratch_rows_ptr, scratch_old_ptr, scratch_new_ptr, n, m,
+        SPLITS, BLOCK_C, BLOCK_M, BLOCK_N)
+    rows_q, q_in, rows_v, v_in, best_q, best_v = _best_vectors(m, n, BLOCK_M, BLOCK_N)
     others = tl.arange(0, SPLITS_P2)
-    others_in = others < SPLITS
-    # this program's own compaction buffers
-    s_rows = scratch_rows_ptr + (b * SPLITS + split) * (BLOCK_M + BLOCK_N)
-    s_old = scratch_old_ptr + (b * SPLITS + split) * (BLOCK_M + BLOCK_N)
-    s_new = scratch_new_ptr + (b * SPLITS + split) * (BLOCK_M + BLOCK_N)
     failed = 0
     for s in range(0, budget):
         if failed == 0:
@@ -146,19 +129,11 @@ def _coverage_kernel(
             low = tl.min(rank, axis=0)
             slot = b * budget + s
             if SPLITS > 1:
-                # the barrier: each program stores its proposal in its own slot of this step (the host filled them
-                # with INT64_MIN, which no rank reaches), then reads the span's slots until all are filled. Nothing
-                # else is published, so no fence or atomic is needed: one store and (usually) one load per step
+                # the barrier: each program stores its proposal in its own slot of this step (one store), then waits
+                # for the span's other programs' (`_wait_for_proposals`)
                 row = proposals_ptr + slot * SPLITS
                 tl.store(row + split, low)
-                seen = tl.load(row + others, mask=others_in, other=9223372036854775807, volatile=True)
-                spins = 0
-                while (tl.min(seen, axis=0) == -9223372036854775807 - 1) & (spins < SPIN):
-                    seen = tl.load(row + others, mask=others_in, other=9223372036854775807, volatile=True)
-                    spins += 1
-                if tl.min(seen, axis=0) == -9223372036854775807 - 1:
-                    tl.atomic_xchg(fail_ptr + b, 1)
-                    failed = 1
+                seen, failed = _wait_for_proposals(row, others, SPLITS, fail_ptr + b, SPIN)
                 low = tl.min(seen, axis=0)
             if failed == 0:
                 # rank = j - ranks_w * gain with 0 <= j < ranks_w: j is the rank modulo ranks_w
@@ -167,36 +142,14 @@ def _coverage_kernel(
                 if split == 0:
                     tl.store(order_ptr + slot, j)
                 taken = taken | (cols == j)
-                column = cover_t + j * rows_n
-                col_q = tl.load(column + rows_q, mask=q_in, other=0.0)
-                col_v = tl.load(column + m + rows_v, mask=v_in, other=0.0)
-                changed_q = (col_q > best_q) & q_in
-                changed_v = (col_v > best_v) & v_in
-                count_q = tl.sum(changed_q.to(tl.int32), axis=0)
-                count = count_q + tl.sum(changed_v.to(tl.int32), axis=0)
-                at_q = tl.cumsum(changed_q.to(tl.int32), axis=0) - 1
-                at_v = count_q + tl.cumsum(changed_v.to(tl.int32), axis=0) - 1
-                tl.store(s_rows + at_q, rows_q, mask=changed_q)
-                tl.store(s_old + at_q, best_q, mask=changed_q)
-                tl.store(s_new + at_q, col_q, mask=changed_q)
-                tl.store(s_rows + at_v, m + rows_v, mask=changed_v)
-                tl.store(s_old + at_v, best_v, mask=changed_v)
-                tl.store(s_new + at_v, col_v, mask=changed_v)
-                best_q = tl.maximum(best_q, col_q)
-                best_v = tl.maximum(best_v, col_v)
-                tl.debug_barrier()
+                best_q, best_v, count = _take_column(cover_t, j, m, n, rows_q, q_in, rows_v, v_in, best_q, best_v,
+                                                     s_rows, s_old, s_new)
                 delta = tl.zeros([BLOCK_C], dtype=tl.int64)
                 for t in range(0, count, TILE_R):
-                    k = t + tl.arange(0, TILE_R)
-                    k_in = k < count
-                    r = tl.load(s_rows + k, mask=k_in, other=0)
-                    old = tl.load(s_old + k, mask=k_in, other=0.0)
-                    new = tl.load(s_new + k, mask=k_in, other=0.0)
-                    x = tl.load(cover + r.to(tl.int64)[:, None] * n + cols[None, :],
-                                mask=k_in[:, None] & col_in[None, :], other=0.0)
-                    t_new = (tl.maximum(x, new[:, None]) - new[:, None]).to(tl.int64)
-                    t_old = (tl.maximum(x, old[:, None]) - old[:, None]).to(tl.int64)
-                    delta += tl.sum(t_new - t_old, axis=0)
+                    r, old, new, k_in = _changed_rows(s_rows, s_old, s_new, t, count, TILE_R)
+                    x = tl.load(cover + r[:, None] * n + cols[None, :], mask=k_in[:, None] & col_in[None, :],
+                                other=0.0)
+                    delta += tl.sum(_gain_terms(x, old, new), axis=0)
                 gain += delta
                 tl.debug_barrier()
 
@@ -211,29 +164,15 @@ def _coverage_rounds_kernel(
 ):
     """`_coverage_kernel` with up to ``PICKS = CANDS - 1`` picks per barrier round (see the module docstring).
 
-    Kept apart from `_coverage_kernel`, whose code is the one timed on the H200 and stays the default, until this
-    one is timed there too; then one of the two goes."""
-    split = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    rows_n = m + n
-    cover = cover_ptr + b * rows_n * n  # [R, n], scaled fp32: question rows 0 .. m-1, then the span's n rows
-    cover_t = cover_t_ptr + b * n * rows_n  # [n, R]
-    cols = split * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_in = cols < n
-    gain = tl.load(gain_ptr + b * n + cols, mask=col_in, other=0)  # int64, exact fixed point
-    taken = cols >= n  # padding: never a candidate
-    # `best` as two register vectors (question rows, span rows): R = m + n is not padded to a power of two whole
-    rows_q = tl.arange(0, BLOCK_M)
-    rows_v = tl.arange(0, BLOCK_N)
-    best_q = tl.zeros([BLOCK_M], dtype=tl.float32)
-    best_v = tl.zeros([BLOCK_N], dtype=tl.float32)
+    Kept apart from `_coverage_kernel`, the default, which is what the H200 timed (its helpers were factored out
+    since: compiled for sm_90a it has the same instructions and registers), until this one is timed there too; then
+    one of the two goes."""
+    split, b, cover, cover_t, cols, col_in, gain, taken, s_rows, s_old, s_new = _span_setup(
+        cover_ptr, cover_t_ptr, gain_ptr, scratch_rows_ptr, scratch_old_ptr, scratch_new_ptr, n, m,
+        SPLITS, BLOCK_C, BLOCK_M, BLOCK_N)
+    rows_q, q_in, rows_v, v_in, best_q, best_v = _best_vectors(m, n, BLOCK_M, BLOCK_N)
     slots = tl.arange(0, CANDS)
     others = tl.arange(0, SPLITS_P2 * CANDS)
-    others_in = others < SPLITS * CANDS
-    # this program's own compaction buffers
-    s_rows = scratch_rows_ptr + (b * SPLITS + split) * (BLOCK_M + BLOCK_N)
-    s_old = scratch_old_ptr + (b * SPLITS + split) * (BLOCK_M + BLOCK_N)
-    s_new = scratch_new_ptr + (b * SPLITS + split) * (BLOCK_M + BLOCK_N)
     failed = 0
     s = 0  # picks made
     for rnd in range(0, budget):  # rounds: one barrier each, then 1 .. PICKS picks
@@ -242,19 +181,10 @@ def _coverage_rounds_kernel(
             rank = tl.where(taken, 9223372036854775807, rank)
             top = _smallest(rank, slots, CANDS)  # this program's CANDS smallest ranks, ascending
             if SPLITS > 1:
-                # the barrier: each program stores its proposals in its own slots of this round (the host filled
-                # them with INT64_MIN, which no rank reaches), then reads the span's slots until all are filled.
-                # Nothing else is published, so no fence or atomic is needed: one store and (usually) one load
+                # the barrier, as `_coverage_kernel`'s with CANDS slots per program
                 row = proposals_ptr + (b * budget + rnd) * (SPLITS * CANDS)
                 tl.store(row + split * CANDS + slots, top)
-                seen = tl.load(row + others, mask=others_in, other=9223372036854775807, volatile=True)
-                spins = 0
-                while (tl.min(seen, axis=0) == -9223372036854775807 - 1) & (spins < SPIN):
-                    seen = tl.load(row + others, mask=others_in, other=9223372036854775807, volatile=True)
-                    spins += 1
-                if tl.min(seen, axis=0) == -9223372036854775807 - 1:
-                    tl.atomic_xchg(fail_ptr + b, 1)
-                    failed = 1
+                seen, failed = _wait_for_proposals(row, others, SPLITS * CANDS, fail_ptr + b, SPIN)
                 top = _smallest(seen, slots, CANDS)  # the span's CANDS smallest ranks (bounds), ascending
             # rank = j - ranks_w * gain with 0 <= j < ranks_w and gain >= 0: j is the rank modulo ranks_w
             cand = top % ranks_w
@@ -270,26 +200,17 @@ def _coverage_rounds_kernel(
                         tl.store(order_ptr + b * budget + s, j)
                     s += 1
                     taken = taken | (cols == j)
-                    column = cover_t + j * rows_n
-                    col_q = tl.load(column + rows_q, mask=rows_q < m, other=0.0)
-                    col_v = tl.load(column + m + rows_v, mask=rows_v < n, other=0.0)
-                    count = _compact_changed(col_q, col_v, best_q, best_v, rows_q, rows_v, m, n, s_rows, s_old, s_new)
-                    best_q = tl.maximum(best_q, col_q)
-                    best_v = tl.maximum(best_v, col_v)
-                    tl.debug_barrier()
+                    best_q, best_v, count = _take_column(cover_t, j, m, n, rows_q, q_in, rows_v, v_in, best_q, best_v,
+                                                         s_rows, s_old, s_new)
                     delta = tl.zeros([BLOCK_C], dtype=tl.int64)
                     delta_cand = tl.zeros([CANDS], dtype=tl.int64)  # the candidates' gains, in every program
                     for t in range(0, count, TILE_R):
-                        k = t + tl.arange(0, TILE_R)
-                        k_in = k < count
-                        r = tl.load(s_rows + k, mask=k_in, other=0).to(tl.int64)
-                        old = tl.load(s_old + k, mask=k_in, other=0.0)
-                        new = tl.load(s_new + k, mask=k_in, other=0.0)
-                        x = tl.load(cover + r[:, None] * n + cols[None, :],
-                                    mask=k_in[:, None] & col_in[None, :], other=0.0)
+                        r, old, new, k_in = _changed_rows(s_rows, s_old, s_new, t, count, TILE_R)
+                        x = tl.load(cover + r[:, None] * n + cols[None, :], mask=k_in[:, None] & col_in[None, :],
+                                    other=0.0)
                         delta += tl.sum(_gain_terms(x, old, new), axis=0)
-                        xc = tl.load(cover + r[:, None] * n + cand[None, :],
-                                     mask=k_in[:, None] & cand_ok[None, :], other=0.0)
+                        xc = tl.load(cover + r[:, None] * n + cand[None, :], mask=k_in[:, None] & cand_ok[None, :],
+                                     other=0.0)
                         delta_cand += tl.sum(_gain_terms(xc, old, new), axis=0)
                     gain += delta
                     cand_gain += delta_cand
@@ -300,6 +221,78 @@ def _coverage_rounds_kernel(
                     bound = tl.sum(tl.where(slots == i + 2, top, 0), axis=0)
                     ok = tl.sum(tl.where((slots == i + 1) & cand_ok, 1, 0), axis=0)
                     go = (ok == 1) & (now < bound)
+
+
+@triton.jit
+def _span_setup(cover_ptr, cover_t_ptr, gain_ptr, scratch_rows_ptr, scratch_old_ptr, scratch_new_ptr, n, m,
+                SPLITS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A program's view of its span: ``(split, b, cover [R, n], cover_t [n, R], its columns, which are real, their
+    gains, taken (the padding), its three compaction buffers)``."""
+    split = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    rows_n = m + n
+    cover = cover_ptr + b * rows_n * n  # scaled fp32: question rows 0 .. m-1, then the span's n rows
+    cover_t = cover_t_ptr + b * n * rows_n
+    cols = split * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_in = cols < n
+    gain = tl.load(gain_ptr + b * n + cols, mask=col_in, other=0)  # int64, exact fixed point
+    taken = cols >= n  # padding: never a candidate
+    at = (b * SPLITS + split) * (BLOCK_M + BLOCK_N)
+    return split, b, cover, cover_t, cols, col_in, gain, taken, scratch_rows_ptr + at, scratch_old_ptr + at, \
+        scratch_new_ptr + at
+
+
+@triton.jit
+def _best_vectors(m, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``best`` (0 before any pick) as two register vectors, question rows and span rows (R = m + n is not padded
+    to a power of two whole), with their row offsets and masks: ``(rows_q, q_in, rows_v, v_in, best_q, best_v)``."""
+    rows_q = tl.arange(0, BLOCK_M)
+    rows_v = tl.arange(0, BLOCK_N)
+    best_q = tl.zeros([BLOCK_M], dtype=tl.float32)
+    best_v = tl.zeros([BLOCK_N], dtype=tl.float32)
+    return rows_q, rows_q < m, rows_v, rows_v < n, best_q, best_v
+
+
+@triton.jit
+def _wait_for_proposals(row, others, filled, fail, SPIN: tl.constexpr):
+    """The barrier's wait: reads the span's `filled` proposal slots at `row` until none is INT64_MIN (the host's
+    fill, a value no rank takes). Nothing else is published, so no fence or atomic is needed: (usually) one load.
+    After `SPIN` polls gives up, raising the span's `fail` flag. Returns ``(slots, failed)``."""
+    seen = tl.load(row + others, mask=others < filled, other=9223372036854775807, volatile=True)
+    spins = 0
+    while (tl.min(seen, axis=0) == -9223372036854775807 - 1) & (spins < SPIN):
+        seen = tl.load(row + others, mask=others < filled, other=9223372036854775807, volatile=True)
+        spins += 1
+    failed = 0
+    if tl.min(seen, axis=0) == -9223372036854775807 - 1:
+        tl.atomic_xchg(fail, 1)
+        failed = 1
+    return seen, failed
+
+
+@triton.jit
+def _take_column(cover_t, j, m, n, rows_q, q_in, rows_v, v_in, best_q, best_v, s_rows, s_old, s_new):
+    """Column `j` taken: the rows it raises go to the compaction buffers (`_compact_changed`), then ``best`` rises.
+    Returns ``(best_q, best_v, count of changed rows)``."""
+    column = cover_t + j * (m + n)
+    col_q = tl.load(column + rows_q, mask=q_in, other=0.0)
+    col_v = tl.load(column + m + rows_v, mask=v_in, other=0.0)
+    count = _compact_changed(col_q, col_v, best_q, best_v, rows_q, q_in, rows_v, v_in, m, s_rows, s_old, s_new)
+    best_q = tl.maximum(best_q, col_q)
+    best_v = tl.maximum(best_v, col_v)
+    tl.debug_barrier()
+    return best_q, best_v, count
+
+
+@triton.jit
+def _changed_rows(s_rows, s_old, s_new, t, count, TILE_R: tl.constexpr):
+    """Tile `t` of the compacted changed rows: ``(row int64, old best, new best, valid)``, ``[TILE_R]`` each."""
+    k = t + tl.arange(0, TILE_R)
+    k_in = k < count
+    r = tl.load(s_rows + k, mask=k_in, other=0).to(tl.int64)
+    old = tl.load(s_old + k, mask=k_in, other=0.0)
+    new = tl.load(s_new + k, mask=k_in, other=0.0)
+    return r, old, new, k_in
 
 
 @triton.jit
@@ -314,11 +307,11 @@ def _smallest(values, slots, CANDS: tl.constexpr):
 
 
 @triton.jit
-def _compact_changed(col_q, col_v, best_q, best_v, rows_q, rows_v, m, n, s_rows, s_old, s_new):
+def _compact_changed(col_q, col_v, best_q, best_v, rows_q, q_in, rows_v, v_in, m, s_rows, s_old, s_new):
     """Writes the rows where the taken column raises ``best`` (row, old best, new value) to the front of the
     program's scratch buffers (question rows first); returns how many."""
-    changed_q = (col_q > best_q) & (rows_q < m)
-    changed_v = (col_v > best_v) & (rows_v < n)
+    changed_q = (col_q > best_q) & q_in
+    changed_v = (col_v > best_v) & v_in
     count_q = tl.sum(changed_q.to(tl.int32), axis=0)
     count = count_q + tl.sum(changed_v.to(tl.int32), axis=0)
     at_q = tl.cumsum(changed_q.to(tl.int32), axis=0) - 1

@@ -8,11 +8,11 @@
 - `BlockAttentionHooks`: forward pre-hooks on the requested blocks only; a family-specific ``block_qk`` function
   recomputes the block's q, k (with its rotary embedding) from the block's input. Where the family says its
   attention modules run SDPA per segment (``sdpa_input``) and the Triton kernels run, the hooks instead intercept
-  the module's own SDPA calls while it runs (`FlashLSECapture`): those that SDPA runs with its flash backend are
-  run by that backend's op, the same call SDPA makes (the tower's output is bit for bit unchanged), which also
-  returns each query's log-sum-exp; the kernels then only sum the probabilities (pass 2) from the block's own q,
-  k and that LSE: no recomputed q, k and no LSE pass. Anything else (no flash backend: CPU without the
-  interpreter, fp32, flash disabled, a mask, ...) takes the recomputing path.
+  the module's own SDPA calls while it runs (`FlashLSECapture`): those that SDPA runs with its flash or cuDNN
+  backend are run by that backend's op, the same call SDPA makes (the tower's output is bit for bit unchanged),
+  which also returns each query's log-sum-exp; the kernels then only sum the probabilities (pass 2) from the
+  block's own q, k and that LSE: no recomputed q, k and no LSE pass. Anything else (neither backend: CPU without the
+  interpreter, fp32 on CUDA, both disabled, a mask, ...) takes the recomputing path.
 - `pool_merged`: per-patch values -> per merged token (mean over the ``merge_unit`` consecutive patches of each
   merged token, which is how Qwen-VL towers lay patches out), optionally reordered to raster order (Qwen2.5-VL
   runs its blocks in window order: pass the tower's ``reverse_index``).
