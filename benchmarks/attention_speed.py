@@ -14,6 +14,8 @@ warm-up, CUDA events):
 * ``grouped_fp32``: the same with fp32 scores, for reference;
 * ``grouped_blocked``: the grouped path with its two-level softmax over blocks of 256 keys
   (``HF_RAINCHECK_GROUPED_SOFTMAX_BLOCK=256``);
+* ``grouped_torch_softmax``: the grouped path with its torch softmax instead of the Triton kernel
+  (`hf_raincheck.attention.softmax_triton`; the same as ``grouped`` where Triton does not run);
 * ``flash`` (when flash_attn is installed): the flash backend's kernel over the k keys (``attn_backend="flash"``
   calls it per row block after gathering the keys: ``flash_gathered`` adds that gather).
 
@@ -38,7 +40,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hf_raincheck.attention import flash  # noqa: E402
-from hf_raincheck.attention.sdpa import grouped_attention  # noqa: E402
+from hf_raincheck.attention.sdpa import grouped_attention, grouped_softmax_torch  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "attention_speed.json")
 LAYERS = {"qwen3-vl-8b": (32, 8, 128), "qwen3.5-9b": (16, 4, 256)}
@@ -76,8 +78,18 @@ def flash_gathered(query, key, value, visible, scaling):
     return flash._gathered(query, key, value, index, count, scaling)
 
 
+def grouped_torch_softmax(query, key, value, visible, scaling):
+    """The grouped path with its torch softmax (what it ran before the Triton kernel; ``HF_RAINCHECK_TRITON=0``)."""
+    b, hq, q, d = query.shape
+    hkv, k = key.shape[1], key.shape[2]
+    g = hq // hkv
+    scores = torch.matmul(query.reshape(b, hkv, g * q, d) * scaling, key.transpose(-1, -2)).view(b, hkv, g, q, k)
+    probs = grouped_softmax_torch(scores, visible, value.dtype)
+    return torch.matmul(probs, value).view(b, hq, q, d).transpose(1, 2).contiguous()
+
+
 PATHS = {"sdpa": sdpa_masked, "grouped": grouped_attention, "grouped_fp32": grouped_fp32,
-         "grouped_blocked": grouped_blocked}
+         "grouped_blocked": grouped_blocked, "grouped_torch_softmax": grouped_torch_softmax}
 if flash.available():
     PATHS.update(flash=flash_contiguous, flash_gathered=flash_gathered)
 

@@ -60,6 +60,30 @@ def changed_rows(cover: torch.Tensor, order: torch.Tensor) -> int:
     return total
 
 
+PHASE_NAMES = ("proposal", "barrier", "take column", "update gains", "to next step")
+
+
+def step_phases(run, batch: int, budget: int, splits: int, call_ms: float) -> dict:
+    """One call with the kernel's clock readings (``phases=``): median us per step of each phase, over steps 1 ..
+    (step 0 updates every row) and all programs. Cycles become us at the rate that makes program 0's steps span
+    the call's measured time."""
+    device = torch.device("cuda")
+    clocks = torch.zeros(batch, budget, splits, 5, dtype=torch.long, device=device)
+    run(phases=clocks)
+    torch.cuda.synchronize()
+    c = clocks[0].double().cpu()  # [budget, splits, 5]: start, proposal, barrier, column taken, gains updated
+    per_ns = float(c[-1, 0, 4] - c[0, 0, 0]) / (call_ms * 1e6)  # cycles per ns (the SM clock, GHz)
+    spans = torch.stack([c[:, :, 1] - c[:, :, 0], c[:, :, 2] - c[:, :, 1], c[:, :, 3] - c[:, :, 2],
+                         c[:, :, 4] - c[:, :, 3]], dim=-1)[1:]  # [budget - 1, splits, 4]
+    gap = c[1:, :, 0] - c[:-1, :, 4]  # the end of one step to the start of the next
+    out = {name: round(float(spans[..., i].median()) / per_ns / 1e3, 3) for i, name in enumerate(PHASE_NAMES[:4])}
+    out["to next step"] = round(float(gap.median()) / per_ns / 1e3, 3)
+    out["step"] = round(float((c[1:, :, 0] - c[:-1, :, 0]).median()) / per_ns / 1e3, 3)
+    out["barrier_p90"] = round(float(spans[..., 1].quantile(0.9)) / per_ns / 1e3, 3)
+    out["clock_ghz"] = round(per_ns, 3)
+    return out
+
+
 def save(args, device, rows: list[dict]) -> None:
     """Writes ``--out`` (rewritten after every measurement: a run cut short keeps what it measured)."""
     meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
@@ -75,8 +99,8 @@ def main(argv=None):
     parser.add_argument("--splits", default="1,2,4,8,16,32,64", help="comma list of MMTok split counts to try")
     parser.add_argument("--warps", default="",
                         help="comma list of warps per MMTok program to try (default: the kernel's)")
-    parser.add_argument("--picks", default="", help="comma list of MMTok picks per barrier round to try (default: "
-                        "HF_RAINCHECK_MMTOK_PICKS, 1)")
+    parser.add_argument("--phases", action="store_true",
+                        help="also record where an MMTok step's time goes (the kernel's clock readings, CUDA only)")
     parser.add_argument("--tiles", default="",
                         help="comma list of MMTok changed-row tiles to try (default: the kernel's)")
     parser.add_argument("--retention", type=float, default=0.3)
@@ -103,16 +127,15 @@ def main(argv=None):
         reference = None
         warps_tried = [int(w) for w in args.warps.split(",") if w.strip()] or [None]
         tiles_tried = [int(t) for t in args.tiles.split(",") if t.strip()] or [None]
-        picks_tried = [int(p) for p in args.picks.split(",") if p.strip()] or [None]
         for splits in [int(s) for s in args.splits.split(",") if s.strip()]:
             if splits > 1 and (n // splits < 16 or (device.type != "cuda")):
                 continue  # at least 16 columns a program; barriers need a GPU (the interpreter runs programs in turn)
             if splits * batch > greedy_triton._sm_count(device) and splits > 1:
                 continue  # the grid must be resident at once
-            for warps, tile, picks in [(w, t, p) for w in warps_tried for t in tiles_tried for p in picks_tried]:
-                def run(splits=splits, warps=warps, tile=tile, picks=picks):
+            for warps, tile in [(w, t) for w in warps_tried for t in tiles_tried]:
+                def run(splits=splits, warps=warps, tile=tile, phases=None):
                     return greedy_triton.coverage_order_triton(scaled, gain, budget, width + 1, splits=splits,
-                                                               num_warps=warps, tile_r=tile, picks=picks)
+                                                               num_warps=warps, tile_r=tile, phases=phases)
 
                 order = run()
                 if order is None:
@@ -123,10 +146,12 @@ def main(argv=None):
                 same = bool(torch.equal(order, reference))
                 ms = timed(run, device, args.repeats)
                 rows.append(dict(case=case, kernel="mmtok", spans=batch, tokens=n, budget=budget, splits=splits,
-                                 warps=warps, tile_r=tile, picks=picks or greedy_triton.picks_per_round(),
-                                 ms=round(ms, 3), us_per_step=round(1e3 * ms / budget, 2),
+                                 warps=warps, tile_r=tile, ms=round(ms, 3), us_per_step=round(1e3 * ms / budget, 2),
                                  same_picks=same))
                 print(json.dumps(rows[-1]), flush=True)
+                if args.phases and device.type == "cuda":
+                    rows[-1]["phases"] = step_phases(run, batch, budget, splits, ms)
+                    print(json.dumps(rows[-1]["phases"]), flush=True)
                 save(args, device, rows)
         plan = greedy_triton.coverage_plan(n, batch, device)
         rows.append(dict(case=case, kernel="mmtok", plan_splits=plan[0], plan_block=plan[1]))
@@ -151,13 +176,22 @@ def main(argv=None):
         save(args, device, rows)
 
     save(args, device, rows)
-    print("\n| case | kernel | splits | warps | tile | picks / round | ms | us / step | same picks |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| case | kernel | splits | warps | tile | ms | us / step | same picks |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if "ms" in r:
             print(f"| {r['case']} | {r['kernel']} | {r.get('splits', '-')} | {r.get('warps') or '-'} | "
-                  f"{r.get('tile_r') or '-'} | {r.get('picks') or '-'} | {r['ms']} | {r.get('us_per_step', '-')} | "
+                  f"{r.get('tile_r') or '-'} | {r['ms']} | {r.get('us_per_step', '-')} | "
                   f"{r.get('same_picks', '-')} |")
+    phased = [r for r in rows if "phases" in r]
+    if phased:
+        print("\nWhere an MMTok step's time goes (us per step, median over steps 1.. and programs; the clock rate is "
+              "the one that makes the steps add up to the measured call)\n")
+        print("| case | splits | " + " | ".join(PHASE_NAMES) + " | step |\n|" + " --- |" * (len(PHASE_NAMES) + 3))
+        for r in phased:
+            ph = r["phases"]
+            print(f"| {r['case']} | {r['splits']} | " + " | ".join(str(ph[k]) for k in PHASE_NAMES)
+                  + f" | {ph['step']} |")
     for r in rows:
         if "plan_splits" in r:
             print(f"{r['case']}: coverage_plan picks {r['plan_splits']} programs of {r['plan_block']} columns")

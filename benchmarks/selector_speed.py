@@ -202,6 +202,22 @@ def full_ttft(model, grids, query_tokens: int, device: str, dtype, repeats: int)
     return timed(run, device, repeats)
 
 
+def profile_selection(name: str, ctx, case: str, device: str) -> None:
+    """Prints one ``select_kept`` call under torch.profiler: its wall time and the operators sorted by GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    sync(device)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        select_kept(name, ctx)
+        sync(device)
+        wall = (time.perf_counter() - t0) * 1e3
+    sort = "cuda_time_total" if device.startswith("cuda") else "cpu_time_total"
+    print(f"\n## profile: {case} {name} (wall {wall:.2f} ms under the profiler)\n"
+          + prof.key_averages().table(sort_by=sort, row_limit=18, max_name_column_width=60), flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -215,6 +231,9 @@ def main(argv=None):
     parser.add_argument("--paths", default="auto",
                         help="comma list of kernel paths to time side by side: triton, torch (HF_RAINCHECK_TRITON=1/0), "
                              "or auto (this environment's)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print a torch.profiler table (GPU time by kernel) of one select_kept call per case "
+                             "and selector, to see where selection time goes")
     parser.add_argument("--out", default="selectors.json")
     args = parser.parse_args(argv)
 
@@ -254,6 +273,8 @@ def main(argv=None):
             cold_ms = (time.perf_counter() - t0) * 1e3
             select_ms = timed(lambda: select_kept(name, ctx), device, args.repeats)
             extra_ms, attention = extras_time(name, grids, shape, device, dtype, args.repeats)
+            if args.profile:
+                profile_selection(name, ctx, case, device)
             row = dict(
                 case=case,
                 selector=name,

@@ -87,42 +87,27 @@ def test_mmtok_kernel_every_split_count(device, monkeypatch):
         assert torch.equal(got.cpu(), want.cpu()), splits
 
 
-@pytest.mark.parametrize("picks", [1, 3, 7])
-def test_mmtok_kernel_picks_per_round(device, monkeypatch, picks):
-    """Several picks per barrier round (each after the first certified against the round's bounds) give the full
-    greedy's picks; 1 = one pick per round (the default)."""
-    sizes = [(1, 50, 6), (2, 64, 0), (1, 120, 8)] + ([(1, 1024, 24), (16, 256, 24)] if device.type == "cuda" else [])
-    for i, (batch, n, m) in enumerate(sizes):
-        cover = _cover(batch, n, m, device, seed=20 + i)
-        budget = max(1, round(0.3 * n)) if i else n  # (the first: every column)
-        _torch_path(monkeypatch)
-        want = greedy_coverage_order(cover, budget, lazy=False)
-        width = max(n, 64)
-        scaled, gain = _scaled_and_gain(cover, width)
-        for splits in [1] + ([2, 5] if device.type == "cuda" else []):
-            got = coverage_order_triton(scaled, gain, budget, width + 1, splits=splits, picks=picks)
-            assert got is not None
-            assert torch.equal(got.cpu(), want.cpu()), (batch, n, m, splits, picks)
-
-
-def test_mmtok_picks_setting(device, monkeypatch):
-    """``HF_RAINCHECK_MMTOK_PICKS`` sets the default picks per round (same picks); bad values name the setting."""
-    from hf_raincheck.pruning import greedy_triton
-
-    cover = _cover(1, 40, 3, device, seed=9)
+def test_mmtok_kernel_phases(device, monkeypatch):
+    """``phases=`` (benchmarks) leaves the picks alone and records five increasing SM clock readings per step and
+    program; a tensor too small for them is refused, naming the argument."""
+    if device.type != "cuda":
+        pytest.skip("the clock readings are inline PTX: CUDA only (the interpreter runs no asm)")
+    cover = _cover(2, 96, 5, device, seed=11)
+    budget, width = 30, 96
     _torch_path(monkeypatch)
-    want = greedy_coverage_order(cover, 12, lazy=False)
-    _triton_path(monkeypatch)
-    monkeypatch.setenv("HF_RAINCHECK_MMTOK_PICKS", "3")
-    assert greedy_triton.picks_per_round() == 3
-    assert torch.equal(greedy_coverage_order(cover, 12).cpu(), want.cpu())
-    for bad in ("0", "64", "two"):
-        monkeypatch.setenv("HF_RAINCHECK_MMTOK_PICKS", bad)
-        with pytest.raises(ValueError, match="HF_RAINCHECK_MMTOK_PICKS"):
-            greedy_triton.picks_per_round()
-    scaled, gain = _scaled_and_gain(cover, 64)
-    with pytest.raises(ValueError, match="picks"):
-        coverage_order_triton(scaled, gain, 12, 65, picks=0)
+    want = greedy_coverage_order(cover, budget, lazy=False)
+    scaled, gain = _scaled_and_gain(cover, width)
+    for splits in (1, 3):
+        clocks = torch.zeros(2, budget, splits, 5, dtype=torch.long, device=device)
+        got = coverage_order_triton(scaled, gain, budget, width + 1, splits=splits, phases=clocks)
+        assert torch.equal(got.cpu(), want.cpu()), splits
+        steps = clocks.cpu()
+        assert bool((steps > 0).all()), splits
+        assert bool((steps.diff(dim=-1) >= 0).all()), splits  # within a step, in order
+        assert bool((steps[:, 1:, :, 0] >= steps[:, :-1, :, 4]).all()), splits  # and step after step
+    with pytest.raises(ValueError, match="phases"):
+        coverage_order_triton(scaled, gain, budget, width + 1, splits=3, phases=torch.zeros(5, dtype=torch.long,
+                                                                                            device=device))
 
 
 def _scaled_and_gain(cover, width):

@@ -24,12 +24,15 @@ pytestmark = TRITON_MARKS
 GREEDY_ARGS = {
     "cover_ptr": "*fp32", "cover_t_ptr": "*fp32", "gain_ptr": "*i64", "order_ptr": "*i64", "proposals_ptr": "*i64",
     "fail_ptr": "*i32", "scratch_rows_ptr": "*i32", "scratch_old_ptr": "*fp32", "scratch_new_ptr": "*fp32",
+    "phases_ptr": "*i64",
 }
 ATTENTION_ARGS = {"Q": "*bf16", "K": "*bf16", "SEG_START": "*i32", "SEG_STOP": "*i32", "LSE": "*fp32",
                   "OUT": "*fp32", "qk_scale": "fp32"}
+SOFTMAX_ARGS = {"scores_ptr": "*bf16", "visible_ptr": "*i1", "out_ptr": "*bf16"}
 DIVPRUNE_ARGS = {"sim_ptr": "*fp32", "nearest_ptr": "*fp32", "order_ptr": "*i64"}
 #: MMTok at 4096 tokens (`coverage_plan`: 64 programs of 64 columns, 8 warps; 24 question rows -> 32)
-MMTOK_4096 = dict(SPLITS=64, SPLITS_P2=64, BLOCK_C=64, BLOCK_M=32, BLOCK_N=4096, TILE_R=64, SPIN=1 << 22)
+MMTOK_4096 = dict(SPLITS=64, SPLITS_P2=64, BLOCK_C=64, BLOCK_M=32, BLOCK_N=4096, TILE_R=64, SPIN=1 << 22,
+                  PHASES=False)
 
 
 def compile_for_hopper(kernel, types: dict, constexprs: dict, num_warps: int, num_stages: int = 3):
@@ -60,17 +63,20 @@ def ptxas_report(compiled, tmp_path) -> str:
 
 
 def kernels():
+    from hf_raincheck.attention import softmax_triton
     from hf_raincheck.pruning import attention_triton, greedy_triton
 
     cases = {
         "mmtok-4096": (greedy_triton._coverage_kernel, GREEDY_ARGS, MMTOK_4096, 8),
-        "mmtok-4096-3-picks": (greedy_triton._coverage_rounds_kernel, GREEDY_ARGS,
-                               dict(MMTOK_4096, CANDS=4, PICKS=3), 8),
-        "mmtok-4096-7-picks": (greedy_triton._coverage_rounds_kernel, GREEDY_ARGS,
-                               dict(MMTOK_4096, CANDS=8, PICKS=7), 8),
+        "mmtok-4096-phases": (greedy_triton._coverage_kernel, GREEDY_ARGS, dict(MMTOK_4096, PHASES=True), 8),
         "mmtok-video": (greedy_triton._coverage_kernel, GREEDY_ARGS,
                         dict(MMTOK_4096, SPLITS=8, SPLITS_P2=8, BLOCK_C=32, BLOCK_N=256, TILE_R=64), 4),
         "divprune-4096": (greedy_triton._divprune_kernel, DIVPRUNE_ARGS, dict(BLOCK_N=4096), 8),
+        # a fused step's grouped softmax at 4352 keys (one pass), and the two-pass kernel of longer rows
+        "grouped-softmax-4352": (softmax_triton._masked_softmax_kernel, SOFTMAX_ARGS,
+                                 dict(BLOCK_K=8192, ONE_PASS=True), 16),
+        "grouped-softmax-long": (softmax_triton._masked_softmax_kernel, SOFTMAX_ARGS,
+                                 dict(BLOCK_K=2048, ONE_PASS=False), 4),
     }
     for kind in ("lse", "received"):
         block_m, block_n, warps, stages = attention_triton.CONFIGS[(kind, "16bit")]
@@ -88,8 +94,9 @@ def compile_case(case: str, tmp_path) -> str:
     return ptxas_report(compiled, tmp_path)
 
 
-@pytest.mark.parametrize("case", ["mmtok-4096", "mmtok-4096-3-picks", "mmtok-4096-7-picks", "mmtok-video",
-                                  "divprune-4096", "attention-lse", "attention-received"])
+@pytest.mark.parametrize("case", ["mmtok-4096", "mmtok-4096-phases", "mmtok-video",
+                                  "divprune-4096", "grouped-softmax-4352",
+                                  "grouped-softmax-long", "attention-lse", "attention-received"])
 def test_kernel_compiles_for_hopper(case, tmp_path):
     if os.environ.get("TRITON_INTERPRET") == "1":  # the kernels are interpreted functions here: compile elsewhere
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -18,6 +18,23 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import bias
 
+from ..pruning.triton_support import interpreted, triton_importable
+
+# The grouped path's softmax kernel (Triton), decided at import: compiled steps trace `grouped_attention`, and an
+# import or a cached probe inside it would break the graph. ``HF_RAINCHECK_TRITON=0`` (at import) keeps the torch
+# softmax.
+_masked_softmax = None
+if os.environ.get("HF_RAINCHECK_TRITON", "1") != "0" and triton_importable():
+    try:
+        from .softmax_triton import masked_softmax as _masked_softmax
+    except Exception:  # a Triton too old for `torch.library.triton_op`'s needs, or a broken install: torch softmax
+        _masked_softmax = None
+_SOFTMAX_KERNEL_ON_CPU = interpreted()  # Triton's interpreter (tests): the kernel runs on CPU tensors too
+
+
+def _softmax_kernel_runs(device: torch.device) -> bool:
+    return _masked_softmax is not None and (device.type == "cuda" or (device.type == "cpu" and _SOFTMAX_KERNEL_ON_CPU))
+
 GROUPED_MAX_ROWS = int(os.environ.get("HF_RAINCHECK_GROUPED_ROWS", "64"))
 # Two-level softmax over key blocks of this size (0: off; only when the key count is a multiple). In the profile of a
 # compiled Qwen3-VL-8B fused step, Inductor split the one-level softmax reduction (1024 rows of 4352 keys: fewer
@@ -44,16 +61,29 @@ def grouped_attention(
     hkv, k = key.shape[1], key.shape[2]
     g = hq // hkv
     rows = query.reshape(b, hkv, g * q, d) * scaling
-    scores = torch.matmul(rows, key.transpose(-1, -2)).float()  # [b, hkv, g q, k]
-    scores = scores.view(b, hkv, g, q, k).masked_fill(~visible.unsqueeze(2), float("-inf"))
+    scores = torch.matmul(rows, key.transpose(-1, -2)).view(b, hkv, g, q, k)  # the inputs' dtype
     block = GROUPED_SOFTMAX_BLOCK if softmax_block is None else softmax_block
+    if not (block and k % block == 0 and k > block) and _softmax_kernel_runs(scores.device):
+        probs = _masked_softmax(scores, visible, value.dtype)  # one Triton kernel: see `softmax_triton`
+    else:
+        probs = grouped_softmax_torch(scores, visible, value.dtype, block)
+    out = torch.matmul(probs, value).view(b, hq, q, d)
+    return out.transpose(1, 2).contiguous()
+
+
+def grouped_softmax_torch(scores: torch.Tensor, visible: torch.Tensor, dtype: torch.dtype,
+                          block: int = 0) -> torch.Tensor:
+    """The grouped path's softmax in torch (the reference of `softmax_triton.masked_softmax`): ``scores [b, hkv,
+    g, q, k]`` upcast to fp32, keys `visible` (broadcasting to ``[b, hkv, q, k]``) hides at -inf, softmax over k
+    (two-level over blocks of `block` keys when it divides k), a row that sees nothing -> 0, cast to `dtype`:
+    ``[b, hkv, g q, k]``."""
+    b, hkv, g, q, k = scores.shape
+    scores = scores.float().masked_fill(~visible.unsqueeze(2), float("-inf"))
     if block and k % block == 0 and k > block:
         probs = blocked_softmax(scores, block)
     else:
         probs = torch.softmax(scores, dim=-1)
-    probs = probs.nan_to_num(0.0).to(value.dtype).view(b, hkv, g * q, k)
-    out = torch.matmul(probs, value).view(b, hq, q, d)
-    return out.transpose(1, 2).contiguous()
+    return probs.nan_to_num(0.0).to(dtype).view(b, hkv, g * q, k)
 
 
 def blocked_softmax(scores: torch.Tensor, block: int) -> torch.Tensor:

@@ -23,22 +23,20 @@ kernel, the state stays in registers.
   SM count). A program that waits too long (``SPIN_LIMIT`` polls: programs not co-resident, or Triton's
   interpreter, which runs programs one after another) raises the span's failure flag and stops; the host then runs
   the torch path for the batch.
-  Several picks per barrier round (``HF_RAINCHECK_MMTOK_PICKS`` = K > 1, or ``picks=``; default 1): each program
-  proposes its K + 1 smallest ranks (rounded up to a power of two), every program takes the span's K + 1 smallest
-  (the round's bounds: gains only shrink, so a column's current rank is at least its bound) and, after the first
-  pick, takes candidate i + 1 without another barrier when its current rank (its bound plus the changes of this
-  round's picks, which every program computes from the same rows) is below candidate i + 2's bound: then it is
-  below every other column's current rank, the full greedy's pick. With the benchmark's random covers at 4096
-  tokens the 1229 picks then need 649 barriers at K = 1 + 1, 473 at K = 3, 389 at K = 4 and 272 at K = 8 (a
-  torch simulation of the rule, same picks). Tested for equal picks (Triton's interpreter on the CPU; the GPU tests
-  are in `tests/test_greedy_triton.py`); not yet timed on a GPU, so it stays off.
+  Tried and removed: several picks per barrier round (each program proposing its K + 1 smallest ranks,
+  later picks certified against the round's bounds without another barrier; 2.6x fewer barriers at 4096 tokens).
+  On the H200 it saved 4% at 4096 tokens (9.28 vs 9.68 ms, K = 3) and cost 10% at 1024: the barrier is not what a
+  step waits on most. ``phases=`` (benchmarks) records where a step's time goes: on the H200 at 4096 tokens and 64
+  programs, of ~7 us per step, 0.14 us go to the proposal, 1.8 to the barrier, 2.8 to taking the column (its load,
+  the compare with ``best`` and the compaction of the changed rows) and 2.0 to the gain update (the compacted rows
+  read back, their cover entries gathered). Also tried: an L2 prefetch of each program's candidate column and row
+  before the barrier (no gain: 9.42 vs 9.25 ms), so the column load is not what the take waits on.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
 import triton
@@ -111,11 +109,15 @@ def _warps(block: int) -> int:
 @triton.jit
 def _coverage_kernel(
     cover_ptr, cover_t_ptr, gain_ptr, order_ptr, proposals_ptr, fail_ptr,
-    scratch_rows_ptr, scratch_old_ptr, scratch_new_ptr,
+    scratch_rows_ptr, scratch_old_ptr, scratch_new_ptr, phases_ptr,
     n, m, budget, ranks_w,
     SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, TILE_R: tl.constexpr, SPIN: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILE_R: tl.constexpr, SPIN: tl.constexpr, PHASES: tl.constexpr,
 ):
+    """The full greedy of one span (``program_id(1)``) over the columns of split ``program_id(0)``; see the module
+    docstring. With ``PHASES`` (benchmarks only), each program writes the SM clock at five points of every step to
+    ``phases_ptr [B, budget, SPLITS, 5]`` (int64): start, proposal ready, barrier passed, column taken (``best``
+    and the changed rows), gains updated."""
     split, b, cover, cover_t, cols, col_in, gain, taken, s_rows, s_old, s_new = _span_setup(
         cover_ptr, cover_t_ptr, gain_ptr, scratch_rows_ptr, scratch_old_ptr, scratch_new_ptr, n, m,
         SPLITS, BLOCK_C, BLOCK_M, BLOCK_N)
@@ -124,10 +126,15 @@ def _coverage_kernel(
     failed = 0
     for s in range(0, budget):
         if failed == 0:
+            slot = b * budget + s
+            at = phases_ptr + (slot * SPLITS + split) * 5
+            if PHASES:
+                tl.store(at, _clock(slot))
             rank = cols.to(tl.int64) - ranks_w * gain
             rank = tl.where(taken, 9223372036854775807, rank)
             low = tl.min(rank, axis=0)
-            slot = b * budget + s
+            if PHASES:
+                tl.store(at + 1, _clock(low))
             if SPLITS > 1:
                 # the barrier: each program stores its proposal in its own slot of this step (one store), then waits
                 # for the span's other programs' (`_wait_for_proposals`)
@@ -135,6 +142,8 @@ def _coverage_kernel(
                 tl.store(row + split, low)
                 seen, failed = _wait_for_proposals(row, others, SPLITS, fail_ptr + b, SPIN)
                 low = tl.min(seen, axis=0)
+            if PHASES:
+                tl.store(at + 2, _clock(low))
             if failed == 0:
                 # rank = j - ranks_w * gain with 0 <= j < ranks_w: j is the rank modulo ranks_w
                 j = low % ranks_w
@@ -144,6 +153,8 @@ def _coverage_kernel(
                 taken = taken | (cols == j)
                 best_q, best_v, count = _take_column(cover_t, j, m, n, rows_q, q_in, rows_v, v_in, best_q, best_v,
                                                      s_rows, s_old, s_new)
+                if PHASES:
+                    tl.store(at + 3, _clock(count.to(tl.int64)))
                 delta = tl.zeros([BLOCK_C], dtype=tl.int64)
                 for t in range(0, count, TILE_R):
                     r, old, new, k_in = _changed_rows(s_rows, s_old, s_new, t, count, TILE_R)
@@ -151,76 +162,17 @@ def _coverage_kernel(
                                 other=0.0)
                     delta += tl.sum(_gain_terms(x, old, new), axis=0)
                 gain += delta
+                if PHASES:
+                    tl.store(at + 4, _clock(tl.min(gain, axis=0)))
                 tl.debug_barrier()
 
 
 @triton.jit
-def _coverage_rounds_kernel(
-    cover_ptr, cover_t_ptr, gain_ptr, order_ptr, proposals_ptr, fail_ptr,
-    scratch_rows_ptr, scratch_old_ptr, scratch_new_ptr,
-    n, m, budget, ranks_w,
-    SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, TILE_R: tl.constexpr, SPIN: tl.constexpr, CANDS: tl.constexpr, PICKS: tl.constexpr,
-):
-    """`_coverage_kernel` with up to ``PICKS = CANDS - 1`` picks per barrier round (see the module docstring).
-
-    Kept apart from `_coverage_kernel`, the default, which is what the H200 timed (its helpers were factored out
-    since: compiled for sm_90a it has the same instructions and registers), until this one is timed there too; then
-    one of the two goes."""
-    split, b, cover, cover_t, cols, col_in, gain, taken, s_rows, s_old, s_new = _span_setup(
-        cover_ptr, cover_t_ptr, gain_ptr, scratch_rows_ptr, scratch_old_ptr, scratch_new_ptr, n, m,
-        SPLITS, BLOCK_C, BLOCK_M, BLOCK_N)
-    rows_q, q_in, rows_v, v_in, best_q, best_v = _best_vectors(m, n, BLOCK_M, BLOCK_N)
-    slots = tl.arange(0, CANDS)
-    others = tl.arange(0, SPLITS_P2 * CANDS)
-    failed = 0
-    s = 0  # picks made
-    for rnd in range(0, budget):  # rounds: one barrier each, then 1 .. PICKS picks
-        if (failed == 0) & (s < budget):
-            rank = cols.to(tl.int64) - ranks_w * gain
-            rank = tl.where(taken, 9223372036854775807, rank)
-            top = _smallest(rank, slots, CANDS)  # this program's CANDS smallest ranks, ascending
-            if SPLITS > 1:
-                # the barrier, as `_coverage_kernel`'s with CANDS slots per program
-                row = proposals_ptr + (b * budget + rnd) * (SPLITS * CANDS)
-                tl.store(row + split * CANDS + slots, top)
-                seen, failed = _wait_for_proposals(row, others, SPLITS * CANDS, fail_ptr + b, SPIN)
-                top = _smallest(seen, slots, CANDS)  # the span's CANDS smallest ranks (bounds), ascending
-            # rank = j - ranks_w * gain with 0 <= j < ranks_w and gain >= 0: j is the rank modulo ranks_w
-            cand = top % ranks_w
-            cand = tl.where(cand < 0, cand + ranks_w, cand)
-            cand_ok = top != 9223372036854775807
-            cand_gain = (cand - top) // ranks_w  # exact: cand - top = ranks_w * gain
-            go = failed == 0
-            for i in range(0, PICKS):
-                if go & (s < budget):
-                    # candidate i is the greedy's next pick: i = 0 has the smallest rank; i > 0 was certified
-                    j = tl.sum(tl.where(slots == i, cand, 0), axis=0)
-                    if split == 0:
-                        tl.store(order_ptr + b * budget + s, j)
-                    s += 1
-                    taken = taken | (cols == j)
-                    best_q, best_v, count = _take_column(cover_t, j, m, n, rows_q, q_in, rows_v, v_in, best_q, best_v,
-                                                         s_rows, s_old, s_new)
-                    delta = tl.zeros([BLOCK_C], dtype=tl.int64)
-                    delta_cand = tl.zeros([CANDS], dtype=tl.int64)  # the candidates' gains, in every program
-                    for t in range(0, count, TILE_R):
-                        r, old, new, k_in = _changed_rows(s_rows, s_old, s_new, t, count, TILE_R)
-                        x = tl.load(cover + r[:, None] * n + cols[None, :], mask=k_in[:, None] & col_in[None, :],
-                                    other=0.0)
-                        delta += tl.sum(_gain_terms(x, old, new), axis=0)
-                        xc = tl.load(cover + r[:, None] * n + cand[None, :], mask=k_in[:, None] & cand_ok[None, :],
-                                     other=0.0)
-                        delta_cand += tl.sum(_gain_terms(xc, old, new), axis=0)
-                    gain += delta
-                    cand_gain += delta_cand
-                    tl.debug_barrier()
-                    # certify candidate i + 1: its current rank below the round's bound of candidate i + 2, a bound
-                    # for every column not yet taken but it (gains never grow; ranks are distinct)
-                    now = tl.sum(tl.where(slots == i + 1, cand - ranks_w * cand_gain, 0), axis=0)
-                    bound = tl.sum(tl.where(slots == i + 2, top, 0), axis=0)
-                    ok = tl.sum(tl.where((slots == i + 1) & cand_ok, 1, 0), axis=0)
-                    go = (ok == 1) & (now < bound)
+def _clock(after):
+    """The SM's cycle counter (``%clock64``; `PHASES` only), read once the int64 scalar `after` is computed (an
+    input of the asm, so the read is not scheduled before it)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,l", [after], dtype=tl.int64, is_pure=False,
+                                     pack=1)
 
 
 @triton.jit
@@ -296,17 +248,6 @@ def _changed_rows(s_rows, s_old, s_new, t, count, TILE_R: tl.constexpr):
 
 
 @triton.jit
-def _smallest(values, slots, CANDS: tl.constexpr):
-    """The `CANDS` smallest of distinct int64 `values` (INT64_MAX, repeated: none), ascending: ``[CANDS]``."""
-    out = tl.full([CANDS], 9223372036854775807, tl.int64)
-    for i in tl.static_range(CANDS):
-        low = tl.min(values, axis=0)
-        out = tl.where(slots == i, low, out)
-        values = tl.where(values == low, 9223372036854775807, values)
-    return out
-
-
-@triton.jit
 def _compact_changed(col_q, col_v, best_q, best_v, rows_q, q_in, rows_v, v_in, m, s_rows, s_old, s_new):
     """Writes the rows where the taken column raises ``best`` (row, old best, new value) to the front of the
     program's scratch buffers (question rows first); returns how many."""
@@ -349,21 +290,6 @@ def _sm_count_cached(index: int) -> int:
 MAX_SPLITS = 64
 
 
-def picks_per_round() -> int:
-    """The most MMTok picks per barrier round: ``HF_RAINCHECK_MMTOK_PICKS`` (default 1; see the module docstring)."""
-    return _check_picks(os.environ.get("HF_RAINCHECK_MMTOK_PICKS", "1"), "HF_RAINCHECK_MMTOK_PICKS")
-
-
-def _check_picks(value, name: str) -> int:
-    try:
-        picks = int(value)
-    except (TypeError, ValueError):
-        picks = 0
-    if picks < 1 or picks > 63:
-        raise ValueError(f"{name} must be an integer from 1 to 63 (picks per barrier round), got {value!r}")
-    return picks
-
-
 def coverage_plan(n: int, batch: int, device: torch.device, splits: int | None = None) -> tuple[int, int]:
     """``(splits, block_c)``: columns per program a power of two >= 16 (at most 1024), at most `MAX_SPLITS`
     programs per span, programs of all spans within the SM count (they must be resident together for the per-step
@@ -384,14 +310,14 @@ def coverage_plan(n: int, batch: int, device: torch.device, splits: int | None =
 def coverage_order_triton(scaled: torch.Tensor, gain: torch.Tensor, budget: int, ranks_w: int,
                           splits: int | None = None, spin_limit: int = SPIN_LIMIT,
                           num_warps: int | None = None, tile_r: int | None = None,
-                          picks: int | None = None) -> torch.Tensor | None:
+                          phases: torch.Tensor | None = None) -> torch.Tensor | None:
     """The full greedy on ``scaled [B, R, n]`` (fp32, scaled as in `mmtok.greedy_coverage_order`) from the initial
     fixed-point gains ``gain [B, n]`` (int64, ``best = 0``) -> ``[B, budget]`` picks in order, or None when a
     program gave up waiting at the barrier (the caller then runs the torch path). `splits` forces the number of
     programs per span (`coverage_plan`), `spin_limit` the barrier's patience (tests), `num_warps` the warps per
     program and `tile_r` the changed rows per tile of the gain update (benchmarks; defaults: 8 warps for spans of
-    4096+ tokens, else 4; ``4096 // block_c`` rows, at most 64); `picks` the most picks per barrier round
-    (default `picks_per_round()`)."""
+    4096+ tokens, else 4; ``4096 // block_c`` rows, at most 64); `phases`, an int64 tensor of ``B * budget *
+    splits * 5`` elements, receives the kernel's per-step clock readings (`_coverage_kernel`; benchmarks)."""
     batch, rows_n, n = scaled.shape
     device = scaled.device
     order = torch.zeros(batch, budget, dtype=torch.long, device=device)
@@ -403,10 +329,11 @@ def coverage_order_triton(scaled: torch.Tensor, gain: torch.Tensor, budget: int,
     block_n = max(16, triton.next_power_of_2(n))
     cover = scaled.contiguous()
     cover_t = cover.transpose(1, 2).contiguous()
-    picks = picks_per_round() if picks is None else _check_picks(picks, "picks")
-    cands = 1 if picks == 1 else triton.next_power_of_2(picks + 1)  # per round: the picks, then one bound
-    # per round, span and program, `cands` slots; INT64_MIN = "not proposed yet" (ranks are > -2^62)
-    proposals = torch.full((batch, budget, splits * cands), -INT64_MAX - 1, dtype=torch.long, device=device)
+    # per step, span and program, one slot; INT64_MIN = "not proposed yet" (ranks are > -2^62)
+    proposals = torch.full((batch, budget, splits), -INT64_MAX - 1, dtype=torch.long, device=device)
+    if phases is not None and phases.numel() < batch * budget * splits * 5:
+        raise ValueError(f"phases must hold batch * budget * splits * 5 = {batch * budget * splits * 5} int64 clock "
+                         f"readings, got {phases.numel()}")
     fail = torch.zeros(batch, dtype=torch.int32, device=device)
     scratch = batch * splits * (block_m + block_n)
     scratch_rows = torch.empty(scratch, dtype=torch.int32, device=device)
@@ -415,14 +342,11 @@ def coverage_order_triton(scaled: torch.Tensor, gain: torch.Tensor, budget: int,
     tile_r = tile_r or max(1, min(64, 4096 // block_c))
     with _on(device):
         shapes = dict(SPLITS=splits, SPLITS_P2=max(2, triton.next_power_of_2(splits)), BLOCK_C=block_c,
-                      BLOCK_M=block_m, BLOCK_N=block_n, TILE_R=tile_r, SPIN=spin_limit,
+                      BLOCK_M=block_m, BLOCK_N=block_n, TILE_R=tile_r, SPIN=spin_limit, PHASES=phases is not None,
                       num_warps=num_warps or (8 if block_n >= 4096 else 4))
-        args = (cover, cover_t, gain.contiguous(), order, proposals, fail, scratch_rows, scratch_old, scratch_new,
-                n, m, budget, ranks_w)
-        if picks == 1:
-            _coverage_kernel[(splits, batch)](*args, **shapes)
-        else:
-            _coverage_rounds_kernel[(splits, batch)](*args, CANDS=cands, PICKS=cands - 1, **shapes)
+        _coverage_kernel[(splits, batch)](
+            cover, cover_t, gain.contiguous(), order, proposals, fail, scratch_rows, scratch_old, scratch_new,
+            order if phases is None else phases, n, m, budget, ranks_w, **shapes)
     if splits > 1 and bool(fail.any()):  # one host synchronisation
         return None
     return order
