@@ -29,7 +29,12 @@ if os.environ.get("HF_RAINCHECK_TRITON", "1") != "0" and triton_importable():
         from .softmax_triton import masked_softmax as _masked_softmax
     except Exception:  # a Triton too old for `torch.library.triton_op`'s needs, or a broken install: torch softmax
         _masked_softmax = None
-_SOFTMAX_KERNEL_ON_CPU = interpreted()  # Triton's interpreter (tests): the kernel runs on CPU tensors too
+_SOFTMAX_KERNEL_ON_CPU = interpreted()  # Triton's interpreter (tests): the kernels run on CPU tensors too
+# ``HF_RAINCHECK_GROUPED_KERNEL=triton`` (at import): the whole grouped attention as one split-key Triton kernel
+# pair (`grouped_triton`; tested against the reference, not yet timed on a GPU, hence opt-in)
+_grouped_kernel = None
+if _masked_softmax is not None and os.environ.get("HF_RAINCHECK_GROUPED_KERNEL", "") == "triton":
+    from .grouped_triton import grouped_attention_triton as _grouped_kernel
 
 
 def _softmax_kernel_runs(device: torch.device) -> bool:
@@ -57,12 +62,14 @@ def grouped_attention(
     2.5x slower at the Qwen3-VL-8B shape.) A row that sees nothing returns zeros. `softmax_block`: see
     `GROUPED_SOFTMAX_BLOCK` (None: that default).
     """
+    block = GROUPED_SOFTMAX_BLOCK if softmax_block is None else softmax_block
+    if _grouped_kernel is not None and not block and _softmax_kernel_runs(query.device):
+        return _grouped_kernel(query, key, value, visible, scaling)
     b, hq, q, d = query.shape
     hkv, k = key.shape[1], key.shape[2]
     g = hq // hkv
     rows = query.reshape(b, hkv, g * q, d) * scaling
     scores = torch.matmul(rows, key.transpose(-1, -2)).view(b, hkv, g, q, k)  # the inputs' dtype
-    block = GROUPED_SOFTMAX_BLOCK if softmax_block is None else softmax_block
     if not (block and k % block == 0 and k > block) and _softmax_kernel_runs(scores.device):
         probs = _masked_softmax(scores, visible, value.dtype)  # one Triton kernel: see `softmax_triton`
     else:
