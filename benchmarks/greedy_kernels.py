@@ -7,7 +7,8 @@
 
 - MMTok (`coverage_order_triton`) for every split count (programs per span meeting at a per-step barrier; 1 = no
   barrier) on covers built like `mmtok.coverage_matrix` from random features (hidden 4096, ViT 1152, a 24-token
-  question), retention 0.3: ms per call and us per greedy step, and how many cover rows changed over the loop
+  question), retention 0.3: ms per call (the kernel's one-pass preparation of the matrix included) and us per
+  greedy step, and how many cover rows changed over the loop
   (the incremental update's work);
 - DivPrune (`divprune_steps_triton`) on the same spans' features.
 
@@ -29,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_raincheck.pruning import divprune  # noqa: E402
-from hf_raincheck.pruning.mmtok import coverage_matrix, fixed_point, initial_gains  # noqa: E402
+from hf_raincheck.pruning.mmtok import coverage_matrix, fixed_point, fixed_point_scales  # noqa: E402
 
 CASES = {"image1024": (1, 1024), "image4096": (1, 4096), "video16": (16, 256)}
 SMALL_CASES = {"image64": (1, 64), "video4": (4, 16)}
@@ -122,8 +123,8 @@ def main(argv=None):
         cover = coverage_matrix(x, x_c, z, 0.5, 0.01, 0.2)
         budget = max(1, round(args.retention * n))
         width = max(n, 64)
-        scaled = fixed_point(cover, width)
-        gain = initial_gains(scaled)
+        scales = fixed_point_scales(cover, width)
+        scaled = fixed_point(cover, width, scales)
         reference = None
         warps_tried = [int(w) for w in args.warps.split(",") if w.strip()] or [None]
         tiles_tried = [int(t) for t in args.tiles.split(",") if t.strip()] or [None]
@@ -134,7 +135,7 @@ def main(argv=None):
                 continue  # the grid must be resident at once
             for warps, tile in [(w, t) for w in warps_tried for t in tiles_tried]:
                 def run(splits=splits, warps=warps, tile=tile, phases=None):
-                    return greedy_triton.coverage_order_triton(scaled, gain, budget, width + 1, splits=splits,
+                    return greedy_triton.coverage_order_triton(cover, scales, budget, width + 1, splits=splits,
                                                                num_warps=warps, tile_r=tile, phases=phases)
 
                 order = run()

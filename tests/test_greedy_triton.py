@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from hf_raincheck.pruning import divprune
-from hf_raincheck.pruning.mmtok import coverage_matrix, fixed_point, greedy_coverage_order, initial_gains
+from hf_raincheck.pruning.mmtok import (
+    coverage_matrix,
+    fixed_point,
+    fixed_point_scales,
+    greedy_coverage_order,
+    initial_gains,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -81,8 +87,8 @@ def test_mmtok_kernel_every_split_count(device, monkeypatch):
     splits_tried = [1] + ([2, 3, 6] if device.type == "cuda" else [])
     width = max(96, 64)
     for splits in splits_tried:
-        scaled, gain = _scaled_and_gain(cover, width)
-        got = coverage_order_triton(scaled, gain, budget, width + 1, splits=splits)
+        cover32, scales = _cover_and_scales(cover, width)
+        got = coverage_order_triton(cover32, scales, budget, width + 1, splits=splits)
         assert got is not None
         assert torch.equal(got.cpu(), want.cpu()), splits
 
@@ -96,23 +102,38 @@ def test_mmtok_kernel_phases(device, monkeypatch):
     budget, width = 30, 96
     _torch_path(monkeypatch)
     want = greedy_coverage_order(cover, budget, lazy=False)
-    scaled, gain = _scaled_and_gain(cover, width)
+    cover32, scales = _cover_and_scales(cover, width)
     for splits in (1, 3):
         clocks = torch.zeros(2, budget, splits, 5, dtype=torch.long, device=device)
-        got = coverage_order_triton(scaled, gain, budget, width + 1, splits=splits, phases=clocks)
+        got = coverage_order_triton(cover32, scales, budget, width + 1, splits=splits, phases=clocks)
         assert torch.equal(got.cpu(), want.cpu()), splits
         steps = clocks.cpu()
         assert bool((steps > 0).all()), splits
         assert bool((steps.diff(dim=-1) >= 0).all()), splits  # within a step, in order
         assert bool((steps[:, 1:, :, 0] >= steps[:, :-1, :, 4]).all()), splits  # and step after step
     with pytest.raises(ValueError, match="phases"):
-        coverage_order_triton(scaled, gain, budget, width + 1, splits=3, phases=torch.zeros(5, dtype=torch.long,
+        coverage_order_triton(cover32, scales, budget, width + 1, splits=3, phases=torch.zeros(5, dtype=torch.long,
                                                                                             device=device))
 
 
-def _scaled_and_gain(cover, width):
-    scaled = fixed_point(cover.float(), width)
-    return scaled, initial_gains(scaled)
+def _cover_and_scales(cover, width):
+    cover = cover.float()
+    return cover, fixed_point_scales(cover, width)
+
+
+def test_prepare_cover_equals_the_torch_fixed_point(device):
+    """The kernel's one-pass preparation: the scaled transpose and the initial gains equal `fixed_point` and
+    `initial_gains` bit for bit (several spans, sizes off the tiles, a question of 0 rows, a large mass)."""
+    from hf_raincheck.pruning.greedy_triton import prepare_cover
+
+    for i, (batch, n, m, scale) in enumerate([(1, 50, 6, 1.0), (3, 70, 0, 1.0), (2, 130, 5, 3e5)]):
+        cover = _cover(batch, n, m, device, seed=40 + i) * scale
+        for width in (max(n, 64), 4096):
+            cover32, scales = _cover_and_scales(cover, width)
+            scaled = fixed_point(cover32, width, scales)
+            cover_t, gain = prepare_cover(cover32, scales)
+            assert torch.equal(cover_t.cpu(), scaled.transpose(1, 2).cpu()), (batch, n, m, width)
+            assert torch.equal(gain.cpu(), initial_gains(scaled).cpu()), (batch, n, m, width)
 
 
 def test_mmtok_kernel_budget_edges(device, monkeypatch):
@@ -152,8 +173,8 @@ def test_coverage_plan_keeps_programs_resident(device):
 def test_barrier_gives_up_and_the_torch_path_runs(device, monkeypatch):
     """Under the interpreter a span's programs cannot meet at the barrier: the kernel reports it (None)."""
     cover = _cover(1, 40, 3, device, seed=5)
-    scaled, gain = _scaled_and_gain(cover, 64)
-    assert coverage_order_triton(scaled, gain, 10, 65, splits=2, spin_limit=3) is None
+    cover32, scales = _cover_and_scales(cover, 64)
+    assert coverage_order_triton(cover32, scales, 10, 65, splits=2, spin_limit=3) is None
 
 
 def test_divprune_kernel_picks_the_torch_loop(device, monkeypatch):

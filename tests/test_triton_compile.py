@@ -22,12 +22,13 @@ from helpers import TRITON_MARKS  # noqa: E402
 pytestmark = TRITON_MARKS
 
 GREEDY_ARGS = {
-    "cover_ptr": "*fp32", "cover_t_ptr": "*fp32", "gain_ptr": "*i64", "order_ptr": "*i64", "proposals_ptr": "*i64",
+    "cover_ptr": "*fp32", "cover_t_ptr": "*fp32", "scales_ptr": "*fp32", "gain_ptr": "*i64", "order_ptr": "*i64", "proposals_ptr": "*i64",
     "fail_ptr": "*i32", "scratch_rows_ptr": "*i32", "scratch_old_ptr": "*fp32", "scratch_new_ptr": "*fp32",
     "phases_ptr": "*i64",
 }
 ATTENTION_ARGS = {"Q": "*bf16", "K": "*bf16", "SEG_START": "*i32", "SEG_STOP": "*i32", "LSE": "*fp32",
                   "OUT": "*fp32", "qk_scale": "fp32"}
+PREPARE_ARGS = {"cover_ptr": "*fp32", "scales_ptr": "*fp32", "cover_t_ptr": "*fp32", "gain_ptr": "*i64"}
 SOFTMAX_ARGS = {"scores_ptr": "*bf16", "visible_ptr": "*i1", "out_ptr": "*bf16"}
 GROUPED_ARGS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "vis_ptr": "*i1", "acc_ptr": "*fp32",
                 "max_ptr": "*fp32", "sum_ptr": "*fp32", "scaling": "fp32"}
@@ -75,6 +76,7 @@ def kernels():
         "mmtok-4096-phases": (greedy_triton._coverage_kernel, GREEDY_ARGS, dict(MMTOK_4096, PHASES=True), 8),
         "mmtok-video": (greedy_triton._coverage_kernel, GREEDY_ARGS,
                         dict(MMTOK_4096, SPLITS=8, SPLITS_P2=8, BLOCK_C=32, BLOCK_N=256, TILE_R=64), 4),
+        "mmtok-prepare": (greedy_triton._prepare_kernel, PREPARE_ARGS, dict(BLOCK_R=64, BLOCK_C=64), 4),
         "divprune-4096": (greedy_triton._divprune_kernel, DIVPRUNE_ARGS, dict(BLOCK_N=4096), 8),
         # a fused step's grouped softmax at 4352 keys (one pass), and the two-pass kernel of longer rows
         "grouped-softmax-4352": (softmax_triton._masked_softmax_kernel, SOFTMAX_ARGS,
@@ -108,7 +110,7 @@ def compile_case(case: str, tmp_path) -> str:
     return ptxas_report(compiled, tmp_path)
 
 
-@pytest.mark.parametrize("case", ["mmtok-4096", "mmtok-4096-phases", "mmtok-video",
+@pytest.mark.parametrize("case", ["mmtok-4096", "mmtok-4096-phases", "mmtok-video", "mmtok-prepare",
                                   "divprune-4096", "grouped-softmax-4352",
                                   "grouped-softmax-long", "grouped-attention-qwen3-vl", "grouped-attention-qwen3_5",
                                   "grouped-attention-combine", "attention-lse", "attention-received"])

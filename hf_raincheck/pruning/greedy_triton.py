@@ -108,7 +108,7 @@ def _warps(block: int) -> int:
 # ------------------------------------------------------------------------------------------------------- mmtok
 @triton.jit
 def _coverage_kernel(
-    cover_ptr, cover_t_ptr, gain_ptr, order_ptr, proposals_ptr, fail_ptr,
+    cover_ptr, cover_t_ptr, scales_ptr, gain_ptr, order_ptr, proposals_ptr, fail_ptr,
     scratch_rows_ptr, scratch_old_ptr, scratch_new_ptr, phases_ptr,
     n, m, budget, ranks_w,
     SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -122,6 +122,8 @@ def _coverage_kernel(
         cover_ptr, cover_t_ptr, gain_ptr, scratch_rows_ptr, scratch_old_ptr, scratch_new_ptr, n, m,
         SPLITS, BLOCK_C, BLOCK_M, BLOCK_N)
     rows_q, q_in, rows_v, v_in, best_q, best_v = _best_vectors(m, n, BLOCK_M, BLOCK_N)
+    scale_1 = tl.load(scales_ptr)  # `cover` is unscaled: its entries are scaled as they are read (`cover_t` is)
+    scale_2 = tl.load(scales_ptr + 1)
     others = tl.arange(0, SPLITS_P2)
     failed = 0
     for s in range(0, budget):
@@ -159,7 +161,7 @@ def _coverage_kernel(
                 for t in range(0, count, TILE_R):
                     r, old, new, k_in = _changed_rows(s_rows, s_old, s_new, t, count, TILE_R)
                     x = tl.load(cover + r[:, None] * n + cols[None, :], mask=k_in[:, None] & col_in[None, :],
-                                other=0.0)
+                                other=0.0) * scale_1 * scale_2
                     delta += tl.sum(_gain_terms(x, old, new), axis=0)
                 gain += delta
                 if PHASES:
@@ -176,6 +178,28 @@ def _clock(after):
 
 
 @triton.jit
+def _prepare_kernel(cover_ptr, scales_ptr, cover_t_ptr, gain_ptr, rows_n, n,
+                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One pass over a span's cover ``[R, n]`` (fp32, unscaled) for `_coverage_kernel`: the scaled transpose
+    ``cover_t [n, R]`` (`mmtok.fixed_point`'s values) and every column's initial gain (`mmtok.initial_gains`:
+    ``sum_r trunc(max(C_rj, 0))`` of the scaled entries, int64), for a tile of ``BLOCK_C`` columns."""
+    b = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_in = cols < n
+    scale_1 = tl.load(scales_ptr)
+    scale_2 = tl.load(scales_ptr + 1)
+    gain = tl.zeros([BLOCK_C], dtype=tl.int64)
+    for r0 in range(0, rows_n, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        ok = (rows < rows_n)[:, None] & col_in[None, :]
+        x = tl.load(cover_ptr + b * rows_n * n + rows[:, None] * n + cols[None, :], mask=ok, other=0.0)
+        x = x * scale_1 * scale_2
+        gain += tl.sum(tl.maximum(x, 0.0).to(tl.int64), axis=0)
+        tl.store(cover_t_ptr + b * n * rows_n + cols[None, :] * rows_n + rows[:, None], x, mask=ok)
+    tl.store(gain_ptr + b * n + cols, gain, mask=col_in)
+
+
+@triton.jit
 def _span_setup(cover_ptr, cover_t_ptr, gain_ptr, scratch_rows_ptr, scratch_old_ptr, scratch_new_ptr, n, m,
                 SPLITS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """A program's view of its span: ``(split, b, cover [R, n], cover_t [n, R], its columns, which are real, their
@@ -183,7 +207,7 @@ def _span_setup(cover_ptr, cover_t_ptr, gain_ptr, scratch_rows_ptr, scratch_old_
     split = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     rows_n = m + n
-    cover = cover_ptr + b * rows_n * n  # scaled fp32: question rows 0 .. m-1, then the span's n rows
+    cover = cover_ptr + b * rows_n * n  # fp32, unscaled: question rows 0 .. m-1, then the span's n rows
     cover_t = cover_t_ptr + b * n * rows_n
     cols = split * BLOCK_C + tl.arange(0, BLOCK_C)
     col_in = cols < n
@@ -307,19 +331,35 @@ def coverage_plan(n: int, batch: int, device: torch.device, splits: int | None =
 
 
 @torch.no_grad()
-def coverage_order_triton(scaled: torch.Tensor, gain: torch.Tensor, budget: int, ranks_w: int,
+def prepare_cover(cover: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cover_t [B, n, R], gain [B, n])``: the scaled transpose and the initial fixed-point gains of ``cover
+    [B, R, n]`` (fp32, unscaled) under `mmtok.fixed_point_scales` `scales`, in one pass (`_prepare_kernel`)."""
+    batch, rows_n, n = cover.shape
+    cover = cover.contiguous()
+    cover_t = torch.empty(batch, n, rows_n, dtype=torch.float32, device=cover.device)
+    gain = torch.empty(batch, n, dtype=torch.long, device=cover.device)
+    if batch * n:
+        with _on(cover.device):
+            _prepare_kernel[(triton.cdiv(n, 64), batch)](cover, scales, cover_t, gain, rows_n, n,
+                                                         BLOCK_R=64, BLOCK_C=64, num_warps=4)
+    return cover_t, gain
+
+
+@torch.no_grad()
+def coverage_order_triton(cover: torch.Tensor, scales: torch.Tensor, budget: int, ranks_w: int,
                           splits: int | None = None, spin_limit: int = SPIN_LIMIT,
                           num_warps: int | None = None, tile_r: int | None = None,
                           phases: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The full greedy on ``scaled [B, R, n]`` (fp32, scaled as in `mmtok.greedy_coverage_order`) from the initial
-    fixed-point gains ``gain [B, n]`` (int64, ``best = 0``) -> ``[B, budget]`` picks in order, or None when a
-    program gave up waiting at the barrier (the caller then runs the torch path). `splits` forces the number of
-    programs per span (`coverage_plan`), `spin_limit` the barrier's patience (tests), `num_warps` the warps per
-    program and `tile_r` the changed rows per tile of the gain update (benchmarks; defaults: 8 warps for spans of
-    4096+ tokens, else 4; ``4096 // block_c`` rows, at most 64); `phases`, an int64 tensor of ``B * budget *
-    splits * 5`` elements, receives the kernel's per-step clock readings (`_coverage_kernel`; benchmarks)."""
-    batch, rows_n, n = scaled.shape
-    device = scaled.device
+    """The full greedy on ``cover [B, R, n]`` (fp32, unscaled) with the fixed-point scales ``scales [2]``
+    (`mmtok.fixed_point_scales`; the same gains and picks as `mmtok.greedy_coverage_order`'s torch paths on
+    ``fixed_point(cover)``) -> ``[B, budget]`` picks in order, or None when a program gave up waiting at the
+    barrier (the caller then runs the torch path). `splits` forces the number of programs per span
+    (`coverage_plan`), `spin_limit` the barrier's patience (tests), `num_warps` the warps per program and `tile_r`
+    the changed rows per tile of the gain update (benchmarks; defaults: 8 warps for spans of 4096+ tokens, else 4;
+    ``4096 // block_c`` rows, at most 64); `phases`, an int64 tensor of ``B * budget * splits * 5`` elements,
+    receives the kernel's per-step clock readings (`_coverage_kernel`; benchmarks)."""
+    batch, rows_n, n = cover.shape
+    device = cover.device
     order = torch.zeros(batch, budget, dtype=torch.long, device=device)
     if budget <= 0:
         return order
@@ -327,8 +367,9 @@ def coverage_order_triton(scaled: torch.Tensor, gain: torch.Tensor, budget: int,
     m = rows_n - n  # question rows first, then the span's rows (`mmtok.coverage_matrix`)
     block_m = max(16, triton.next_power_of_2(max(m, 1)))
     block_n = max(16, triton.next_power_of_2(n))
-    cover = scaled.contiguous()
-    cover_t = cover.transpose(1, 2).contiguous()
+    cover = cover.contiguous()
+    scales = scales.to(device=device, dtype=torch.float32).contiguous()
+    cover_t, gain = prepare_cover(cover, scales)
     # per step, span and program, one slot; INT64_MIN = "not proposed yet" (ranks are > -2^62)
     proposals = torch.full((batch, budget, splits), -INT64_MAX - 1, dtype=torch.long, device=device)
     if phases is not None and phases.numel() < batch * budget * splits * 5:
@@ -345,7 +386,7 @@ def coverage_order_triton(scaled: torch.Tensor, gain: torch.Tensor, budget: int,
                       BLOCK_M=block_m, BLOCK_N=block_n, TILE_R=tile_r, SPIN=spin_limit, PHASES=phases is not None,
                       num_warps=num_warps or (8 if block_n >= 4096 else 4))
         _coverage_kernel[(splits, batch)](
-            cover, cover_t, gain.contiguous(), order, proposals, fail, scratch_rows, scratch_old, scratch_new,
+            cover, cover_t, scales, gain, order, proposals, fail, scratch_rows, scratch_old, scratch_new,
             order if phases is None else phases, n, m, budget, ranks_w, **shapes)
     if splits > 1 and bool(fail.any()):  # one host synchronisation
         return None

@@ -38,16 +38,17 @@ once per chunk of 16 steps, keeps the picks before the first flagged step, rewin
 the chunk, still bounds; ``best`` from the kept picks), evaluates every column (`_refresh`, one ``[B, R, n]`` pass)
 and goes on. After a refresh every rank is exact, so the next step certifies: each chunk makes progress. No host
 synchronisation inside a step; on CUDA the chunk (and the refresh) are CUDA graphs. Where Triton runs
-(`kernel_runs`: CUDA), the whole full greedy is one kernel instead (`hf_raincheck.pruning.greedy_triton`: gains
-kept incrementally over the rows each pick changes, the same fixed-point arithmetic, so the same picks), for spans
-of every size. ``k = 64``: the measured
+(`kernel_runs`: CUDA), the whole full greedy is one kernel instead, after one preparation pass over the matrix
+(`hf_raincheck.pruning.greedy_triton`: the scaled transpose and the initial gains; then gains kept incrementally
+over the rows each pick changes, the same fixed-point arithmetic, so the same picks), for spans of every size. ``k = 64``: the measured
 fallbacks on covers of this shape were a few per span (1 at n = 1024, ~2-7 at n = 4096, b = 0.3 n; smaller k
 costs more fallbacks, larger k more work per step).
 
 Exactness of the gains: floating-point sums depend on the reduction order, which PyTorch chooses by shape (on CPU
 a column of ``[B, R, 37]`` and the same column gathered into ``[B, R, 16]`` sum to different bits), so the
 candidates' gains and a full evaluation could disagree in the last bit, and a stale bound could fall below the
-current gain. The gains are therefore fixed point: the matrix is scaled once by a power of two (exact) so that
+current gain. The gains are therefore fixed point: the matrix is scaled by a power of two (exact; as two factors
+computed on the device, `fixed_point_scales`, so no host synchronisation) so that
 every column's total stays below ``2^61 / (W + 1)``; each term ``max(C, best) - best`` (= ``max(0, C - best)``,
 an fp32 elementwise op, the same bits wherever it runs) is truncated to int64 and summed in int64, which is exact
 and independent of order, shape and device. So the lazy step, the refresh, the full greedy (``lazy=False``) and
@@ -62,7 +63,6 @@ plus ``O(R n)`` per refresh (once at the start, once per fallback).
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -81,15 +81,19 @@ CHECKS = {
 
 def coverage_matrix(x, x_c, z, alpha: float, tau_tv: float, tau_vv: float) -> torch.Tensor:
     """``C = [P; alpha Q]`` for a batch of spans: ``x [B, n, H]``, ``x_c [B, n, D]``, ``z [m, H]`` -> ``[B, m + n, n]``."""
-    n = x.shape[1]
+    n, m = x.shape[1], z.shape[0]
     xc = l2_normalize(x_c)
-    q = torch.softmax(torch.matmul(xc, xc.transpose(1, 2)) * (1.0 / tau_vv), dim=-1) / n
-    if z.shape[0] == 0:
-        return q * alpha
+    q = torch.softmax(torch.matmul(xc, xc.transpose(1, 2)).mul_(1.0 / tau_vv), dim=-1).div_(n)
+    if m == 0:
+        return q.mul_(alpha)
     xn = l2_normalize(x)
     zn = l2_normalize(z).to(xn.device)
-    p = torch.softmax(torch.matmul(zn, xn.transpose(1, 2)) * (1.0 / tau_tv), dim=-1) / z.shape[0]
-    return torch.cat([p, q * alpha], dim=1)
+    p = torch.softmax(torch.matmul(zn, xn.transpose(1, 2)).mul_(1.0 / tau_tv), dim=-1).div_(m)
+    # the same values as cat([p, q * alpha]), written once into the result (in-place steps: fewer [n, n] passes)
+    cover = torch.empty(q.shape[0], m + n, n, dtype=torch.promote_types(p.dtype, q.dtype), device=q.device)
+    cover[:, :m] = p
+    torch.mul(q, alpha, out=cover[:, m:])
+    return cover
 
 
 # ----------------------------------------------------------------------------------------------- lazy greedy
@@ -101,17 +105,28 @@ LAZY_MIN_TOKENS = 2048
 TAKEN = 1 << 62  # rank of a chosen column: after every unchosen one, before the padding
 
 
-def fixed_point(cover: torch.Tensor, width: int) -> torch.Tensor:
-    """``cover [B, R, n]`` (fp32) scaled by an exact power of two so that gains are integers in units of 2^-e with
-    every column's total below ``2^61 / (width + 1)``: ranks ``j - (width + 1) g`` fit in int64."""
-    mass = float(cover.clamp_min(0).sum(dim=1).amax()) if cover.numel() else 0.0  # one host synchronisation
-    e = 60 - (width + 1).bit_length() - math.frexp(mass)[1]  # mass < 2^frexp: totals < 2^61 / (width + 1)
-    scaled = cover
-    while e != 0:  # by exact powers of two, none of them out of fp32's range
-        step = max(-100, min(100, e))
-        scaled = scaled * 2.0**step
-        e -= step
-    return scaled
+def fixed_point_scales(cover: torch.Tensor, width: int) -> torch.Tensor:
+    """Two powers of two ``[s1, s2]`` (fp32, on `cover`'s device, no host synchronisation) such that ``cover * s1
+    * s2`` (`fixed_point`) has every column's positive total below ``2^61 / (width + 1)``: gains are integers in
+    units of ``2^-e`` (``e`` = log2 of ``s1 s2``, as large as that allows) and ranks ``j - (width + 1) g`` fit in
+    int64. Two factors, ``2^floor(e / 2)`` then the rest, keep each within fp32's normal range for any fp32 mass
+    (``e`` lies in [-81, 195] for width 4096); multiplying by them is exact unless a result falls below fp32's
+    normal range (only when scaling down, i.e. a column mass of 2^47 or more)."""
+    if cover.numel():
+        mass = cover.clamp_min(0).sum(dim=1).amax()
+    else:
+        mass = torch.zeros((), dtype=torch.float, device=cover.device)
+    exponent = torch.frexp(mass.float()).exponent.to(torch.int32)  # mass < 2^exponent (0 for a mass of 0)
+    e = 60 - (width + 1).bit_length() - exponent
+    first = torch.div(e, 2, rounding_mode="floor")
+    powers = torch.stack([first, e - first]).clamp(-126, 127)
+    return ((powers + 127) << 23).view(torch.float32)  # 2^k from its fp32 bits: exact
+
+
+def fixed_point(cover: torch.Tensor, width: int, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """``cover [B, R, n]`` (fp32) times the two powers of two of `fixed_point_scales` (exact; see there)."""
+    scales = fixed_point_scales(cover, width) if scales is None else scales
+    return cover * scales[0] * scales[1]
 
 
 def initial_gains(scaled: torch.Tensor) -> torch.Tensor:
@@ -135,11 +150,13 @@ def greedy_coverage_order(
     if budget <= 0:
         return order
     width = max(n, k)  # columns, padded with zero columns if needed: topk always finds k candidates
-    scaled = fixed_point(cover.float(), width)
-    if lazy and kernel_runs(device, rows_n):  # one kernel, same gains and picks
-        picked = _kernels().coverage_order_triton(scaled, initial_gains(scaled), budget, width + 1)
+    cover = cover.float()
+    scales = fixed_point_scales(cover, width)
+    if lazy and kernel_runs(device, rows_n):  # one kernel pair, same gains and picks
+        picked = _kernels().coverage_order_triton(cover, scales, budget, width + 1)
         if picked is not None:
             return picked
+    scaled = fixed_point(cover, width, scales)
     if width > n:  # zero columns (zero after scaling too)
         scaled = torch.cat([scaled, scaled.new_zeros(batch, rows_n, width - n)], dim=2)
     cols = torch.arange(width + 1, device=device)
