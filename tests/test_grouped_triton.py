@@ -100,3 +100,15 @@ def test_grouped_attention_routes_to_the_kernel_when_asked(device, monkeypatch):
     out = sdpa.grouped_attention(query, key, value, visible, 0.3)
     torch.testing.assert_close(out, naive_attention(query, key, value, visible, 0.3), atol=1e-5, rtol=1e-5)
     assert calls == [1]
+
+
+def test_grouped_kernel_compiles_into_a_cuda_graph(device):
+    """Compiled (fullgraph, CUDA graphs) at a Qwen3-VL-8B fused-step shape, the op gives the eager kernels' values."""
+    if device.type != "cuda":
+        pytest.skip("torch.compile with Triton kernels needs CUDA")
+    query, key, value, visible = _inputs(32, 4352, 32, 8, 128, 1, device, seed=6, dtype=torch.bfloat16)
+    visible[..., :1] = True
+    fn = torch.compile(lambda *a: grouped(*a, 128 ** -0.5), fullgraph=True, mode="reduce-overhead")
+    for _ in range(3):
+        got = fn(query, key, value, visible)
+    torch.testing.assert_close(got, grouped(query, key, value, visible, 128 ** -0.5), atol=0, rtol=0)
