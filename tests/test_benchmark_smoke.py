@@ -117,3 +117,13 @@ def test_quality_quick_writes_the_issue_records(tmp_path):
         rain = later[("raincheck", selector, "boundary")]
         assert rain["accuracy"] > hard and "recovered" in rain and len(rain["recovered_ci95"]) == 2
         assert abs(rain["accuracy"] - full) <= 0.1
+
+
+def test_step_host_time_splits_wrapper_and_compiled_call(tmp_path):
+    """benchmarks/step_host_time.py on the CPU: both kinds of step are timed, the wrapper's share is reported."""
+    out = run_script(["benchmarks/step_host_time.py", "--new-tokens", "24"], tmp_path)
+    lines = [line for line in out.splitlines() if line.startswith("| decode-only") or line.startswith("| fused")]
+    assert len(lines) == 2, out
+    for line in lines:
+        count, wrapper, inside = (float(x) for x in line.strip("| ").split(" | ")[1:4])
+        assert count > 0 and wrapper > 0 and inside > 0, line
