@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_raincheck.pruning import divprune  # noqa: E402
+from hf_raincheck.pruning.triton_support import sm_count  # noqa: E402
 from hf_raincheck.pruning.mmtok import coverage_matrix, fixed_point, fixed_point_scales  # noqa: E402
 
 CASES = {"image1024": (1, 1024), "image4096": (1, 4096), "video16": (16, 256)}
@@ -131,7 +132,7 @@ def main(argv=None):
         for splits in [int(s) for s in args.splits.split(",") if s.strip()]:
             if splits > 1 and (n // splits < 16 or (device.type != "cuda")):
                 continue  # at least 16 columns a program; barriers need a GPU (the interpreter runs programs in turn)
-            if splits * batch > greedy_triton._sm_count(device) and splits > 1:
+            if splits * batch > sm_count(device) and splits > 1:
                 continue  # the grid must be resident at once
             for warps, tile in [(w, t) for w in warps_tried for t in tiles_tried]:
                 def run(splits=splits, warps=warps, tile=tile, phases=None):

@@ -15,13 +15,14 @@ from reference_qwen3_vl import Conversation  # noqa: E402
 
 #: marks of the Triton kernels' tests: ``gpu`` + ``triton`` (CI deselects them; they run on CUDA, and on the CPU
 #: under Triton's interpreter, see conftest.py). The interpreter evaluates masked-off lanes too (log2(0), exp2
-#: overflow) and takes loop bounds from 1-element arrays, which numpy warns about
+#: overflow, 0 / 0 on both sides of a `where`) and takes loop bounds from 1-element arrays, which numpy warns about
 TRITON_MARKS = [
     pytest.mark.gpu,
     pytest.mark.triton,
     pytest.mark.filterwarnings(
         "ignore:divide by zero:RuntimeWarning",
         "ignore:overflow:RuntimeWarning",
+        "ignore:invalid value encountered:RuntimeWarning",
         "ignore:Conversion of an array with ndim > 0:DeprecationWarning",
     ),
 ]

@@ -6,18 +6,19 @@ GPU tests (CI deselects them); they also run on the CPU under Triton's interpret
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
-from hf_raincheck.attention import naive_attention, sdpa
+sys.path.insert(0, os.path.dirname(__file__))
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.triton,
-    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
-    # the interpreter evaluates both sides of `where(total > 0, e / total, 0)` with numpy
-    pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning"),
-]
+from helpers import TRITON_MARKS  # noqa: E402
+
+from hf_raincheck.attention import naive_attention, sdpa  # noqa: E402
+
+pytestmark = TRITON_MARKS
 
 
 @pytest.fixture(scope="module")

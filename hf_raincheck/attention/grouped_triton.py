@@ -19,12 +19,12 @@ so `grouped_attention` takes it only with ``HF_RAINCHECK_GROUPED_KERNEL=triton``
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
+
+from ..pruning.triton_support import sm_count
 
 BLOCK_N = 32  # keys per tile (64 spills at 128 rows x head dim 128 on sm_90a: `tests/test_triton_compile.py`)
 TARGET_PROGRAMS = 2  # partial programs per SM to aim for
@@ -114,15 +114,9 @@ def _combine_kernel(acc_ptr, max_ptr, sum_ptr, out_ptr, stride_ob, stride_oq, st
              out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def split_plan(batch_heads: int, keys: int, device: torch.device) -> tuple[int, int]:
     """``(splits, keys per split)``: about `TARGET_PROGRAMS` partial programs per SM, whole tiles per split."""
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 4
+    sms = sm_count(device) if device.type == "cuda" else 4  # the interpreter: a few splits, to test merging them
     tiles = max(1, triton.cdiv(keys, BLOCK_N))
     splits = max(1, min(tiles, triton.cdiv(TARGET_PROGRAMS * sms, batch_heads)))
     per_split = triton.cdiv(tiles, splits) * BLOCK_N

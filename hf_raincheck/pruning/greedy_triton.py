@@ -36,11 +36,12 @@ kernel, the state stays in registers.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 import triton
 import triton.language as tl
+
+from .triton_support import sm_count
 
 #: the largest register-resident vector a program keeps (DivPrune's ``nearest`` over N tokens, MMTok's ``best`` over
 #: R = m + n rows, as the next power of two): sizes above run the torch loops. 8192 is the largest shape run on the
@@ -298,17 +299,6 @@ def _gain_terms(x, old, new):
     return t_new - t_old
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return _sm_count_cached(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count_cached(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 #: the most programs a span's columns are split over (H200, 4096 tokens: 7.6 us per step at 64, 9.1 at 32, 7.7 at
 #: 128; 1024 tokens: 4.2 us at 64; `benchmarks/greedy_kernels.py`)
 MAX_SPLITS = 64
@@ -319,7 +309,7 @@ def coverage_plan(n: int, batch: int, device: torch.device, splits: int | None =
     programs per span, programs of all spans within the SM count (they must be resident together for the per-step
     barrier). `splits` forces a split count."""
     if splits is None:
-        sms = _sm_count(device)
+        sms = sm_count(device)
         block_c = 16
         while block_c < 1024 and (triton.cdiv(n, block_c) * batch > sms or triton.cdiv(n, block_c) > MAX_SPLITS):
             block_c *= 2

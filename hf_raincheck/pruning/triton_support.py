@@ -36,3 +36,15 @@ def triton_enabled(device: torch.device | str) -> bool:
         return False
     device = torch.device(device)
     return device.type == "cuda" or (device.type == "cpu" and interpreted())
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA `device` (1 elsewhere: Triton's interpreter runs programs in turn)."""
+    if device.type != "cuda":
+        return 1
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
