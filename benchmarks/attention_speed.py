@@ -14,8 +14,6 @@ warm-up, CUDA events):
 * ``grouped_fp32``: the same with fp32 scores, for reference;
 * ``grouped_blocked``: the grouped path with its two-level softmax over blocks of 256 keys
   (``HF_RAINCHECK_GROUPED_SOFTMAX_BLOCK=256``);
-* ``grouped_kernel`` (CUDA with Triton): the grouped attention as one split-key Triton kernel pair
-  (`hf_raincheck.attention.grouped_triton`; opt-in in the package, ``HF_RAINCHECK_GROUPED_KERNEL=triton``);
 * ``grouped_torch_softmax``: the grouped path with its torch softmax instead of the Triton kernel
   (`hf_raincheck.attention.softmax_triton`; the same as ``grouped`` where Triton does not run);
 * ``flash`` (when flash_attn is installed): the flash backend's kernel over the k keys (``attn_backend="flash"``
@@ -92,12 +90,6 @@ def grouped_torch_softmax(query, key, value, visible, scaling):
 
 PATHS = {"sdpa": sdpa_masked, "grouped": grouped_attention, "grouped_fp32": grouped_fp32,
          "grouped_blocked": grouped_blocked, "grouped_torch_softmax": grouped_torch_softmax}
-try:  # the split-key kernel pair (opt-in in the package: HF_RAINCHECK_GROUPED_KERNEL=triton); needs Triton
-    from hf_raincheck.attention.grouped_triton import grouped_attention_triton
-except ImportError:
-    grouped_attention_triton = None
-if grouped_attention_triton is not None and torch.cuda.is_available():
-    PATHS["grouped_kernel"] = grouped_attention_triton
 if flash.available():
     PATHS.update(flash=flash_contiguous, flash_gathered=flash_gathered)
 

@@ -20,6 +20,13 @@ the right content: the read-out forms first, then the lookup, as the share of su
 ``--curriculum-steps``. With it, held-out accuracy rose from ~12% to ~80% in the same time. Cell names
 (``C5``) are single tokens of the tokenizer, so that a lookup needs no composition of two tokens.
 
+Later attempts (``benchmarks/results/gridqa_training_runs.json``, README "GridQA"): ``--loss answer`` (every answer
+weighs the same), ``--kind-weights`` (the failing kinds asked more often in training), batch 64 and sparse random
+grids first (``--p-empty-start``) taught one Qwen3-VL run colour counts (count 95%) and one Qwen3.5 run the
+same-colour comparisons (100%), but "where is the X?" stayed at the share of "nowhere" in all of them, also when
+trained alone; a linear probe reads every cell's position and content from the visual tokens
+(``benchmarks/gridqa_probe.py``), so the missing piece is the content-addressed lookup itself.
+
 Full-image inputs only: the model never sees pruning. Loss: cross-entropy on the assistant tokens (each answer and
 the ``<|im_end|>`` that closes it) of whole 3-4 turn dialogues, one image each (``hf_raincheck.gridqa.task``,
 split ``"train"``, dialogue ``step * batch + i`` at step ``step``: the data order is fixed by the arguments).
@@ -72,7 +79,8 @@ class TrainBatches(torch.utils.data.Dataset):
     """Batch ``step``: train dialogues ``[step * batch, (step + 1) * batch)`` as numpy arrays."""
 
     def __init__(self, tokenizer, batch: int, length: int = 10**8, allowed=None, turns=None,
-                 p_empty_start: float = task.P_EMPTY, curriculum_steps: int = 0, structured: float = 0.0):
+                 p_empty_start: float = task.P_EMPTY, curriculum_steps: int = 0, structured: float = 0.0,
+                 weights: dict | None = None):
         self.encoder = batching.DialogueEncoder(tokenizer)
         self.batch = batch
         self.length = length
@@ -81,6 +89,7 @@ class TrainBatches(torch.utils.data.Dataset):
         self.p_empty_start = p_empty_start
         self.curriculum_steps = curriculum_steps
         self.structured = structured
+        self.weights = weights
 
     def __len__(self):
         return self.length
@@ -106,13 +115,28 @@ class TrainBatches(torch.utils.data.Dataset):
     def __getitem__(self, step):
         p_empty = self.p_empty(step)
         ds = [task.make_dialogue(step * self.batch + i, "train", num_turns=self.turns, allowed=self.allowed,
-                                 p_empty=p_empty, structure=st) for i, st in enumerate(self.structures(step))]
+                                 p_empty=p_empty if st == "random" else task.P_EMPTY, structure=st,
+                                 weights=self.weights)
+              for i, st in enumerate(self.structures(step))]
         ids, labels = self.encoder.batch(ds)
         cells = np.stack([d.cells for d in ds])
         return ids, labels, cells
 
 
-def loss_and_hits(model, atlas, ids, labels, cells, device):
+def answer_weights(labels: torch.Tensor) -> torch.Tensor:
+    """Per target token (``labels[:, 1:]`` true), ``1 / (tokens of its answer)``, scaled so the weights average 1:
+    every answer weighs the same in the loss, whatever its length (a two-token "E8" as much as a 40-token
+    listing)."""
+    mask = labels[:, 1:]
+    starts = mask & ~torch.nn.functional.pad(mask[:, :-1], (1, 0))
+    run = torch.cumsum(starts.reshape(-1).long(), 0).reshape(mask.shape) - 1  # answer id of each position
+    run = run[mask]
+    length = torch.bincount(run)
+    w = 1.0 / length[run].float()
+    return w * (w.numel() / w.sum())
+
+
+def loss_and_hits(model, atlas, ids, labels, cells, device, loss_weighting: str = "token"):
     ids = torch.as_tensor(ids, device=device)
     labels = torch.as_tensor(labels, device=device)
     pixel_values, grid = atlas(cells)
@@ -122,7 +146,11 @@ def loss_and_hits(model, atlas, ids, labels, cells, device):
     target_mask = labels[:, 1:]
     logits = model.lm_head(hidden[:, :-1][target_mask]).float()
     targets = ids[:, 1:][target_mask]
-    loss = torch.nn.functional.cross_entropy(logits, targets)
+    if loss_weighting == "answer":
+        per_token = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+        loss = (per_token * answer_weights(labels)).mean()
+    else:
+        loss = torch.nn.functional.cross_entropy(logits, targets)
     return loss, logits.argmax(-1) == targets, target_mask
 
 
@@ -235,6 +263,23 @@ def eval_only(args):
     return 0
 
 
+def parse_kind_weights(parser, text):
+    if not text:
+        return None
+    weights = {}
+    for part in text.split(","):
+        kind, _, value = part.partition("=")
+        try:
+            weights[kind.strip()] = float(value)
+        except ValueError:
+            parser.error(f"--kind-weights: expected KIND=NUMBER pairs separated by commas, got {part!r}")
+    try:
+        task.check_question_weights(weights)
+    except ValueError as e:
+        parser.error(f"--kind-weights: {e}")
+    return weights
+
+
 def lr_at(step, total, warmup, peak):
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -262,8 +307,9 @@ def main(argv=None):
     parser.add_argument("--position-code-std", type=float, default=1.0,
                         help="std of the separable init of the vision position table (0: transformers' init)")
     parser.add_argument("--p-empty-start", type=float, default=task.P_EMPTY,
-                        help="curriculum: share of empty cells at step 0 (sparse grids first), falling linearly to "
-                             f"the task's {task.P_EMPTY} over --curriculum-steps")
+                        help="curriculum: share of empty cells of the random (unstructured) grids at step 0 (sparse "
+                             f"grids first: a few objects to find), falling linearly to the task's {task.P_EMPTY} "
+                             "over --curriculum-steps; structured grids keep the task's")
     parser.add_argument("--curriculum-steps", type=int, default=1500, help="0: no curriculum")
     parser.add_argument("--structured", type=float, default=1.0,
                         help="curriculum: share of structured grids (uniform / one cell per row / per column) at "
@@ -272,6 +318,11 @@ def main(argv=None):
                         "checkpoint config's)")
     parser.add_argument("--kinds", default=None, help="comma-separated question kinds to train on (default: all)")
     parser.add_argument("--turns", type=int, default=None, help="turns per training dialogue (default: 3 or 4)")
+    parser.add_argument("--kind-weights", default=None, metavar="KIND=W,...",
+                        help="training's sampling weights of question kinds, replacing task.QUESTION_WEIGHTS for the "
+                             "kinds named (e.g. count=0.25,find=0.3); evaluation keeps the task's")
+    parser.add_argument("--loss", choices=("token", "answer"), default="token",
+                        help="token: mean over answer tokens; answer: every answer weighs the same")
     parser.add_argument("--eval-batch", type=int, default=128)
     parser.add_argument("--eval-only", default=None, metavar="CKPT",
                         help="only run the greedy held-out eval of a saved checkpoint and update its stats")
@@ -294,8 +345,10 @@ def main(argv=None):
     tokenizer = checkpoint.build_tokenizer()
     processor = checkpoint.build_processor(tokenizer)
     allowed = args.kinds.split(",") if args.kinds else None
+    weights = parse_kind_weights(parser, args.kind_weights)
     data = TrainBatches(tokenizer, args.batch, allowed=allowed, turns=args.turns, p_empty_start=args.p_empty_start,
-                        curriculum_steps=args.curriculum_steps, structured=args.structured)
+                        curriculum_steps=args.curriculum_steps, structured=args.structured,
+                        weights=weights)
     loader = torch.utils.data.DataLoader(
         data, batch_size=None, shuffle=False, num_workers=args.workers, prefetch_factor=4 if args.workers else None,
         persistent_workers=False,
@@ -342,7 +395,7 @@ def main(argv=None):
             group["lr"] = lr
         ids, labels, cells = next(batches)
         with batching.batched_vision_attention(model):
-            loss, hits, _ = loss_and_hits(model, atlas, ids, labels, cells, device)
+            loss, hits, _ = loss_and_hits(model, atlas, ids, labels, cells, device, args.loss)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -383,6 +436,8 @@ def main(argv=None):
         "batch_dialogues": args.batch,
         "dialogues_seen": step * args.batch,
         "lr": args.lr,
+        "loss_weighting": args.loss,
+        "kind_weights": weights,
         "seed": args.seed,
         "parameters": n_params,
         "train_wall_s": round(train_s, 1),

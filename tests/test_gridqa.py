@@ -1,6 +1,6 @@
 """GridQA: the task generator, the tokenizer / processor / checkpoint plumbing and the fast training batches.
 
-The shipped trained checkpoints get their test (held-out accuracy) when they land (issue 7; none trained yet)."""
+The shipped trained checkpoints are tested in ``test_gridqa_checkpoint.py``."""
 
 from __future__ import annotations
 
@@ -40,6 +40,39 @@ def test_dialogues_are_deterministic_and_splits_differ():
     assert not np.array_equal(task.make_dialogue(7, "train").cells, a.cells)
     with pytest.raises(ValueError):
         task.make_dialogue(0, "validation")
+
+
+def test_training_kind_weights_change_only_the_kinds_asked():
+    same = [task.make_dialogue(i, "train", weights=dict(task.QUESTION_WEIGHTS)) for i in range(20)]
+    plain = [task.make_dialogue(i, "train") for i in range(20)]
+    assert [[t.__dict__ for t in d.turns] for d in same] == [[t.__dict__ for t in d.turns] for d in plain]
+    only_find = [task.make_dialogue(i, "train", weights={k: 0.0 for k in task.QUESTION_WEIGHTS} | {"find": 1.0})
+                 for i in range(20)]
+    assert {t.kind for d in only_find for t in d.turns} == {"find"}
+    assert all(np.array_equal(a.cells, b.cells) for a, b in zip(only_find, plain))  # the grids do not change
+    with pytest.raises(ValueError, match=r"weights: unknown question kinds \['where'\]"):
+        task.make_dialogue(0, "train", weights={"where": 1.0})
+    with pytest.raises(ValueError, match="weights: every weight must be a number >= 0"):
+        task.make_dialogue(0, "train", weights={"find": -1.0})
+    with pytest.raises(ValueError, match="no question kind left"):
+        task.make_dialogue(0, "train", weights={k: 0.0 for k in task.QUESTION_WEIGHTS})
+
+
+def test_answer_weighted_loss_weighs_every_answer_the_same(monkeypatch):
+    import importlib
+    import os
+    import sys
+
+    monkeypatch.setenv("GRIDQA_ALLOW_FLA", "1")  # importing the script must not hide fla from this process
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    train = importlib.import_module("train_gridqa")
+    labels = torch.tensor([[0, 1, 1, 1, 0, 1, 0, 0],   # targets are labels[:, 1:]: answers of 3 and 1 tokens
+                           [0, 0, 0, 1, 1, 0, 0, 1]], dtype=torch.bool)  # 2 and 1 tokens, the last one at the end
+    w = train.answer_weights(labels)
+    assert w.shape == (int(labels[:, 1:].sum()),)
+    raw = torch.tensor([1 / 3, 1 / 3, 1 / 3, 1.0, 1 / 2, 1 / 2, 1.0])
+    torch.testing.assert_close(w, raw * (raw.numel() / raw.sum()))
+    assert "fla" not in sys.modules or sys.modules["fla"] is not None
 
 
 def test_answers_follow_from_the_grid():

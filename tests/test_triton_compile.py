@@ -30,9 +30,6 @@ ATTENTION_ARGS = {"Q": "*bf16", "K": "*bf16", "SEG_START": "*i32", "SEG_STOP": "
                   "OUT": "*fp32", "qk_scale": "fp32"}
 PREPARE_ARGS = {"cover_ptr": "*fp32", "scales_ptr": "*fp32", "cover_t_ptr": "*fp32", "gain_ptr": "*i64"}
 SOFTMAX_ARGS = {"scores_ptr": "*bf16", "visible_ptr": "*i1", "out_ptr": "*bf16"}
-GROUPED_ARGS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "vis_ptr": "*i1", "acc_ptr": "*fp32",
-                "max_ptr": "*fp32", "sum_ptr": "*fp32", "scaling": "fp32"}
-COMBINE_ARGS = {"acc_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32", "out_ptr": "*bf16"}
 DIVPRUNE_ARGS = {"sim_ptr": "*fp32", "nearest_ptr": "*fp32", "order_ptr": "*i64"}
 #: MMTok at 4096 tokens (`coverage_plan`: 64 programs of 64 columns, 8 warps; 24 question rows -> 32)
 MMTOK_4096 = dict(SPLITS=64, SPLITS_P2=64, BLOCK_C=64, BLOCK_M=32, BLOCK_N=4096, TILE_R=64, SPIN=1 << 22,
@@ -68,7 +65,7 @@ def ptxas_report(compiled, tmp_path) -> str:
 
 
 def kernels():
-    from hf_raincheck.attention import grouped_triton, softmax_triton
+    from hf_raincheck.attention import softmax_triton
     from hf_raincheck.pruning import attention_triton, greedy_triton
 
     cases = {
@@ -83,16 +80,6 @@ def kernels():
                                  dict(BLOCK_K=8192, ONE_PASS=True), 16),
         "grouped-softmax-long": (softmax_triton._masked_softmax_kernel, SOFTMAX_ARGS,
                                  dict(BLOCK_K=2048, ONE_PASS=False), 4),
-        # the split-key grouped attention at a fused step of 32 rows: Qwen3-VL-8B and Qwen3.5-9B layers
-        "grouped-attention-qwen3-vl": (grouped_triton._partial_kernel, GROUPED_ARGS,
-                                       dict(KV_HEADS=8, G=4, Q=32, D=128, BLOCK_R=128, BLOCK_D=128, BLOCK_N=32,
-                                            SPLITS=35, IEEE=False), 8),
-        "grouped-attention-qwen3_5": (grouped_triton._partial_kernel, GROUPED_ARGS,
-                                      dict(KV_HEADS=4, G=4, Q=32, D=256, BLOCK_R=128, BLOCK_D=256, BLOCK_N=32,
-                                           SPLITS=69, IEEE=False), 8),
-        "grouped-attention-combine": (grouped_triton._combine_kernel, COMBINE_ARGS,
-                                      dict(KV_HEADS=8, G=4, Q=32, D=128, BLOCK_R=128, BLOCK_D=128, TILE_R=32,
-                                           SPLITS=35), 4),
     }
     for kind in ("lse", "received"):
         block_m, block_n, warps, stages = attention_triton.CONFIGS[(kind, "16bit")]
@@ -112,8 +99,7 @@ def compile_case(case: str, tmp_path) -> str:
 
 @pytest.mark.parametrize("case", ["mmtok-4096", "mmtok-4096-phases", "mmtok-video", "mmtok-prepare",
                                   "divprune-4096", "grouped-softmax-4352",
-                                  "grouped-softmax-long", "grouped-attention-qwen3-vl", "grouped-attention-qwen3_5",
-                                  "grouped-attention-combine", "attention-lse", "attention-received"])
+                                  "grouped-softmax-long", "attention-lse", "attention-received"])
 def test_kernel_compiles_for_hopper(case, tmp_path):
     if os.environ.get("TRITON_INTERPRET") == "1":  # the kernels are interpreted functions here: compile elsewhere
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -8,8 +8,9 @@ a one-row decode call. Measured per call on the H200 (bf16, as a replayed CUDA g
 128) SDPA 98.4 us, grouped 36.2 us; Qwen3.5-9B layer (16 / 4, dim 256) 234.6 us against 31.5 us. One row stays on
 SDPA (13 us against 16). ``HF_RAINCHECK_GROUPED_ROWS`` sets the largest row count that takes the grouped path
 (default 64; 0 turns it off). Where Triton runs, the grouped path's masked softmax is one kernel
-(`softmax_triton`: 30.9 instead of 44.3 us per Qwen3-VL-8B call at 32 rows, same run); the whole path as one
-split-key kernel pair (`grouped_triton`) is opt-in, ``HF_RAINCHECK_GROUPED_KERNEL=triton``, until timed.
+(`softmax_triton`: 30.9 instead of 44.3 us per Qwen3-VL-8B call at 32 rows, same run). Tried and removed: the
+whole path as one split-key Triton kernel pair (flash-decoding style), slower on the H200 (Qwen3-VL-8B 37.9 vs 30.7
+us at 32 rows, Qwen3.5-9B 72.7 vs 24.0; no config fit Qwen3.5's 64 rows in shared memory).
 """
 
 from __future__ import annotations
@@ -32,11 +33,6 @@ if os.environ.get("HF_RAINCHECK_TRITON", "1") != "0" and triton_importable():
     except Exception:  # a Triton too old for `torch.library.triton_op`'s needs, or a broken install: torch softmax
         _masked_softmax = None
 _SOFTMAX_KERNEL_ON_CPU = interpreted()  # Triton's interpreter (tests): the kernels run on CPU tensors too
-# ``HF_RAINCHECK_GROUPED_KERNEL=triton`` (at import): the whole grouped attention as one split-key Triton kernel
-# pair (`grouped_triton`; tested against the reference, not yet timed on a GPU, hence opt-in)
-_grouped_kernel = None
-if _masked_softmax is not None and os.environ.get("HF_RAINCHECK_GROUPED_KERNEL", "") == "triton":
-    from .grouped_triton import grouped_attention_triton as _grouped_kernel
 
 
 def _softmax_kernel_runs(device: torch.device) -> bool:
@@ -65,8 +61,6 @@ def grouped_attention(
     `GROUPED_SOFTMAX_BLOCK` (None: that default).
     """
     block = GROUPED_SOFTMAX_BLOCK if softmax_block is None else softmax_block
-    if _grouped_kernel is not None and not block and _softmax_kernel_runs(query.device):
-        return _grouped_kernel(query, key, value, visible, scaling)
     b, hq, q, d = query.shape
     hkv, k = key.shape[1], key.shape[2]
     g = hq // hkv

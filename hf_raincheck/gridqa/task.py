@@ -388,23 +388,29 @@ _MAKERS = {"cell": _q_cell, "row": _q_row, "column": _q_column, "count": _q_coun
 
 
 def make_dialogue(index: int, split: str = "test", num_turns: int | None = None, kinds=None,
-                  allowed=None, p_empty: float = P_EMPTY, structure: str = "random") -> Dialogue:
+                  allowed=None, p_empty: float = P_EMPTY, structure: str = "random",
+                  weights: dict | None = None) -> Dialogue:
     """Dialogue ``index`` of ``split`` (deterministic). ``num_turns``: 3 or 4 at random unless given.
 
     ``kinds``: optional sequence of question kinds, one per turn (else drawn with :data:`QUESTION_WEIGHTS`);
     ``allowed``: optional subset of the kinds to draw from; ``p_empty``: the share of empty cells (training's
-    curriculum starts with sparse grids; evaluation always uses the default); ``structure``: see :func:`sample_cells`.
+    curriculum starts with sparse grids; evaluation always uses the default); ``structure``: see :func:`sample_cells`;
+    ``weights``: sampling weights of the question kinds, replacing :data:`QUESTION_WEIGHTS` (training may ask the
+    hard kinds more often; evaluation always uses the default).
     """
     if not 0.0 <= p_empty < 1.0:
         raise ValueError(f"p_empty must be in [0, 1), got {p_empty!r}")
+    table = QUESTION_WEIGHTS if weights is None else check_question_weights(weights)
     rng = _rng(index, split)
     cells = sample_cells(rng, p_empty, structure)
     n = int(num_turns) if num_turns is not None else int(rng.integers(3, 5))
     if kinds is not None:
         kinds = list(kinds)
         n = len(kinds)
-    names = [k for k in QUESTION_WEIGHTS if allowed is None or k in allowed]
-    weights = np.array([QUESTION_WEIGHTS[k] for k in names])
+    names = [k for k in QUESTION_WEIGHTS if (allowed is None or k in allowed) and table.get(k, 0.0) > 0]
+    if not names:
+        raise ValueError(f"no question kind left to ask: allowed={allowed!r}, weights={weights!r}")
+    weights = np.array([table[k] for k in names], dtype=float)
     weights = weights / weights.sum()
     dialogue = Dialogue(index=int(index), split=split, cells=cells)
     used_r: set[int] = set()
@@ -423,6 +429,16 @@ def make_dialogue(index: int, split: str = "test", num_turns: int | None = None,
         used_r.update(turn.rows)
         used_c.update(turn.cols)
     return dialogue
+
+
+def check_question_weights(weights: dict) -> dict:
+    unknown = sorted(set(weights) - set(QUESTION_WEIGHTS))
+    if unknown:
+        raise ValueError(f"weights: unknown question kinds {unknown}; allowed: {list(QUESTION_WEIGHTS)}")
+    bad = {k: v for k, v in weights.items() if not (isinstance(v, (int, float)) and v >= 0)}
+    if bad:
+        raise ValueError(f"weights: every weight must be a number >= 0, got {bad}")
+    return {**QUESTION_WEIGHTS, **weights}
 
 
 def dialogues(split: str, start: int, count: int, **kwargs) -> list[Dialogue]:
