@@ -109,11 +109,47 @@ def test_answers_follow_from_the_grid():
                 where = [f"{task.ROW_NAMES[r]}{c + 1}" for r in range(8) for c in range(8)
                          if task.describe(int(d.cells[r, c])) == obj]
                 assert t.answer == (where[0] if len(where) == 1 else "nowhere") and len(where) <= 1
+            elif t.kind == "search":
+                _check_search(d, t)
             # a row question targets a row no earlier turn targeted (the generator's region rule)
             if t.kind in ("row", "cell") or (t.kind == "count" and "row" in t.question):
                 assert not (set(t.rows) & rows_seen)
             rows_seen.update(t.rows)
-    assert kinds == set(task.QUESTION_KINDS)
+    assert kinds == set(task.QUESTION_KINDS) - {"search"}  # not in the default mix
+
+
+def _check_search(d, t):
+    line, obj = re.fullmatch(r"where in (row [A-H]|column [1-8]) is the (.+)\?", t.question).groups()
+    names = ([f"{line[-1]}{c + 1}" for c in range(8)] if line.startswith("row")
+             else [f"{r}{line[-1]}" for r in task.ROW_NAMES])
+    holds = [n for n in names if task.describe(_content(d.cells, n)) == obj]
+    assert len(holds) <= 1 and obj != "empty"
+    scan = ", ".join(f"{n} {'yes' if n in holds else 'no'}" for n in names)
+    assert t.answer == f"{scan}, so {holds[0] if holds else 'nowhere'}"
+    assert t.cells == tuple((task.ROW_NAMES.index(n[0]), int(n[1]) - 1) for n in names)
+
+
+def test_search_is_a_scan_of_one_line_and_only_asked_when_weighted(tokenizer):
+    weights = {"search": 1.0} | {k: 0.0 for k in task.QUESTION_WEIGHTS if k != "search"}
+    turns = []
+    for i in range(200):
+        d = task.make_dialogue(i, "train", weights=weights)
+        rows_seen, cols_seen = set(), set()
+        for t in d.turns:
+            assert t.kind == "search"
+            _check_search(d, t)
+            # each turn scans a line no earlier turn of the dialogue scanned (while there are free ones)
+            assert not (set(t.rows) & rows_seen) and not (set(t.cols) & cols_seen)
+            rows_seen.update(t.rows)
+            cols_seen.update(t.cols)
+            turns.append(t)
+    nowhere = sum(t.answer.endswith("so nowhere") for t in turns) / len(turns)
+    assert 0.1 < nowhere < 0.3  # 15% asked about an absent object, plus lines without a unique one
+    assert {t.question.split()[2] for t in turns} == {"row", "column"}
+    for t in turns[:50]:  # every word of the kind is one token of the task's tokenizer
+        for text in (t.question, t.answer):
+            _assert_one_token_per_word(tokenizer, text)
+    assert not any(t.kind == "search" for d in task.dialogues("test", 0, 300) for t in d.turns)
 
 
 def test_image_is_one_token_per_cell(processor):
@@ -140,18 +176,22 @@ def test_answers_compare_loosely():
 # ------------------------------------------------------------------------------------------------------------------
 
 
+def _assert_one_token_per_word(tokenizer, text):
+    pieces = tokenizer.tokenize(text)
+    # a word or a cell name -> one token; a digit or a cell name after a space -> "Ġ" + it (Qwen's pre-tokenizer
+    # splits the space off digits; cell names are added tokens)
+    words = re.findall(r"[A-H]\d|\b[A-H]\b|\d|[a-z]+|[,.?]", text)
+    names = re.findall(r"[A-H]\d", text)
+    assert all(name in pieces for name in names), (text, pieces)
+    assert len([p for p in pieces if p != "Ġ"]) == len(words), (text, pieces)
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
 def test_every_task_word_is_one_token(tokenizer):
     for d in task.dialogues("test", 0, 40):
         for t in d.turns:
             for text in (t.question, t.answer):
-                pieces = tokenizer.tokenize(text)
-                # a word or a cell name -> one token; a digit or a cell name after a space -> "Ġ" + it (Qwen's
-                # pre-tokenizer splits the space off digits; cell names are added tokens)
-                words = re.findall(r"[A-H]\d|\b[A-H]\b|\d|[a-z]+|[,.?]", text)
-                names = re.findall(r"[A-H]\d", text)
-                assert all(name in pieces for name in names), (text, pieces)
-                assert len([p for p in pieces if p != "Ġ"]) == len(words), (text, pieces)
-                assert tokenizer.decode(tokenizer.encode(text)) == text
+                _assert_one_token_per_word(tokenizer, text)
     ids = tokenizer.convert_tokens_to_ids(list(checkpoint.SPECIAL_TOKENS))
     assert ids == list(range(ids[0], ids[0] + len(ids)))
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"

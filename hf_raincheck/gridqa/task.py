@@ -25,6 +25,9 @@ kind           question                                       answer
 ``larger``     which number is larger, B3 or F1?              B3 3, F1 8, so F1
 ``colour``     do A2 and D4 have the same colour?             A2 red, D4 red, so yes
 ``find``       where is the green triangle?                   E8  /  nowhere
+``search``     where in row F is the orange 3?               F1 no, F2 no, F3 no, F4 yes, F5 no, ..., F8 no, so F4
+               (a row or a column, scanned cell by cell;     (``so nowhere`` when no cell of the line holds it)
+               not in the default mix: a training option)
 =============  =============================================  ======================================================
 
 Every answer names a cell right before saying what is in it, and listings and counts (long answers, 35-45 tokens)
@@ -75,9 +78,14 @@ NUM_CELL_IDS = 1 + NUM_OBJECTS
 
 P_EMPTY, P_SHAPE = 0.3, 0.4  #: cell distribution: empty 30%, shape 40%, digit 30%
 
-QUESTION_KINDS = ("cell", "row", "column", "count", "larger", "colour", "find")
-#: Sampling weights of the question kinds (before the region constraints).
-QUESTION_WEIGHTS = {"cell": 0.18, "row": 0.16, "column": 0.12, "count": 0.16, "larger": 0.1, "colour": 0.1, "find": 0.18}
+QUESTION_KINDS = ("cell", "row", "column", "count", "larger", "colour", "find", "search")
+#: Sampling weights of the question kinds (before the region constraints). ``search`` (weight 0: never drawn unless
+#: a training run's ``weights=`` asks for it; the default mix, and so every split's dialogues, stay as they were) is
+#: ``find`` restricted to one line and answered as a scan, the way counts are: each step reads one named cell and
+#: compares it with the question's object, which the shipped models learn, where ``find``'s jump from the object
+#: to its cell's name they do not (README, "GridQA").
+QUESTION_WEIGHTS = {"cell": 0.18, "row": 0.16, "column": 0.12, "count": 0.16, "larger": 0.1, "colour": 0.1, "find": 0.18,
+                    "search": 0.0}
 
 SPLITS = {"train": 0, "test": 1, "demo": 2}
 
@@ -383,8 +391,32 @@ def _q_find(rng, cells, used_r, used_c) -> Turn:
     return Turn("find", f"where is the {describe(int(cells[r, c]))}?", _pos(r, c), (r,), (c,), ((r, c),))
 
 
+def _q_search(rng, cells, used_r, used_c) -> Turn:
+    axis = "row" if rng.random() < 0.6 else "column"
+    if axis == "row":
+        r = _free(used_r, rng)
+        line = tuple((r, c) for c in range(GRID))
+        rows, cols, where = (r,), (), f"row {ROW_NAMES[r]}"
+    else:
+        c = _free(used_c, rng)
+        line = tuple((r, c) for r in range(GRID))
+        rows, cols, where = (), (c,), f"column {c + 1}"
+    ids = [int(cells[p]) for p in line]
+    present = [i for i in ids if i]
+    unique = [p for p, i in zip(line, ids) if i and present.count(i) == 1]
+    if rng.random() < 0.15 or not unique:
+        hit = None
+        target = _pick(rng, [cid for cid in range(1, NUM_CELL_IDS) if cid not in present])
+    else:
+        hit = unique[int(rng.integers(0, len(unique)))]
+        target = int(cells[hit])
+    scan = ", ".join(f"{_pos(*p)} {'yes' if p == hit else 'no'}" for p in line)
+    answer = f"{scan}, so {_pos(*hit) if hit is not None else 'nowhere'}"
+    return Turn("search", f"where in {where} is the {describe(target)}?", answer, rows, cols, line)
+
+
 _MAKERS = {"cell": _q_cell, "row": _q_row, "column": _q_column, "count": _q_count, "larger": _q_larger,
-           "colour": _q_colour, "find": _q_find}
+           "colour": _q_colour, "find": _q_find, "search": _q_search}
 
 
 def make_dialogue(index: int, split: str = "test", num_turns: int | None = None, kinds=None,
@@ -432,6 +464,8 @@ def make_dialogue(index: int, split: str = "test", num_turns: int | None = None,
 
 
 def check_question_weights(weights: dict) -> dict:
+    """`QUESTION_WEIGHTS` with the kinds named in `weights` replaced; a clear error for unknown kinds or weights
+    that are not numbers >= 0."""
     unknown = sorted(set(weights) - set(QUESTION_WEIGHTS))
     if unknown:
         raise ValueError(f"weights: unknown question kinds {unknown}; allowed: {list(QUESTION_WEIGHTS)}")
