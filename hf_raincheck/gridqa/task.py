@@ -304,6 +304,16 @@ def _q_column(rng, cells, used_r, used_c) -> Turn:
     return Turn("column", f"list column {c + 1}.", _listing(cells, line), (), (c,), line)
 
 
+def _free_line(axis: str, rng, used_r, used_c):
+    """A row or column (`axis`) no earlier turn targeted (while there is one): ``(cells of the line, rows, cols,
+    its name in a question)``."""
+    if axis == "row":
+        r = _free(used_r, rng)
+        return tuple((r, c) for c in range(GRID)), (r,), (), f"row {ROW_NAMES[r]}"
+    c = _free(used_c, rng)
+    return tuple((r, c) for r in range(GRID)), (), (c,), f"column {c + 1}"
+
+
 def _q_count(rng, cells, used_r, used_c) -> Turn:
     axis = "row" if rng.random() < 0.6 else "column"
     what = int(rng.integers(0, 3))  # 0 colour, 1 shape, 2 digits
@@ -315,14 +325,7 @@ def _q_count(rng, cells, used_r, used_c) -> Turn:
         label, match = SHAPE_PLURALS[shape], lambda cid: cid != 0 and cell_content(cid)[1] == shape
     else:
         label, match = "digits", lambda cid: cid != 0 and cell_content(cid)[1] in DIGITS
-    if axis == "row":
-        r = _free(used_r, rng)
-        line = tuple((r, c) for c in range(GRID))
-        rows, cols, where = (r,), (), f"row {ROW_NAMES[r]}"
-    else:
-        c = _free(used_c, rng)
-        line = tuple((r, c) for r in range(GRID))
-        rows, cols, where = (), (c,), f"column {c + 1}"
+    line, rows, cols, where = _free_line(axis, rng, used_r, used_c)
     n = 0
     parts = []
     for r, c in line:  # a running count, cell by cell: every step is local (read one cell, add)
@@ -393,14 +396,7 @@ def _q_find(rng, cells, used_r, used_c) -> Turn:
 
 def _q_search(rng, cells, used_r, used_c) -> Turn:
     axis = "row" if rng.random() < 0.6 else "column"
-    if axis == "row":
-        r = _free(used_r, rng)
-        line = tuple((r, c) for c in range(GRID))
-        rows, cols, where = (r,), (), f"row {ROW_NAMES[r]}"
-    else:
-        c = _free(used_c, rng)
-        line = tuple((r, c) for r in range(GRID))
-        rows, cols, where = (), (c,), f"column {c + 1}"
+    line, rows, cols, where = _free_line(axis, rng, used_r, used_c)
     ids = [int(cells[p]) for p in line]
     present = [i for i in ids if i]
     unique = [p for p, i in zip(line, ids) if i and present.count(i) == 1]
