@@ -40,9 +40,9 @@ and goes on. After a refresh every rank is exact, so the next step certifies: ea
 synchronisation inside a step; on CUDA the chunk (and the refresh) are CUDA graphs. Where Triton runs
 (`kernel_runs`: CUDA), the whole full greedy is one kernel instead, after one preparation pass over the matrix
 (`hf_raincheck.pruning.greedy_triton`: the scaled transpose and the initial gains; then gains kept incrementally
-over the rows each pick changes, the same fixed-point arithmetic, so the same picks), for spans of every size. ``k = 64``: the measured
-fallbacks on covers of this shape were a few per span (1 at n = 1024, ~2-7 at n = 4096, b = 0.3 n; smaller k
-costs more fallbacks, larger k more work per step).
+over the rows each pick changes, the same fixed-point arithmetic, so the same picks), for spans of every size.
+``k = 64``: the measured fallbacks on covers of this shape were a few per span (1 at n = 1024, ~2-7 at n = 4096,
+b = 0.3 n; smaller k costs more fallbacks, larger k more work per step).
 
 Exactness of the gains: floating-point sums depend on the reduction order, which PyTorch chooses by shape (on CPU
 a column of ``[B, R, 37]`` and the same column gathered into ``[B, R, 16]`` sum to different bits), so the
@@ -62,7 +62,6 @@ plus ``O(R n)`` per refresh (once at the start, once per fallback).
 """
 
 from __future__ import annotations
-
 
 import torch
 
