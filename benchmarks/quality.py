@@ -4,6 +4,19 @@
     python benchmarks/quality.py --arch qwen3_vl --dialogues 500 --jobs 16   # the whole grid (many cores)
     python benchmarks/quality.py --selectors mmtok uniform --retentions 0.3 --chunks 7 31 --dialogues 100
 
+One grid in pieces (several machines, runs that a timeout may kill), summarised once:
+
+    timeout 600 python benchmarks/quality.py --dialogues 250 --jobs 64 --save-results a.jsonl       # machine A
+    python benchmarks/quality.py --start 250 --dialogues 250 --jobs 16 --save-results b.jsonl        # machine B
+    timeout 600 python benchmarks/quality.py --dialogues 250 --jobs 64 --save-results a.jsonl   # killed? resumes
+    python benchmarks/quality.py --merge a.jsonl b.jsonl --out benchmarks/results/quality.json
+
+``--save-results PATH`` appends every finished dialogue's results to a JSON-lines file (after a header line with the
+arch, model, grid and versions) as soon as it finishes; when PATH exists, it must hold the same configuration, and its
+dialogues are skipped. ``--merge PATH ...`` runs no model: it checks that the files' headers agree (arch, model, grid,
+guard tokens, completion, max new tokens), takes the union of their dialogues and writes the same summary as one run
+(``meta``: ``parts``, ``indices``, ``cpu_s`` the summed run time, ``wall_s`` null).
+
 Every dialogue (``hf_raincheck.gridqa`` split ``"test"``, indices ``--start`` ..) is played as a real chat: turn 1
 through the processor's chat template, later turns through ``next_turn_inputs`` on the returned cache, with the
 model's own earlier answers in the history. Policies:
@@ -121,6 +134,10 @@ _WORKER = {}
 
 
 def _load(args):
+    if not str(args.device).startswith("cuda") and "transformers.models.qwen3_5" not in sys.modules:
+        # transformers' Qwen3.5 GDN layers call fla-core's Triton kernels whenever fla imports, also on CPU tensors
+        # (they fail there: no active Triton driver); a CPU run on a machine that has fla takes the torch path
+        sys.modules.setdefault("fla", None)
     from hf_raincheck import enable_raincheck
     from hf_raincheck.gridqa import load_default
 
@@ -284,76 +301,201 @@ def markdown(records, arch):
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# results files: --save-results (append, resume) and --merge
+# ------------------------------------------------------------------------------------------------------------------
+
+# what the parts of one grid must share to be summarised together (the grid covers selectors, retentions, chunks and
+# causal_*); torch / transformers / device may differ between machines (a merge reports every value)
+MATCH_FIELDS = ("arch", "model", "grid", "guard_tokens", "completion", "max_new_tokens")
+# the arguments a merge rebuilds the grid and the summary from
+HEADER_ARGS = ("selectors", "retentions", "chunks", "causal_retentions", "causal_chunks", "guard_tokens", "completion",
+               "max_new_tokens", "bootstrap", "seed", "keep_answers", "quick", "start", "dialogues")
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", default="qwen3_vl", choices=["qwen3_vl", "qwen3_5"])
-    parser.add_argument("--model", default=None, help="checkpoint path (default: the shipped one of --arch)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dialogues", type=int, default=500)
-    parser.add_argument("--start", type=int, default=0, help="first held-out dialogue index")
-    parser.add_argument("--selectors", nargs="+", default=list(ALL_SELECTORS))
-    parser.add_argument("--retentions", nargs="+", type=float, default=[0.3, 0.5, 0.7])
-    parser.add_argument("--chunks", nargs="+", type=int, default=[7, 15, 31])
-    parser.add_argument("--causal-retentions", nargs="*", type=float, default=[0.3])
-    parser.add_argument("--causal-chunks", nargs="*", type=int, default=[31])
-    parser.add_argument("--guard-tokens", type=int, default=16)
-    parser.add_argument("--completion", default="blocking", choices=["blocking", "next_turn"])
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--bootstrap", type=int, default=1000)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--jobs", type=int, default=1, help="worker processes (dialogues in parallel)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    parser.add_argument("--keep-answers", action="store_true", help="store every answer in the JSON")
-    parser.add_argument("--quick", action="store_true",
-                        help="8 dialogues, selectors uniform + mmtok, retention 0.3, chunk 31, both visibilities")
-    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/quality.json; "
-                                                     "--quick: benchmarks/results/quality_quick.json)")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.dialogues = min(args.dialogues, 8) if "--dialogues" in (argv or sys.argv) else 8
-        args.selectors = ["uniform", "mmtok"] if "--selectors" not in (argv or sys.argv) else args.selectors
-        args.retentions, args.chunks = [0.3], [31]
-        args.causal_retentions, args.causal_chunks = [0.3], [31]
-        args.bootstrap = min(args.bootstrap, 200)
-    here = os.path.dirname(os.path.abspath(__file__))
-    if args.out is None:
-        args.out = os.path.join(here, "results", "quality_quick.json" if args.quick else "quality.json")
+def _command(argv):
+    return "python benchmarks/quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
 
-    grid = config_grid(args)
-    indices = list(range(args.start, args.start + args.dialogues))
-    print(f"{len(grid)} configurations x {len(indices)} dialogues ({args.arch}, {args.jobs} jobs)", flush=True)
-    t0 = time.perf_counter()
-    results = []
-    if args.jobs > 1:
-        import multiprocessing as mp
 
-        with mp.get_context("spawn").Pool(args.jobs, initializer=_init_worker, initargs=(args,)) as pool:
-            for k, r in enumerate(pool.imap(_run_index, indices)):
-                results.append(r)
-                if (k + 1) % max(1, len(indices) // 10) == 0:
-                    print(f"  {k + 1}/{len(indices)} dialogues, {time.perf_counter() - t0:.0f}s", flush=True)
-    else:
-        _init_worker(args)
-        for k, i in enumerate(indices):
-            results.append(_run_index(i))
-            if (k + 1) % max(1, len(indices) // 10) == 0:
-                print(f"  {k + 1}/{len(indices)} dialogues, {time.perf_counter() - t0:.0f}s", flush=True)
-    wall = time.perf_counter() - t0
-    records, restore, timing = summarize(results, grid, args)
+def _grid_keys(grid):
+    """The grid's keys as they come back from JSON (lists, not tuples)."""
+    return json.loads(json.dumps([k for k, _ in grid]))
+
+
+def results_header(args, grid, command):
+    """The first line of a ``--save-results`` file: ``MATCH_FIELDS``, versions, device, command and ``HEADER_ARGS``."""
+    import transformers
+
+    return {
+        "arch": args.arch, "model": args.model, "grid": _grid_keys(grid), "guard_tokens": args.guard_tokens,
+        "completion": args.completion, "max_new_tokens": args.max_new_tokens, "torch": torch.__version__,
+        "transformers": transformers.__version__, "device": args.device, "command": command,
+        "args": {k: getattr(args, k) for k in HEADER_ARGS},
+    }
+
+
+def _mismatch(a, b, a_name, b_name):
+    """None if headers ``a`` and ``b`` agree on ``MATCH_FIELDS``, else a sentence naming the first differing field."""
+    for field in MATCH_FIELDS:
+        x, y = a.get(field), b.get(field)
+        if x == y:
+            continue
+        if field == "grid":
+            only_a = [k for k in x if k not in y]
+            only_b = [k for k in y if k not in x]
+            what = "the same configurations, in another order"
+            if only_a or only_b:
+                what = (f"{len(only_a)} configurations only in {a_name} (e.g. {only_a[:3]}), {len(only_b)} only in "
+                        f"{b_name} (e.g. {only_b[:3]})")
+            return f"'grid' differs (selectors / retentions / chunks / causal_*): {what}"
+        return f"'{field}' differs: {x!r} in {a_name}, {y!r} in {b_name}"
+    return None
+
+
+def read_results(path, repair=False):
+    """``(header or None, [result, ...])`` of a ``--save-results`` file. A last line cut off by a killed run is
+    dropped; with ``repair`` also from the file, so that appending starts on a fresh line."""
+    with open(path, "rb") as f:
+        data = f.read()
+    header, results, pos, end, number = None, [], 0, 0, 0
+    while pos < len(data):
+        number += 1
+        newline = data.find(b"\n", pos)
+        last = newline < 0
+        line = data[pos:] if last else data[pos:newline]
+        try:
+            obj = json.loads(line) if line.strip() else None
+        except ValueError:
+            if not last:
+                raise SystemExit(f"{path}: line {number} is not JSON") from None
+            print(f"{path}: its last line is cut off (a killed run), dropped", flush=True)
+            break
+        pos = end = len(data) if last else newline + 1
+        if obj is None:
+            continue
+        if header is None:
+            if not (isinstance(obj, dict) and "header" in obj):
+                raise SystemExit(f"{path}: the first line is not a header (not a --save-results file)")
+            header = obj["header"]
+        elif isinstance(obj, dict) and "index" in obj and "runs" in obj:
+            results.append(obj)
+        else:
+            raise SystemExit(f"{path}: line {number} is not a dialogue result")
+    if repair and (end < len(data) or (end and not data[:end].endswith(b"\n"))):
+        with open(path, "r+b") as f:
+            f.seek(end)
+            f.truncate()
+            if end and not data[:end].endswith(b"\n"):
+                f.write(b"\n")
+    return header, results
+
+
+def open_results(path, header):
+    """Opens ``path`` to append results under ``header``, after the results already there (checked to come from the
+    same configuration); returns ``(file, {index: result already there})``."""
+    done = {}
+    if os.path.exists(path) and os.path.getsize(path) > 0:
+        old, results = read_results(path, repair=True)
+        if old is not None:
+            problem = _mismatch(old, header, path, "this run")
+            if problem:
+                raise SystemExit(f"--save-results {path} holds another configuration: {problem} (its command: "
+                                 f"{old.get('command')}); use another path")
+            for field in ("torch", "transformers", "device"):
+                if old.get(field) != header[field]:
+                    print(f"note: {path} was started with {field} {old.get(field)!r}, this run has {header[field]!r}",
+                          flush=True)
+            for r in results:
+                done.setdefault(r["index"], r)
+            return open(path, "a", encoding="utf-8"), done
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    sink = open(path, "w", encoding="utf-8")
+    sink.write(json.dumps({"header": header}) + "\n")
+    sink.flush()
+    return sink, done
+
+
+def _comparable(result, answers):
+    runs = {key: {f: v for f, v in run.items() if f != "seconds" and (answers or f != "answers")}
+            for key, run in result["runs"].items()}
+    return {**result, "runs": runs}
+
+
+def _same_result(a, b):
+    """Equal apart from the timing (and the answers, unless both kept them)."""
+    answers = all(run.get("answers") is not None for r in (a, b) for run in r["runs"].values())
+    return _comparable(a, answers) == _comparable(b, answers)
+
+
+def merge_results(paths):
+    """``(headers, results sorted by index, parts)`` of ``--save-results`` files: their headers must agree on
+    ``MATCH_FIELDS``; a dialogue in several files must have the same results in each (it is kept once)."""
+    headers, by_index, where, parts = [], {}, {}, []
+    for path in paths:
+        header, results = read_results(path)
+        if header is None:
+            raise SystemExit(f"{path}: empty, no header line")
+        if headers:
+            problem = _mismatch(headers[0], header, paths[0], path)
+            if problem:
+                raise SystemExit(f"cannot merge {paths[0]} and {path}: {problem}")
+        headers.append(header)
+        for r in results:
+            i = r["index"]
+            if i not in by_index:
+                by_index[i], where[i] = r, path
+            elif not _same_result(by_index[i], r):
+                raise SystemExit(f"dialogue {i} is in {where[i]} and in {path} with different results")
+        parts.append({"path": os.path.basename(path), "command": header.get("command"), "dialogues": len(results)})
+    if not by_index:
+        raise SystemExit(f"no dialogue results in {' '.join(paths)}")
+    return headers, [by_index[i] for i in sorted(by_index)], parts
+
+
+def _ranges(indices):
+    """Sorted indices as ``[[first, last], ...]`` runs of consecutive ones."""
+    out = []
+    for i in sorted(indices):
+        if out and i == out[-1][1] + 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i])
+    return out
+
+
+def _one_or_all(values):
+    distinct = list(dict.fromkeys(values))
+    return distinct[0] if len(distinct) == 1 else distinct
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# output
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def _meta(args, results, command, wall, **extra):
     import transformers
 
     meta = {
-        "command": "python benchmarks/quality.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command,
         "arch": args.arch, "model": args.model or f"hf_raincheck/assets (load_default('{args.arch}'))",
-        "dialogues": len(indices), "split": "test", "start": args.start, "selectors": args.selectors,
+        "dialogues": len(results), "split": "test", "start": min(r["index"] for r in results),
+        "indices": _ranges(r["index"] for r in results), "selectors": args.selectors,
         "retentions": args.retentions, "chunks": args.chunks, "causal_retentions": args.causal_retentions,
         "causal_chunks": args.causal_chunks, "guard_tokens": args.guard_tokens, "completion": args.completion,
         "max_new_tokens": args.max_new_tokens, "bootstrap": args.bootstrap, "device": args.device,
-        "torch": torch.__version__, "transformers": transformers.__version__, "wall_s": round(wall, 1),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "wall_s": None if wall is None else round(wall, 1),
+        # the time of every (dialogue, configuration) run, summed: comparable between whole, resumed and merged runs
+        "cpu_s": round(sum(run["seconds"] for r in results for run in r["runs"].values()), 1),
         "jobs": args.jobs,
     }
+    meta.update(extra)
+    return meta
+
+
+def write_outputs(results, grid, args, meta):
+    """Summarises ``results`` (sorted by index) into ``args.out`` (this arch's part of it) and prints the table."""
+    records, restore, timing = summarize(results, grid, args)
     payload = {"meta": meta, "records": records, "restored_mean": restore, "seconds_per_dialogue": timing}
     if args.keep_answers:
         payload["dialogues"] = results
@@ -374,8 +516,162 @@ def main(argv=None):
         json.dump(existing, f, indent=1)
         f.write("\n")
     print(markdown(records, args.arch))
-    print(f"\n{len(indices)} dialogues x {len(grid)} configurations in {wall:.0f}s -> {args.out}")
+    took = f"in {meta['wall_s']:.0f}s" if meta["wall_s"] is not None else f"merged ({meta['cpu_s']:.0f}s of runs)"
+    print(f"\n{len(results)} dialogues x {len(grid)} configurations {took} -> {args.out}")
+    return payload
+
+
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def merge(args, argv):
+    """``--merge``: no model runs; the parts' results summarised like one run of their grid."""
+    headers, results, parts = merge_results(args.merge)
+    head = headers[0]
+    explicit = {"bootstrap": args.bootstrap, "seed": args.seed}
+    args.arch, args.model = head["arch"], head["model"]
+    for k, v in head["args"].items():
+        setattr(args, k, v)
+    for k, v in explicit.items():
+        if v is not None:
+            setattr(args, k, v)
+        elif len({json.dumps(h["args"].get(k)) for h in headers}) > 1:
+            print(f"note: the parts differ in --{k}; the first's ({getattr(args, k)}) is used", flush=True)
+    args.keep_answers = all(h["args"].get("keep_answers") for h in headers)
+    grid = config_grid(args)
+    if _grid_keys(grid) != head["grid"]:
+        raise SystemExit(f"the grid rebuilt from {args.merge[0]}'s arguments is not the grid it was run with "
+                         "(config_grid changed since?)")
+    keys = {json.dumps(k) for k, _ in grid}
+    for r in results:
+        if set(r["runs"]) != keys:
+            raise SystemExit(f"dialogue {r['index']} does not have a run of every configuration of the grid")
+    indices = [r["index"] for r in results]
+    ranges = _ranges(indices)
+    if len(ranges) > 1:
+        gaps = [[a[1] + 1, b[0] - 1] for a, b in zip(ranges, ranges[1:])]
+        print(f"WARNING: the merged dialogues are not one contiguous range: {ranges} (missing {gaps})", flush=True)
+    if args.out is None:
+        here = os.path.dirname(os.path.abspath(__file__))
+        args.out = os.path.join(here, "results", "quality_quick.json" if args.quick else "quality.json")
+    args.device = _one_or_all(h["device"] for h in headers)
+    print(f"{len(grid)} configurations x {len(results)} dialogues ({args.arch}) merged from {len(parts)} files",
+          flush=True)
+    meta = _meta(args, results, [_command(argv)] + [p["command"] for p in parts], None, jobs=None,
+                 torch=_one_or_all(h["torch"] for h in headers),
+                 transformers=_one_or_all(h["transformers"] for h in headers), parts=parts)
+    write_outputs(results, grid, args, meta)
     return 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", default="qwen3_vl", choices=["qwen3_vl", "qwen3_5"])
+    parser.add_argument("--model", default=None, help="checkpoint path (default: the shipped one of --arch)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dialogues", type=int, default=500)
+    parser.add_argument("--start", type=int, default=0, help="first held-out dialogue index")
+    parser.add_argument("--selectors", nargs="+", default=list(ALL_SELECTORS))
+    parser.add_argument("--retentions", nargs="+", type=float, default=[0.3, 0.5, 0.7])
+    parser.add_argument("--chunks", nargs="+", type=int, default=[7, 15, 31])
+    parser.add_argument("--causal-retentions", nargs="*", type=float, default=[0.3])
+    parser.add_argument("--causal-chunks", nargs="*", type=int, default=[31])
+    parser.add_argument("--guard-tokens", type=int, default=16)
+    parser.add_argument("--completion", default="blocking", choices=["blocking", "next_turn"])
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--bootstrap", type=int, default=None,
+                        help="bootstrap resamples (default 1000; --quick: 200; --merge: the first part's)")
+    parser.add_argument("--seed", type=int, default=None, help="bootstrap seed (default 0; --merge: the first part's)")
+    parser.add_argument("--jobs", type=int, default=1, help="worker processes (dialogues in parallel)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--keep-answers", action="store_true", help="store every answer in the JSON")
+    parser.add_argument("--quick", action="store_true",
+                        help="8 dialogues, selectors uniform + mmtok, retention 0.3, chunk 31, both visibilities")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/quality.json; "
+                                                     "--quick: benchmarks/results/quality_quick.json)")
+    parser.add_argument("--save-results", metavar="PATH", default=None,
+                        help="JSON-lines file: a header, then every dialogue's results as soon as it finishes "
+                             "(a killed run keeps them); if PATH exists (same configuration), its dialogues are "
+                             "skipped: the run resumes")
+    parser.add_argument("--merge", nargs="+", metavar="PATH", default=None,
+                        help="run nothing: summarise --save-results files of one grid (parts run on several "
+                             "machines) into --out like one run")
+    args = parser.parse_args(argv)
+    if args.merge:
+        if args.save_results:
+            parser.error("--merge and --save-results exclude each other")
+        return merge(args, argv)
+    args.bootstrap = 1000 if args.bootstrap is None else args.bootstrap
+    args.seed = 0 if args.seed is None else args.seed
+    if args.quick:
+        args.dialogues = min(args.dialogues, 8) if "--dialogues" in (argv or sys.argv) else 8
+        args.selectors = ["uniform", "mmtok"] if "--selectors" not in (argv or sys.argv) else args.selectors
+        args.retentions, args.chunks = [0.3], [31]
+        args.causal_retentions, args.causal_chunks = [0.3], [31]
+        args.bootstrap = min(args.bootstrap, 200)
+    here = os.path.dirname(os.path.abspath(__file__))
+    if args.out is None:
+        args.out = os.path.join(here, "results", "quality_quick.json" if args.quick else "quality.json")
+
+    grid = config_grid(args)
+    indices = list(range(args.start, args.start + args.dialogues))
+    command = _command(argv)
+    sink, done = (None, {}) if not args.save_results else open_results(args.save_results,
+                                                                        results_header(args, grid, command))
+    todo = [i for i in indices if i not in done]
+    if args.save_results:
+        print(f"{args.save_results}: {len(indices) - len(todo)} of the {len(indices)} dialogues already there, "
+              f"skipped", flush=True)
+        others = len(set(done) - set(indices))
+        if others:
+            print(f"  ({others} more dialogues there, outside --start / --dialogues, are left out here)", flush=True)
+    print(f"{len(grid)} configurations x {len(todo)} dialogues ({args.arch}, {args.jobs} jobs)", flush=True)
+    t0 = time.perf_counter()
+    results = [done[i] for i in indices if i in done]
+    step = max(1, len(todo) // 10)
+
+    def finished(k, r):
+        results.append(r)
+        if sink is not None:
+            sink.write(json.dumps(r) + "\n")
+            sink.flush()
+        if (k + 1) % step == 0:
+            print(f"  {k + 1}/{len(todo)} dialogues, {time.perf_counter() - t0:.0f}s", flush=True)
+
+    restore_sigterm = _exit_on_sigterm()
+    try:
+        if todo and args.jobs > 1:
+            import multiprocessing as mp
+
+            jobs = min(args.jobs, len(todo))
+            with mp.get_context("spawn").Pool(jobs, initializer=_init_worker, initargs=(args,)) as pool:
+                for k, r in enumerate(pool.imap_unordered(_run_index, todo)):
+                    finished(k, r)
+        elif todo:
+            _init_worker(args)
+            for k, i in enumerate(todo):
+                finished(k, _run_index(i))
+    finally:
+        if sink is not None:
+            sink.close()
+        restore_sigterm()
+    wall = time.perf_counter() - t0
+    results.sort(key=lambda r: r["index"])
+    extra = {"save_results": args.save_results, "resumed": len(indices) - len(todo)} if args.save_results else {}
+    write_outputs(results, grid, args, _meta(args, results, command, wall, **extra))
+    return 0
+
+
+def _exit_on_sigterm():
+    """SIGTERM (``timeout``) -> SystemExit, so that the pool's workers are terminated too and the results file is
+    closed; returns a function that puts the old handler back. A no-op outside the main thread."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    old = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL if old is None else old)
 
 
 if __name__ == "__main__":

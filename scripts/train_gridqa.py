@@ -5,11 +5,19 @@
     python scripts/train_gridqa.py --arch qwen3_vl --out /tmp/smoke --device cpu --steps 3 --batch 4 --eval-dialogues 4
     python scripts/train_gridqa.py --eval-only hf_raincheck/assets/gridqa-qwen3-vl --device cpu   # re-evaluate
 
-Measured (H200, torch 2.11, four runs in parallel on one GPU, 390 s of training each; the shipped checkpoints are
-the ``--structured 1.0 --curriculum-steps 1500`` runs, commands in their ``training_stats.json``): Qwen3-VL 245
-ms/step, 1582 steps x 128 dialogues, held-out greedy accuracy per turn 0.858 / 0.802 / 0.806 / 0.793; Qwen3.5 310
-ms/step, 1250 steps, 0.812 / 0.754 / 0.764 / 0.728. Per question kind (Qwen3-VL): cell, row, column, colour 100%,
-larger 99-100%, count 77%, find 17% (it answers "nowhere"); Qwen3.5 also misses half of the colour comparisons.
+Shipped (H200, torch 2.11, four runs sharing one GPU, 440 s of training each; commands in each checkpoint's
+``training_stats.json``):
+
+    python scripts/train_gridqa.py --arch qwen3_vl --device cuda --time-budget 440 --eval-dialogues 500 \
+        --eval-batch 256 --workers 2 --threads 1 --structured 1.0 --loss answer --batch 128 --lr 1.5e-3 \
+        --curriculum-steps 1500 --kind-weights count=0.24,search=0.24 --out OUT
+    python scripts/train_gridqa.py --arch qwen3_5 --device cuda --time-budget 440 --eval-dialogues 500 \
+        --eval-batch 256 --workers 2 --threads 1 --structured 1.0 --loss answer --batch 64 --lr 1.5e-3 \
+        --warmup 300 --curriculum-steps 2400 --kind-weights count=0.24,search=0.24 --seed 1 --out OUT
+
+Qwen3-VL: 1779 steps x 128 dialogues, held-out greedy accuracy per turn 0.956 / 0.920 / 0.944 / 0.947; Qwen3.5:
+2245 steps x 64, 0.978 / 0.954 / 0.952 / 0.955. Per question kind: cell, row, column, larger 100%, same colour
+99-100%, count 87% (Qwen3-VL) / 100% (Qwen3.5), search 78-79%.
 
 Why the curriculum: from a random init both models sat at the loss of a model that ignores the image for 3000+
 steps (several task formats, learning rates, rope_theta 1e4 / 1e6, sparse grids): to answer "what is in C5?" the
@@ -20,12 +28,12 @@ the right content: the read-out forms first, then the lookup, as the share of su
 ``--curriculum-steps``. With it, held-out accuracy rose from ~12% to ~80% in the same time. Cell names
 (``C5``) are single tokens of the tokenizer, so that a lookup needs no composition of two tokens.
 
-Later attempts (``benchmarks/results/gridqa_training_runs.json``, README "GridQA"): ``--loss answer`` (every answer
-weighs the same), ``--kind-weights`` (the failing kinds asked more often in training), batch 64 and sparse random
-grids first (``--p-empty-start``) taught one Qwen3-VL run colour counts (count 95%) and one Qwen3.5 run the
-same-colour comparisons (100%), but "where is the X?" stayed at the share of "nowhere" in all of them, also when
-trained alone; a linear probe reads every cell's position and content from the visual tokens
-(``benchmarks/gridqa_probe.py``), so the missing piece is the content-addressed lookup itself.
+Later changes (``benchmarks/results/gridqa_training_runs.json``, README "GridQA"): ``--loss answer`` (every answer
+weighs the same), ``--kind-weights`` (the hard kinds asked more often in training), and two changes of the task
+itself: "where is the X?" over the whole grid stayed at the share of "nowhere" in every run (a linear probe reads
+every cell's position and content from the visual tokens, ``benchmarks/gridqa_probe.py``: the content-addressed
+jump to a cell's name never formed), so the default mix asks ``search`` (one line, a yes/no per cell) instead; and
+counts write each cell's counted attribute before the tally, after which Qwen3.5 counts colours as well as shapes.
 
 Full-image inputs only: the model never sees pruning. Loss: cross-entropy on the assistant tokens (each answer and
 the ``<|im_end|>`` that closes it) of whole 3-4 turn dialogues, one image each (``hf_raincheck.gridqa.task``,

@@ -49,6 +49,12 @@ def test_training_kind_weights_change_only_the_kinds_asked():
     only_find = [task.make_dialogue(i, "train", weights={k: 0.0 for k in task.QUESTION_WEIGHTS} | {"find": 1.0})
                  for i in range(20)]
     assert {t.kind for d in only_find for t in d.turns} == {"find"}
+    for d in only_find:  # the whole-grid find (weight 0 in the default mix) still answers from the grid
+        for t in d.turns:
+            obj = t.question[len("where is the ") : -1]
+            where = [f"{task.ROW_NAMES[r]}{c + 1}" for r in range(8) for c in range(8)
+                     if task.describe(int(d.cells[r, c])) == obj]
+            assert t.answer == (where[0] if len(where) == 1 else "nowhere") and len(where) <= 1
     assert all(np.array_equal(a.cells, b.cells) for a, b in zip(only_find, plain))  # the grids do not change
     with pytest.raises(ValueError, match=r"weights: unknown question kinds \['where'\]"):
         task.make_dialogue(0, "train", weights={"where": 1.0})
@@ -92,10 +98,7 @@ def test_answers_follow_from_the_grid():
                     name, what = item.split(" ", 1)
                     assert what == task.describe(_content(d.cells, name))
             elif t.kind == "count":
-                parts = t.answer.split(", ")
-                assert len(parts) == task.GRID + 1 and parts[-1].startswith("total ")
-                running = [int(p.split(" ")[1]) for p in parts[:-1]]
-                assert running == sorted(running) and running[-1] == int(parts[-1].split(" ")[1])
+                _check_count(d, t)
             elif t.kind == "larger":
                 a, b = re.findall(r"([A-H]\d)", t.question)
                 da, db = (task.cell_content(_content(d.cells, x))[1] for x in (a, b))
@@ -104,32 +107,49 @@ def test_answers_follow_from_the_grid():
                 a, b = re.findall(r"([A-H]\d)", t.question)
                 ca, cb = (task.cell_content(_content(d.cells, x))[0] for x in (a, b))
                 assert t.answer == f"{a} {ca}, {b} {cb}, so {'yes' if ca == cb else 'no'}"
-            elif t.kind == "find":
-                obj = t.question[len("where is the ") : -1]
-                where = [f"{task.ROW_NAMES[r]}{c + 1}" for r in range(8) for c in range(8)
-                         if task.describe(int(d.cells[r, c])) == obj]
-                assert t.answer == (where[0] if len(where) == 1 else "nowhere") and len(where) <= 1
             elif t.kind == "search":
                 _check_search(d, t)
             # a row question targets a row no earlier turn targeted (the generator's region rule)
             if t.kind in ("row", "cell") or (t.kind == "count" and "row" in t.question):
                 assert not (set(t.rows) & rows_seen)
             rows_seen.update(t.rows)
-    assert kinds == set(task.QUESTION_KINDS) - {"search"}  # not in the default mix
+    assert kinds == set(task.QUESTION_KINDS) - {"find"}  # not in the default mix
+
+
+def _check_count(d, t):
+    what, line = re.fullmatch(r"how many (.+) are in (row [A-H]|column [1-8])\?", t.question).groups()
+    names = _line_names(line)
+    parts = t.answer.split(", ")
+    assert len(parts) == task.GRID + 1 and parts[-1].startswith("total ")
+    running = 0
+    for name, part in zip(names, parts):
+        content = task.cell_content(_content(d.cells, name))
+        if what.endswith(" things"):  # a colour: each cell's colour is written, then the running count
+            word = "empty" if content is None else content[0]
+            running += word == what.split()[0]
+        else:  # a shape or the digits: each cell's kind
+            word = "empty" if content is None else content[1]
+            running += word in task.DIGITS if what == "digits" else task.SHAPE_PLURALS.get(word) == what
+        assert part == f"{name} {word} {running}"
+    assert parts[-1] == f"total {running}"
+
+
+def _line_names(line):
+    return ([f"{line[-1]}{c + 1}" for c in range(8)] if line.startswith("row")
+            else [f"{r}{line[-1]}" for r in task.ROW_NAMES])
 
 
 def _check_search(d, t):
     line, obj = re.fullmatch(r"where in (row [A-H]|column [1-8]) is the (.+)\?", t.question).groups()
-    names = ([f"{line[-1]}{c + 1}" for c in range(8)] if line.startswith("row")
-             else [f"{r}{line[-1]}" for r in task.ROW_NAMES])
+    names = _line_names(line)
     holds = [n for n in names if task.describe(_content(d.cells, n)) == obj]
     assert len(holds) <= 1 and obj != "empty"
-    scan = ", ".join(f"{n} {'yes' if n in holds else 'no'}" for n in names)
+    scan = ", ".join(f"{n} {task.describe(_content(d.cells, n))} {'yes' if n in holds else 'no'}" for n in names)
     assert t.answer == f"{scan}, so {holds[0] if holds else 'nowhere'}"
     assert t.cells == tuple((task.ROW_NAMES.index(n[0]), int(n[1]) - 1) for n in names)
 
 
-def test_search_is_a_scan_of_one_line_and_only_asked_when_weighted(tokenizer):
+def test_search_scans_one_line_then_names_the_cell(tokenizer):
     weights = {"search": 1.0} | {k: 0.0 for k in task.QUESTION_WEIGHTS if k != "search"}
     turns = []
     for i in range(200):
@@ -149,7 +169,18 @@ def test_search_is_a_scan_of_one_line_and_only_asked_when_weighted(tokenizer):
     for t in turns[:50]:  # every word of the kind is one token of the task's tokenizer
         for text in (t.question, t.answer):
             _assert_one_token_per_word(tokenizer, text)
-    assert not any(t.kind == "search" for d in task.dialogues("test", 0, 300) for t in d.turns)
+    test_kinds = [t.kind for d in task.dialogues("test", 0, 300) for t in d.turns]
+    assert "find" not in test_kinds and 0.12 < test_kinds.count("search") / len(test_kinds) < 0.24
+
+
+def test_counts_write_each_cells_attribute_then_the_running_count(tokenizer):
+    turns = [(d, t) for i in range(150) for d in [task.make_dialogue(i, "train", kinds=["count"] * 3)] for t in d.turns]
+    for d, t in turns:
+        _check_count(d, t)
+    asked = {re.match(r"how many (.+) are", t.question).group(1) for _, t in turns}
+    assert {"digits", "circles", "crosses"} <= asked and any(a.endswith(" things") for a in asked)
+    for _, t in turns[:40]:
+        _assert_one_token_per_word(tokenizer, t.answer)
 
 
 def test_image_is_one_token_per_cell(processor):

@@ -163,7 +163,7 @@ def build_model(arch: str, tokenizer, seed: int = 0, position_code_std: float = 
     eos = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=eos, pad_token_id=config.pad_token_id, do_sample=False,
-        max_new_tokens=48,
+        max_new_tokens=64,
     )
     return model
 

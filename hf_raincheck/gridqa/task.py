@@ -19,23 +19,25 @@ kind           question                                       answer
 ``cell``       what is in C5?                                 C5 red circle  /  C5 empty
 ``row``        list row D.                                    D1 red circle, D2 empty, D3 blue 7, ..., D8 green cross
 ``column``     list column 2.                                 A2 ..., B2 ..., ..., H2 ... (top to bottom)
-``count``      how many red things are in row F?              F1 0, F2 1, F3 1, F4 1, F5 1, F6 1, F7 2, F8 2, total 2
-               (things of a colour / circles, squares, ... /
-               digits; in a row or a column)
+``count``      how many red things are in row F?              F1 red 1, F2 empty 1, F3 blue 1, ..., F8 red 2, total 2
+               (things of a colour / circles, squares, ... /  (each cell's colour, or its kind: ``circle``, ``7``,
+               digits; in a row or a column)                  then the running count)
 ``larger``     which number is larger, B3 or F1?              B3 3, F1 8, so F1
 ``colour``     do A2 and D4 have the same colour?             A2 red, D4 red, so yes
-``find``       where is the green triangle?                   E8  /  nowhere
-``search``     where in row F is the orange 3?               F1 no, F2 no, F3 no, F4 yes, F5 no, ..., F8 no, so F4
-               (a row or a column, scanned cell by cell;     (``so nowhere`` when no cell of the line holds it)
-               not in the default mix: a training option)
+``search``     where in row F is the orange 3?                F1 red 3 no, F2 empty no, F3 orange 5 no, F4 orange 3
+               (a row or a column, cell by cell: what it      yes, F5 ..., F8 empty no, so F4  (``so nowhere`` when
+               holds, then whether that is the object)        no cell of the line holds it)
+``find``       where is the green triangle?                   E8  /  nowhere  (the whole grid; not in the default
+                                                              mix: the shipped models never learned it, README)
 =============  =============================================  ======================================================
 
-Every answer names a cell right before saying what is in it, and listings and counts (long answers, 35-45 tokens)
-go cell by cell with a running count: every step is local (copy or advance a cell name, read the one cell the
-last two tokens name, add one), which a few-million-parameter model should learn far faster than "the k-th item
-of row D" or a count in one go (the first format, without cell names, left a 5.6M Qwen3-VL blind to the image
-after 1900 steps x 128 dialogues). They are also where the tokens restored
-while an answer is being decoded can change the answer itself. Everything is
+Every answer names a cell right before saying what is in it, and listings, counts and searches (long answers,
+32-56 tokens) go cell by cell: every step is local (copy or advance a cell name, read the one cell just named,
+compare the words just written with the question's, add one), which a few-million-parameter model should learn
+far faster than "the k-th item of row D" or a count in one go (the first format, without cell names, left a 5.6M
+Qwen3-VL blind to the image after 1900 steps x 128 dialogues; counts without the counted attribute written out,
+and ``find``'s jump from an object to its cell's name, were not learned either: README, "GridQA"). They are also
+where the tokens restored while an answer is being decoded can change the answer itself. Everything is
 deterministic: ``make_dialogue(index, split)`` depends only on its arguments (``numpy`` ``SeedSequence`` of the
 split's id and the index); ``"train"`` and ``"test"`` use disjoint seed streams.
 
@@ -78,14 +80,13 @@ NUM_CELL_IDS = 1 + NUM_OBJECTS
 
 P_EMPTY, P_SHAPE = 0.3, 0.4  #: cell distribution: empty 30%, shape 40%, digit 30%
 
-QUESTION_KINDS = ("cell", "row", "column", "count", "larger", "colour", "find", "search")
-#: Sampling weights of the question kinds (before the region constraints). ``search`` (weight 0: never drawn unless
-#: a training run's ``weights=`` asks for it; the default mix, and so every split's dialogues, stay as they were) is
-#: ``find`` restricted to one line and answered as a scan, the way counts are: each step reads one named cell and
-#: compares it with the question's object, which the shipped models learn, where ``find``'s jump from the object
-#: to its cell's name they do not (README, "GridQA").
-QUESTION_WEIGHTS = {"cell": 0.18, "row": 0.16, "column": 0.12, "count": 0.16, "larger": 0.1, "colour": 0.1, "find": 0.18,
-                    "search": 0.0}
+QUESTION_KINDS = ("cell", "row", "column", "count", "larger", "colour", "search", "find")
+#: Sampling weights of the question kinds (before the region constraints). ``find`` (the whole grid, answered with
+#: one cell name) has weight 0: no training recipe taught the tiny models the jump from an object to its cell's name
+#: (README, "GridQA"), so the default mix asks ``search`` instead, which lists one line and then names the cell: every
+#: step is a skill the models do learn (read a named cell; match the listed words against the question's).
+QUESTION_WEIGHTS = {"cell": 0.18, "row": 0.16, "column": 0.12, "count": 0.16, "larger": 0.1, "colour": 0.1,
+                    "search": 0.18, "find": 0.0}
 
 SPLITS = {"train": 0, "test": 1, "demo": 2}
 
@@ -319,18 +320,20 @@ def _q_count(rng, cells, used_r, used_c) -> Turn:
     what = int(rng.integers(0, 3))  # 0 colour, 1 shape, 2 digits
     if what == 0:
         colour = _pick(rng, COLOUR_NAMES)
-        label, match = f"{colour} things", lambda cid: cid != 0 and cell_content(cid)[0] == colour
+        label, match = f"{colour} things", lambda word: word == colour
     elif what == 1:
         shape = _pick(rng, SHAPES)
-        label, match = SHAPE_PLURALS[shape], lambda cid: cid != 0 and cell_content(cid)[1] == shape
+        label, match = SHAPE_PLURALS[shape], lambda word: word == shape
     else:
-        label, match = "digits", lambda cid: cid != 0 and cell_content(cid)[1] in DIGITS
+        label, match = "digits", lambda word: word in DIGITS
     line, rows, cols, where = _free_line(axis, rng, used_r, used_c)
     n = 0
     parts = []
-    for r, c in line:  # a running count, cell by cell: every step is local (read one cell, add)
-        n += bool(match(int(cells[r, c])))
-        parts.append(f"{_pos(r, c)} {n}")
+    for r, c in line:  # cell by cell: the attribute counted (its colour, or its kind), then the running count
+        content = cell_content(int(cells[r, c]))
+        word = "empty" if content is None else content[0 if what == 0 else 1]
+        n += bool(match(word))
+        parts.append(f"{_pos(r, c)} {word} {n}")
     answer = ", ".join(parts) + f", total {n}"
     return Turn("count", f"how many {label} are in {where}?", answer, rows, cols, line)
 
@@ -406,7 +409,7 @@ def _q_search(rng, cells, used_r, used_c) -> Turn:
     else:
         hit = unique[int(rng.integers(0, len(unique)))]
         target = int(cells[hit])
-    scan = ", ".join(f"{_pos(*p)} {'yes' if p == hit else 'no'}" for p in line)
+    scan = ", ".join(f"{_pos(*p)} {describe(int(cells[p]))} {'yes' if p == hit else 'no'}" for p in line)
     answer = f"{scan}, so {_pos(*hit) if hit is not None else 'nowhere'}"
     return Turn("search", f"where in {where} is the {describe(target)}?", answer, rows, cols, line)
 

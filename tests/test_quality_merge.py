@@ -1,0 +1,139 @@
+"""``benchmarks/quality.py --save-results`` / ``--merge``: a grid run in parts (resumable, on several machines) and
+merged summarises exactly like one run (the shipped GridQA Qwen3-VL on the CPU, 2 dialogues, ~20 s)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import quality  # noqa: E402
+
+QUICK = ["--quick", "--selectors", "uniform"]
+
+
+def lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    """One plain run of dialogues 0-1, the same as two parts (the second through a worker process), and the merge."""
+    tmp = tmp_path_factory.mktemp("quality")
+    threads = torch.get_num_threads()
+    try:
+        assert quality.main(QUICK + ["--dialogues", "2", "--out", str(tmp / "a.json")]) == 0
+        assert quality.main(QUICK + ["--start", "0", "--dialogues", "1", "--save-results", str(tmp / "p1.jsonl"),
+                                     "--out", str(tmp / "p1.json")]) == 0
+        assert quality.main(QUICK + ["--start", "1", "--dialogues", "1", "--save-results", str(tmp / "p2.jsonl"),
+                                     "--jobs", "2", "--out", str(tmp / "p2.json")]) == 0
+        merge = ["--merge", str(tmp / "p1.jsonl"), str(tmp / "p2.jsonl"), "--out", str(tmp / "m.json")]
+        assert quality.main(merge) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return tmp
+
+
+def test_merged_parts_summarise_like_one_run(parts):
+    plain = json.loads((parts / "a.json").read_text())
+    merged = json.loads((parts / "m.json").read_text())
+    assert merged["records"] == plain["records"]
+    run, whole = merged["runs"]["qwen3_vl"], plain["runs"]["qwen3_vl"]
+    assert run["records"] == whole["records"] and run["restored_mean"] == whole["restored_mean"]
+    assert run["seconds_per_dialogue"].keys() == whole["seconds_per_dialogue"].keys()
+    meta = run["meta"]
+    assert meta["dialogues"] == 2 and meta["start"] == 0 and meta["indices"] == [[0, 1]]
+    assert meta["wall_s"] is None and meta["cpu_s"] > 0 and whole["meta"]["cpu_s"] > 0
+    assert meta["bootstrap"] == whole["meta"]["bootstrap"] == 200
+    for key in ("arch", "selectors", "retentions", "chunks", "causal_retentions", "causal_chunks", "guard_tokens",
+                "completion", "max_new_tokens", "split"):
+        assert meta[key] == whole["meta"][key], key
+    assert [p["path"] for p in meta["parts"]] == ["p1.jsonl", "p2.jsonl"]
+    assert [p["dialogues"] for p in meta["parts"]] == [1, 1]
+    assert meta["command"][0].startswith("python benchmarks/quality.py --merge")
+    assert "--save-results" in meta["command"][1] and "--start 1" in meta["command"][2]
+
+
+def test_results_file_has_a_header_and_one_line_per_dialogue(parts):
+    rows = lines(parts / "p2.jsonl")
+    header = rows[0]["header"]
+    assert {"arch", "model", "grid", "guard_tokens", "completion", "max_new_tokens", "torch", "transformers",
+            "device", "command", "args"} <= set(header)
+    assert header["grid"] == json.loads(json.dumps([k for k, _ in quality.config_grid(_args(header))]))
+    assert [r["index"] for r in rows[1:]] == [1]
+    assert len(rows[1]["runs"]) == len(header["grid"])
+
+
+def _args(header):
+    import argparse
+
+    return argparse.Namespace(**header["args"])
+
+
+def test_rerun_skips_the_finished_dialogues(parts, capsys):
+    before = (parts / "p1.jsonl").read_text()
+    argv = QUICK + ["--start", "0", "--dialogues", "1", "--save-results", str(parts / "p1.jsonl"),
+                    "--out", str(parts / "again.json")]
+    assert quality.main(argv) == 0
+    assert "1 of the 1 dialogues already there, skipped" in capsys.readouterr().out
+    assert (parts / "p1.jsonl").read_text() == before
+    again = json.loads((parts / "again.json").read_text())
+    assert again["records"] == json.loads((parts / "p1.json").read_text())["records"]
+
+
+def test_cut_off_last_line_is_dropped_when_resuming(parts, tmp_path):
+    path = tmp_path / "p2.jsonl"
+    shutil.copy(parts / "p2.jsonl", path)
+    good = path.read_text()
+    with open(path, "a") as f:
+        f.write('{"index": 7, "runs": {"[\\"full\\"')  # a run killed while writing
+    assert quality.main(QUICK + ["--start", "1", "--dialogues", "1", "--save-results", str(path),
+                                 "--out", str(tmp_path / "o.json")]) == 0
+    assert path.read_text() == good
+
+
+def test_another_configuration_is_refused(parts, tmp_path):
+    p1 = str(parts / "p1.jsonl")
+    before = (parts / "p1.jsonl").read_text()
+    with pytest.raises(SystemExit, match="'grid' differs"):
+        quality.main(["--selectors", "uniform", "--retentions", "0.3", "--chunks", "15", "--dialogues", "1",
+                      "--save-results", p1, "--out", str(tmp_path / "o.json")])
+    with pytest.raises(SystemExit, match="'guard_tokens' differs: 16 in .*p1.jsonl, 8 in this run"):
+        quality.main(QUICK + ["--guard-tokens", "8", "--dialogues", "1", "--save-results", p1,
+                              "--out", str(tmp_path / "o.json")])
+    assert (parts / "p1.jsonl").read_text() == before
+    # a merge checks the headers too
+    rows = lines(parts / "p2.jsonl")
+    rows[0]["header"]["max_new_tokens"] = 32
+    (tmp_path / "other.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(SystemExit, match="cannot merge .*p1.jsonl and .*other.jsonl: 'max_new_tokens' differs"):
+        quality.main(["--merge", p1, str(tmp_path / "other.jsonl"), "--out", str(tmp_path / "o.json")])
+
+
+def test_merge_keeps_a_repeated_dialogue_once_and_refuses_a_conflicting_one(parts, tmp_path, capsys):
+    p1, p2 = str(parts / "p1.jsonl"), str(parts / "p2.jsonl")
+    assert quality.main(["--merge", p1, p2, p1, "--out", str(tmp_path / "m.json")]) == 0
+    merged = json.loads((tmp_path / "m.json").read_text())
+    assert merged["records"] == json.loads((parts / "m.json").read_text())["records"]
+    rows = lines(parts / "p1.jsonl")
+    run = next(iter(rows[1]["runs"].values()))
+    run["correct"][0] = not run["correct"][0]
+    (tmp_path / "bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(SystemExit, match="dialogue 0 is in .*p1.jsonl and in .*bad.jsonl with different results"):
+        quality.main(["--merge", p1, str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "o.json")])
+    # parts with a gap: merged, with a warning
+    assert quality.main(["--merge", p2, "--out", str(tmp_path / "one.json")]) == 0
+    capsys.readouterr()
+    gap = lines(parts / "p2.jsonl")
+    gap[1]["index"] = 3
+    (tmp_path / "gap.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gap))
+    assert quality.main(["--merge", p1, str(tmp_path / "gap.jsonl"), "--out", str(tmp_path / "g.json")]) == 0
+    assert "not one contiguous range: [[0, 0], [3, 3]] (missing [[1, 2]])" in capsys.readouterr().out
+    assert json.loads((tmp_path / "g.json").read_text())["runs"]["qwen3_vl"]["meta"]["indices"] == [[0, 0], [3, 3]]
