@@ -39,6 +39,7 @@ prefill. Visibility (``"boundary"``, the paper's, vs ``"causal"``) is compared a
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 import os
@@ -134,7 +135,8 @@ _WORKER = {}
 
 
 def _load(args):
-    if not str(args.device).startswith("cuda") and "transformers.models.qwen3_5" not in sys.modules:
+    if (not str(args.device).startswith("cuda") and "transformers.models.qwen3_5" not in sys.modules
+            and "fla" not in sys.modules and importlib.util.find_spec("fla") is not None):
         # transformers' Qwen3.5 GDN layers call fla-core's Triton kernels whenever fla imports, also on CPU tensors
         # (they fail there: no active Triton driver); a CPU run on a machine that has fla takes the torch path
         sys.modules.setdefault("fla", None)
