@@ -4,6 +4,7 @@
     python scripts/train_gridqa.py --arch qwen3_5 --out ckpt/gridqa-qwen3_5 --device cuda --steps 3000
     python scripts/train_gridqa.py --arch qwen3_vl --out /tmp/smoke --device cpu --steps 3 --batch 4 --eval-dialogues 4
     python scripts/train_gridqa.py --eval-only hf_raincheck/assets/gridqa-qwen3-vl --device cpu   # re-evaluate
+    python scripts/train_gridqa.py --arch qwen3_vl --init-from ckpt/a --curriculum-steps 0 --out ckpt/b ...  # go on
 
 Shipped (H200, torch 2.11, four runs sharing one GPU, 440 s of training each; commands in each checkpoint's
 ``training_stats.json``):
@@ -84,12 +85,13 @@ from hf_raincheck.gridqa import batching, checkpoint, task  # noqa: E402
 
 
 class TrainBatches(torch.utils.data.Dataset):
-    """Batch ``step``: train dialogues ``[step * batch, (step + 1) * batch)`` as numpy arrays."""
+    """Batch ``step``: train dialogues ``first_dialogue + [step * batch, (step + 1) * batch)`` as numpy arrays."""
 
     def __init__(self, tokenizer, batch: int, length: int = 10**8, allowed=None, turns=None,
                  p_empty_start: float = task.P_EMPTY, curriculum_steps: int = 0, structured: float = 0.0,
-                 weights: dict | None = None):
+                 weights: dict | None = None, first_dialogue: int = 0):
         self.encoder = batching.DialogueEncoder(tokenizer)
+        self.first_dialogue = first_dialogue
         self.batch = batch
         self.length = length
         self.allowed = allowed
@@ -122,7 +124,7 @@ class TrainBatches(torch.utils.data.Dataset):
 
     def __getitem__(self, step):
         p_empty = self.p_empty(step)
-        ds = [task.make_dialogue(step * self.batch + i, "train", num_turns=self.turns, allowed=self.allowed,
+        ds = [task.make_dialogue(self.first_dialogue + step * self.batch + i, "train", num_turns=self.turns, allowed=self.allowed,
                                  p_empty=p_empty if st == "random" else task.P_EMPTY, structure=st,
                                  weights=self.weights)
               for i, st in enumerate(self.structures(step))]
@@ -295,6 +297,21 @@ def lr_at(step, total, warmup, peak):
     return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def read_init_source(parser, args) -> dict:
+    """What ``--init-from`` starts from: its path, arch, command and step count (from its ``training_stats.json``),
+    and the first training dialogue after the ones it saw."""
+    path = os.path.join(args.init_from, "training_stats.json")
+    if not os.path.exists(path):
+        parser.error(f"--init-from {args.init_from!r}: no training_stats.json there (a checkpoint this script saved)")
+    with open(path, encoding="utf-8") as f:
+        stats = json.load(f)
+    if stats.get("arch") != args.arch:
+        parser.error(f"--init-from {args.init_from!r} is a {stats.get('arch')!r} checkpoint, --arch is {args.arch!r}")
+    seen = int(stats.get("first_dialogue", 0)) + int(stats["dialogues_seen"])
+    return {"path": os.path.abspath(args.init_from), "arch": stats["arch"], "command": stats.get("command"),
+            "steps": stats.get("steps"), "init_from": stats.get("init_from"), "next_dialogue": seen}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", choices=checkpoint.ARCHS, default="qwen3_vl")
@@ -331,6 +348,10 @@ def main(argv=None):
                              "kinds named (e.g. count=0.25,find=0.3); evaluation keeps the task's")
     parser.add_argument("--loss", choices=("token", "answer"), default="token",
                         help="token: mean over answer tokens; answer: every answer weighs the same")
+    parser.add_argument("--init-from", default=None, metavar="CKPT",
+                        help="start from a saved checkpoint's weights (of --arch) instead of a random init, with a "
+                             "fresh schedule; training continues the data stream after the dialogues it saw (a run "
+                             "longer than one time budget: train, then continue with --curriculum-steps 0)")
     parser.add_argument("--eval-batch", type=int, default=128)
     parser.add_argument("--eval-only", default=None, metavar="CKPT",
                         help="only run the greedy held-out eval of a saved checkpoint and update its stats")
@@ -354,17 +375,22 @@ def main(argv=None):
     processor = checkpoint.build_processor(tokenizer)
     allowed = args.kinds.split(",") if args.kinds else None
     weights = parse_kind_weights(parser, args.kind_weights)
+    source = read_init_source(parser, args) if args.init_from else None
+    first_dialogue = source["next_dialogue"] if source else 0
     data = TrainBatches(tokenizer, args.batch, allowed=allowed, turns=args.turns, p_empty_start=args.p_empty_start,
                         curriculum_steps=args.curriculum_steps, structured=args.structured,
-                        weights=weights)
+                        weights=weights, first_dialogue=first_dialogue)
     loader = torch.utils.data.DataLoader(
         data, batch_size=None, shuffle=False, num_workers=args.workers, prefetch_factor=4 if args.workers else None,
         persistent_workers=False,
     )
     batches = iter(loader)
 
-    model = checkpoint.build_model(args.arch, tokenizer, seed=args.seed, position_code_std=args.position_code_std,
-                                   rope_theta=args.rope_theta).to(device)
+    if source:
+        model, _ = checkpoint.load_checkpoint(args.init_from, device=str(device))
+    else:
+        model = checkpoint.build_model(args.arch, tokenizer, seed=args.seed, position_code_std=args.position_code_std,
+                                       rope_theta=args.rope_theta).to(device)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     atlas = batching.PixelAtlas(device)
@@ -443,6 +469,8 @@ def main(argv=None):
         "stopped_early": stopped_early,
         "batch_dialogues": args.batch,
         "dialogues_seen": step * args.batch,
+        "first_dialogue": first_dialogue,
+        "init_from": source,
         "lr": args.lr,
         "loss_weighting": args.loss,
         "kind_weights": weights,

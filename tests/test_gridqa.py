@@ -81,6 +81,44 @@ def test_answer_weighted_loss_weighs_every_answer_the_same(monkeypatch):
     assert "fla" not in sys.modules or sys.modules["fla"] is not None
 
 
+def _train_script(monkeypatch):
+    import importlib
+    import os
+
+    monkeypatch.setenv("GRIDQA_ALLOW_FLA", "1")  # importing the script must not hide fla from this process
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    return importlib.import_module("train_gridqa")
+
+
+def test_training_continues_from_a_checkpoint_on_the_next_dialogues(monkeypatch, tmp_path):
+    import json
+
+    train = _train_script(monkeypatch)
+    tiny = ["--device", "cpu", "--batch", "2", "--eval-dialogues", "2", "--eval-batch", "2", "--tf-dialogues", "2",
+            "--workers", "0", "--threads", "1", "--curriculum-steps", "0", "--eval-every", "1000"]
+    first, second = tmp_path / "a", tmp_path / "b"
+    assert train.main(["--arch", "qwen3_vl", "--steps", "2", "--out", str(first), *tiny]) == 0
+    assert train.main(["--arch", "qwen3_vl", "--steps", "1", "--init-from", str(first), "--out", str(second),
+                       *tiny]) == 0
+    a, b = (json.loads((p / "training_stats.json").read_text()) for p in (first, second))
+    assert a["first_dialogue"] == 0 and a["init_from"] is None and a["dialogues_seen"] == 4
+    assert b["first_dialogue"] == 4 and b["init_from"]["path"] == str(first) and b["init_from"]["steps"] == 2
+    # with a learning rate of 0 the continued run saves exactly the weights it started from
+    assert train.main(["--arch", "qwen3_vl", "--steps", "1", "--lr", "0", "--warmup", "0", "--init-from", str(first),
+                       "--out", str(tmp_path / "same"), *tiny]) == 0
+    from safetensors.torch import load_file
+
+    before, after = (load_file(str(p / "model.safetensors")) for p in (first, tmp_path / "same"))
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    data = train.TrainBatches(checkpoint.build_tokenizer(), 2, first_dialogue=4)
+    encoder = batching.DialogueEncoder(checkpoint.build_tokenizer())
+    ids, _ = encoder.batch([task.make_dialogue(i, "train") for i in (4, 5)])
+    assert np.array_equal(data[0][0], ids)  # step 0 of the continued run: training dialogues 4 and 5
+    with pytest.raises(SystemExit):  # a Qwen3-VL checkpoint cannot start a Qwen3.5 run
+        train.main(["--arch", "qwen3_5", "--steps", "1", "--init-from", str(first), "--out", str(tmp_path / "c"),
+                    *tiny])
+
+
 def test_answers_follow_from_the_grid():
     kinds = set()
     for d in task.dialogues("test", 0, 60):
