@@ -124,7 +124,8 @@ class TrainBatches(torch.utils.data.Dataset):
 
     def __getitem__(self, step):
         p_empty = self.p_empty(step)
-        ds = [task.make_dialogue(self.first_dialogue + step * self.batch + i, "train", num_turns=self.turns, allowed=self.allowed,
+        first = self.first_dialogue + step * self.batch
+        ds = [task.make_dialogue(first + i, "train", num_turns=self.turns, allowed=self.allowed,
                                  p_empty=p_empty if st == "random" else task.P_EMPTY, structure=st,
                                  weights=self.weights)
               for i, st in enumerate(self.structures(step))]
