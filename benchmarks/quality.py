@@ -526,6 +526,12 @@ def write_outputs(results, grid, args, meta):
 # ------------------------------------------------------------------------------------------------------------------
 
 
+def default_out(args) -> str:
+    """``benchmarks/results/quality.json`` (``quality_quick.json`` for ``--quick``)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return os.path.join(here, "results", "quality_quick.json" if args.quick else "quality.json")
+
+
 def merge(args, argv):
     """``--merge``: no model runs; the parts' results summarised like one run of their grid."""
     headers, results, parts = merge_results(args.merge)
@@ -553,9 +559,7 @@ def merge(args, argv):
     if len(ranges) > 1:
         gaps = [[a[1] + 1, b[0] - 1] for a, b in zip(ranges, ranges[1:])]
         print(f"WARNING: the merged dialogues are not one contiguous range: {ranges} (missing {gaps})", flush=True)
-    if args.out is None:
-        here = os.path.dirname(os.path.abspath(__file__))
-        args.out = os.path.join(here, "results", "quality_quick.json" if args.quick else "quality.json")
+    args.out = args.out or default_out(args)
     args.device = _one_or_all(h["device"] for h in headers)
     print(f"{len(grid)} configurations x {len(results)} dialogues ({args.arch}) merged from {len(parts)} files",
           flush=True)
@@ -611,9 +615,7 @@ def main(argv=None):
         args.retentions, args.chunks = [0.3], [31]
         args.causal_retentions, args.causal_chunks = [0.3], [31]
         args.bootstrap = min(args.bootstrap, 200)
-    here = os.path.dirname(os.path.abspath(__file__))
-    if args.out is None:
-        args.out = os.path.join(here, "results", "quality_quick.json" if args.quick else "quality.json")
+    args.out = args.out or default_out(args)
 
     grid = config_grid(args)
     indices = list(range(args.start, args.start + args.dialogues))
