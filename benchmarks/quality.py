@@ -11,11 +11,21 @@ One grid in pieces (several machines, runs that a timeout may kill), summarised 
     timeout 600 python benchmarks/quality.py --dialogues 250 --jobs 64 --save-results a.jsonl   # killed? resumes
     python benchmarks/quality.py --merge a.jsonl b.jsonl --out benchmarks/results/quality.json
 
+A grid can also grow by configurations: a part that runs only some policies (``--policies raincheck --chunks 7``: no
+Full / Hard runs, so no summary of its own) merges with a part that has the baselines:
+
+    python benchmarks/quality.py --retentions 0.3 --chunks 31 --save-results a.jsonl
+    python benchmarks/quality.py --retentions 0.3 --chunks 7 15 --causal-retentions --policies raincheck \
+        --save-results c.jsonl
+    python benchmarks/quality.py --merge a.jsonl c.jsonl      # = --retentions 0.3 --chunks 7 15 31
+
 ``--save-results PATH`` appends every finished dialogue's results to a JSON-lines file (after a header line with the
 arch, model, grid and versions) as soon as it finishes; when PATH exists, it must hold the same configuration, and its
-dialogues are skipped. ``--merge PATH ...`` runs no model: it checks that the files' headers agree (arch, model, grid,
-guard tokens, completion, max new tokens), takes the union of their dialogues and writes the same summary as one run
-(``meta``: ``parts``, ``indices``, ``cpu_s`` the summed run time, ``wall_s`` null).
+dialogues are skipped. ``--merge PATH ...`` runs no model: it checks that the files' headers agree (arch, model,
+guard tokens, completion, max new tokens), takes for every dialogue the union of its runs in the files (the grid is
+the union of theirs; a dialogue that lacks a run of some configuration is left out, with a warning) and writes the
+same summary as one run of that grid (``meta``: ``parts``, ``indices``, ``cpu_s`` the summed run time, ``wall_s``
+null).
 
 Every dialogue (``hf_raincheck.gridqa`` split ``"test"``, indices ``--start`` ..) is played as a real chat: turn 1
 through the processor's chat template, later turns through ``next_turn_inputs`` on the returned cache, with the
@@ -103,6 +113,9 @@ def play(model, processor, dialogue, config, max_new_tokens, image=None):
 # ------------------------------------------------------------------------------------------------------------------
 
 
+POLICIES = ("full", "hard", "raincheck")
+
+
 def config_grid(args):
     """``[(key, RaincheckConfig or None)]``; key = (policy, selector, retention, chunk, visibility)."""
     from hf_raincheck import RaincheckConfig
@@ -124,7 +137,15 @@ def config_grid(args):
         cfg = RaincheckConfig(policy="raincheck", retention=ret, pruning=sel, chunk_size=chunk,
                               guard_tokens=args.guard_tokens, completion=args.completion, visibility=vis)
         grid.append((("raincheck", sel, ret, chunk, vis), cfg))
-    return grid
+    policies = getattr(args, "policies", None) or POLICIES
+    return [(k, cfg) for k, cfg in grid if k[0] in policies]
+
+
+def missing_baselines(grid):
+    """The Full / Hard runs that a summary of ``grid`` needs and that it lacks (a ``--policies`` part of a grid)."""
+    keys = {k for k, _ in grid}
+    need = [("full", None, None, None, None)] + [("hard", k[1], k[2], None, None) for k in keys if k[0] == "raincheck"]
+    return [k for k in dict.fromkeys(need) if k not in keys]
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -135,10 +156,11 @@ _WORKER = {}
 
 
 def _load(args):
-    if (not str(args.device).startswith("cuda") and "transformers.models.qwen3_5" not in sys.modules
+    if (gdn_kernels(args) == "torch" and "transformers.models.qwen3_5" not in sys.modules
             and "fla" not in sys.modules and importlib.util.find_spec("fla") is not None):
         # transformers' Qwen3.5 GDN layers call fla-core's Triton kernels whenever fla imports, also on CPU tensors
-        # (they fail there: no active Triton driver); a CPU run on a machine that has fla takes the torch path
+        # (they fail there: no active Triton driver); a CPU run on a machine that has fla, or --gdn-kernels torch,
+        # takes the torch path (transformers' and the package's own)
         sys.modules.setdefault("fla", None)
     from hf_raincheck import enable_raincheck
     from hf_raincheck.gridqa import load_default
@@ -148,6 +170,14 @@ def _load(args):
     if any(k[0] != "full" for k, _ in config_grid(args)):
         enable_raincheck(model)
     return model, processor
+
+
+def gdn_kernels(args) -> str:
+    """The Gated DeltaNet kernels a run uses: ``"fla"`` (fla-core's Triton kernels, CUDA only, when installed) or
+    ``"torch"`` (transformers' torch code and the package's reference paths)."""
+    if args.gdn_kernels == "torch" or not str(args.device).startswith("cuda"):
+        return "torch"
+    return "fla" if importlib.util.find_spec("fla") is not None else "torch"
 
 
 def _init_worker(args):
@@ -306,12 +336,16 @@ def markdown(records, arch):
 # results files: --save-results (append, resume) and --merge
 # ------------------------------------------------------------------------------------------------------------------
 
-# what the parts of one grid must share to be summarised together (the grid covers selectors, retentions, chunks and
-# causal_*); torch / transformers / device may differ between machines (a merge reports every value)
+# what a resumed run must share with its results file (the grid covers selectors, retentions, chunks, causal_* and
+# policies); a merge needs all but the grid (parts of several grids merge into their union); torch / transformers /
+# device may differ between machines (a merge reports every value)
 MATCH_FIELDS = ("arch", "model", "grid", "guard_tokens", "completion", "max_new_tokens")
+MERGE_FIELDS = tuple(f for f in MATCH_FIELDS if f != "grid")
 # the arguments a merge rebuilds the grid and the summary from
-HEADER_ARGS = ("selectors", "retentions", "chunks", "causal_retentions", "causal_chunks", "guard_tokens", "completion",
-               "max_new_tokens", "bootstrap", "seed", "keep_answers", "quick", "start", "dialogues")
+HEADER_ARGS = ("selectors", "retentions", "chunks", "causal_retentions", "causal_chunks", "policies", "guard_tokens",
+               "completion", "max_new_tokens", "bootstrap", "seed", "keep_answers", "quick", "start", "dialogues")
+# the grid's arguments: parts of other grids (--policies, other chunks, ...) merge into the union of their grids
+GRID_ARGS = ("selectors", "retentions", "chunks", "causal_retentions", "causal_chunks", "policies")
 
 
 def _command(argv):
@@ -330,14 +364,15 @@ def results_header(args, grid, command):
     return {
         "arch": args.arch, "model": args.model, "grid": _grid_keys(grid), "guard_tokens": args.guard_tokens,
         "completion": args.completion, "max_new_tokens": args.max_new_tokens, "torch": torch.__version__,
-        "transformers": transformers.__version__, "device": args.device, "command": command,
+        "transformers": transformers.__version__, "device": args.device, "gdn_kernels": gdn_kernels(args),
+        "command": command,
         "args": {k: getattr(args, k) for k in HEADER_ARGS},
     }
 
 
-def _mismatch(a, b, a_name, b_name):
-    """None if headers ``a`` and ``b`` agree on ``MATCH_FIELDS``, else a sentence naming the first differing field."""
-    for field in MATCH_FIELDS:
+def _mismatch(a, b, a_name, b_name, fields=MATCH_FIELDS):
+    """None if headers ``a`` and ``b`` agree on ``fields``, else a sentence naming the first differing field."""
+    for field in fields:
         x, y = a.get(field), b.get(field)
         if x == y:
             continue
@@ -402,7 +437,7 @@ def open_results(path, header):
             if problem:
                 raise SystemExit(f"--save-results {path} holds another configuration: {problem} (its command: "
                                  f"{old.get('command')}); use another path")
-            for field in ("torch", "transformers", "device"):
+            for field in ("torch", "transformers", "device", "gdn_kernels"):
                 if old.get(field) != header[field]:
                     print(f"note: {path} was started with {field} {old.get(field)!r}, this run has {header[field]!r}",
                           flush=True)
@@ -416,38 +451,44 @@ def open_results(path, header):
     return sink, done
 
 
-def _comparable(result, answers):
-    runs = {key: {f: v for f, v in run.items() if f != "seconds" and (answers or f != "answers")}
-            for key, run in result["runs"].items()}
-    return {**result, "runs": runs}
-
-
-def _same_result(a, b):
-    """Equal apart from the timing (and the answers, unless both kept them)."""
-    answers = all(run.get("answers") is not None for r in (a, b) for run in r["runs"].values())
-    return _comparable(a, answers) == _comparable(b, answers)
+def _same_run(a, b):
+    """Two runs of one (dialogue, configuration): equal apart from the timing (and the answers, unless both kept
+    them)."""
+    answers = a.get("answers") is not None and b.get("answers") is not None
+    return ({f: v for f, v in a.items() if f != "seconds" and (answers or f != "answers")}
+            == {f: v for f, v in b.items() if f != "seconds" and (answers or f != "answers")})
 
 
 def merge_results(paths):
     """``(headers, results sorted by index, parts)`` of ``--save-results`` files: their headers must agree on
-    ``MATCH_FIELDS``; a dialogue in several files must have the same results in each (it is kept once)."""
+    ``MERGE_FIELDS`` (their grids may differ); a dialogue's runs are the union of its runs in every file, and a
+    (dialogue, configuration) in several files must have the same result in each (it is kept once)."""
     headers, by_index, where, parts = [], {}, {}, []
     for path in paths:
         header, results = read_results(path)
         if header is None:
             raise SystemExit(f"{path}: empty, no header line")
         if headers:
-            problem = _mismatch(headers[0], header, paths[0], path)
+            problem = _mismatch(headers[0], header, paths[0], path, fields=MERGE_FIELDS)
             if problem:
                 raise SystemExit(f"cannot merge {paths[0]} and {path}: {problem}")
         headers.append(header)
         for r in results:
             i = r["index"]
             if i not in by_index:
-                by_index[i], where[i] = r, path
-            elif not _same_result(by_index[i], r):
+                by_index[i], where[i] = {**r, "runs": dict(r["runs"])}, path
+                continue
+            have = by_index[i]
+            same = all(have.get(f) == r.get(f) for f in ("kinds", "gold_tokens"))
+            for key, run in r["runs"].items():
+                if key not in have["runs"]:
+                    have["runs"][key] = run
+                elif not _same_run(have["runs"][key], run):
+                    same = False
+            if not same:
                 raise SystemExit(f"dialogue {i} is in {where[i]} and in {path} with different results")
-        parts.append({"path": os.path.basename(path), "command": header.get("command"), "dialogues": len(results)})
+        parts.append({"path": os.path.basename(path), "command": header.get("command"), "dialogues": len(results),
+                      "configurations": len(header["grid"])})
     if not by_index:
         raise SystemExit(f"no dialogue results in {' '.join(paths)}")
     return headers, [by_index[i] for i in sorted(by_index)], parts
@@ -485,7 +526,7 @@ def _meta(args, results, command, wall, **extra):
         "retentions": args.retentions, "chunks": args.chunks, "causal_retentions": args.causal_retentions,
         "causal_chunks": args.causal_chunks, "guard_tokens": args.guard_tokens, "completion": args.completion,
         "max_new_tokens": args.max_new_tokens, "bootstrap": args.bootstrap, "device": args.device,
-        "torch": torch.__version__, "transformers": transformers.__version__,
+        "gdn_kernels": getattr(args, "gdn_kernels_used", None) or gdn_kernels(args), "torch": torch.__version__, "transformers": transformers.__version__,
         "wall_s": None if wall is None else round(wall, 1),
         # the time of every (dialogue, configuration) run, summed: comparable between whole, resumed and merged runs
         "cpu_s": round(sum(run["seconds"] for r in results for run in r["runs"].values()), 1),
@@ -538,6 +579,11 @@ def merge(args, argv):
     head = headers[0]
     explicit = {"bootstrap": args.bootstrap, "seed": args.seed}
     args.arch, args.model = head["arch"], head["model"]
+    for path, h in zip(args.merge, headers):
+        part_args = argparse.Namespace(**{**vars(args), "policies": list(POLICIES), **h["args"]})
+        if _grid_keys(config_grid(part_args)) != h["grid"]:
+            raise SystemExit(f"the grid rebuilt from {path}'s arguments is not the grid it was run with "
+                             "(config_grid changed since?)")
     for k, v in head["args"].items():
         setattr(args, k, v)
     for k, v in explicit.items():
@@ -546,14 +592,25 @@ def merge(args, argv):
         elif len({json.dumps(h["args"].get(k)) for h in headers}) > 1:
             print(f"note: the parts differ in --{k}; the first's ({getattr(args, k)}) is used", flush=True)
     args.keep_answers = all(h["args"].get("keep_answers") for h in headers)
-    grid = config_grid(args)
-    if _grid_keys(grid) != head["grid"]:
-        raise SystemExit(f"the grid rebuilt from {args.merge[0]}'s arguments is not the grid it was run with "
-                         "(config_grid changed since?)")
-    keys = {json.dumps(k) for k, _ in grid}
-    for r in results:
-        if set(r["runs"]) != keys:
-            raise SystemExit(f"dialogue {r['index']} does not have a run of every configuration of the grid")
+    # the union of the parts' grids, in the order one run of the union's arguments would have
+    for k in GRID_ARGS:
+        values = [v for h in headers for v in (h["args"].get(k, list(POLICIES) if k == "policies" else []) or [])]
+        setattr(args, k, list(dict.fromkeys(values)))
+    union = {json.dumps(k) for h in headers for k in h["grid"]}
+    grid = [(k, cfg) for k, cfg in config_grid(args) if json.dumps(k) in union]
+    if len(grid) != len(union):
+        raise SystemExit("the parts' grids together are not part of one grid (config_grid changed since?)")
+    if missing_baselines(grid):
+        raise SystemExit(f"the merged grid lacks the Full / Hard runs {missing_baselines(grid)} that a summary needs: "
+                         "merge a part that has them")
+    complete = [r for r in results if set(r["runs"]) >= union]
+    if len(complete) < len(results):
+        lacking = [r["index"] for r in results if not set(r["runs"]) >= union]
+        print(f"WARNING: {len(lacking)} dialogues lack a run of some configuration of the merged grid and are left "
+              f"out: {_ranges(lacking)}; summarised over the {len(complete)} that have every one", flush=True)
+    if not complete:
+        raise SystemExit("no dialogue has a run of every configuration of the merged grid")
+    results = [{**r, "runs": {json.dumps(k): r["runs"][json.dumps(k)] for k, _ in grid}} for r in complete]
     indices = [r["index"] for r in results]
     ranges = _ranges(indices)
     if len(ranges) > 1:
@@ -561,6 +618,8 @@ def merge(args, argv):
         print(f"WARNING: the merged dialogues are not one contiguous range: {ranges} (missing {gaps})", flush=True)
     args.out = args.out or default_out(args)
     args.device = _one_or_all(h["device"] for h in headers)
+    args.gdn_kernels_used = _one_or_all(h.get("gdn_kernels", "torch" if h["device"] == "cpu" else None)
+                                        for h in headers)
     print(f"{len(grid)} configurations x {len(results)} dialogues ({args.arch}) merged from {len(parts)} files",
           flush=True)
     meta = _meta(args, results, [_command(argv)] + [p["command"] for p in parts], None, jobs=None,
@@ -582,6 +641,9 @@ def main(argv=None):
     parser.add_argument("--chunks", nargs="+", type=int, default=[7, 15, 31])
     parser.add_argument("--causal-retentions", nargs="*", type=float, default=[0.3])
     parser.add_argument("--causal-chunks", nargs="*", type=int, default=[31])
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES,
+                        help="run only these policies' configurations: a part of a grid (with --save-results; "
+                             "--merge it with a part that has the Full / Hard runs)")
     parser.add_argument("--guard-tokens", type=int, default=16)
     parser.add_argument("--completion", default="blocking", choices=["blocking", "next_turn"])
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -590,6 +652,9 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=None, help="bootstrap seed (default 0; --merge: the first part's)")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (dialogues in parallel)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--gdn-kernels", default="auto", choices=["auto", "torch"],
+                        help="Qwen3.5's Gated DeltaNet kernels: auto = fla-core's on CUDA when installed, else "
+                             "torch; torch = transformers' torch code everywhere (also on CUDA)")
     parser.add_argument("--keep-answers", action="store_true", help="store every answer in the JSON")
     parser.add_argument("--quick", action="store_true",
                         help="8 dialogues, selectors uniform + mmtok, retention 0.3, chunk 31, both visibilities")
@@ -618,6 +683,12 @@ def main(argv=None):
     args.out = args.out or default_out(args)
 
     grid = config_grid(args)
+    if not grid:
+        parser.error(f"--policies {' '.join(args.policies)}: no configuration of the grid is left")
+    baselines = missing_baselines(grid)
+    if baselines and not args.save_results:
+        parser.error(f"--policies {' '.join(args.policies)} leaves out runs that a summary needs ({baselines}): "
+                     "give --save-results and --merge the file with a part that has them")
     indices = list(range(args.start, args.start + args.dialogues))
     command = _command(argv)
     sink, done = (None, {}) if not args.save_results else open_results(args.save_results,
@@ -662,6 +733,10 @@ def main(argv=None):
     wall = time.perf_counter() - t0
     results.sort(key=lambda r: r["index"])
     extra = {"save_results": args.save_results, "resumed": len(indices) - len(todo)} if args.save_results else {}
+    if baselines:
+        print(f"{len(results)} dialogues x {len(grid)} configurations in {wall:.0f}s -> {args.save_results} (a part "
+              f"without {baselines}: no summary; --merge it with a part that has them)", flush=True)
+        return 0
     write_outputs(results, grid, args, _meta(args, results, command, wall, **extra))
     return 0
 

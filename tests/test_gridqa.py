@@ -99,9 +99,12 @@ def test_training_continues_from_a_checkpoint_on_the_next_dialogues(monkeypatch,
     first, second = tmp_path / "a", tmp_path / "b"
     assert train.main(["--arch", "qwen3_vl", "--steps", "2", "--out", str(first), *tiny]) == 0
     assert train.main(["--arch", "qwen3_vl", "--steps", "1", "--init-from", str(first), "--out", str(second),
-                       *tiny]) == 0
+                       "--val-dialogues", "3", *tiny]) == 0
     a, b = (json.loads((p / "training_stats.json").read_text()) for p in (first, second))
     assert a["first_dialogue"] == 0 and a["init_from"] is None and a["dialogues_seen"] == 4
+    # runs are chosen on the 'val' split, so that the choice does not select on the reported 'test' dialogues
+    assert a["val_greedy"] is None and b["val_greedy"]["split"] == "val" and b["val_greedy"]["dialogues"] == 3
+    assert b["heldout_greedy"]["split"] == "test" and b["heldout_greedy"]["dialogues"] == 2
     assert b["first_dialogue"] == 4 and b["init_from"]["path"] == str(first) and b["init_from"]["steps"] == 2
     # with a learning rate of 0 the continued run saves exactly the weights it started from
     assert train.main(["--arch", "qwen3_vl", "--steps", "1", "--lr", "0", "--warmup", "0", "--init-from", str(first),
@@ -117,6 +120,13 @@ def test_training_continues_from_a_checkpoint_on_the_next_dialogues(monkeypatch,
     with pytest.raises(SystemExit):  # a Qwen3-VL checkpoint cannot start a Qwen3.5 run
         train.main(["--arch", "qwen3_5", "--steps", "1", "--init-from", str(first), "--out", str(tmp_path / "c"),
                     *tiny])
+
+
+def test_splits_are_disjoint_streams():
+    test, val = task.dialogues("test", 0, 20), task.dialogues("val", 0, 20)
+    assert {str(d.cells) for d in test}.isdisjoint(str(d.cells) for d in val)
+    with pytest.raises(ValueError, match="split must be one of"):
+        task.make_dialogue(0, "validation")
 
 
 def test_answers_follow_from_the_grid():

@@ -137,3 +137,34 @@ def test_merge_keeps_a_repeated_dialogue_once_and_refuses_a_conflicting_one(part
     assert quality.main(["--merge", p1, str(tmp_path / "gap.jsonl"), "--out", str(tmp_path / "g.json")]) == 0
     assert "not one contiguous range: [[0, 0], [3, 3]] (missing [[1, 2]])" in capsys.readouterr().out
     assert json.loads((tmp_path / "g.json").read_text())["runs"]["qwen3_vl"]["meta"]["indices"] == [[0, 0], [3, 3]]
+
+
+def test_a_part_of_other_configurations_merges_into_the_union_of_the_grids(parts, tmp_path, capsys):
+    """p1 + p2 (Full, Hard, Raincheck chunk 31 both visibilities) and a Raincheck-only part at chunk 15 merge into
+    the summary of one run with chunks 15 and 31."""
+    grid = ["--selectors", "uniform", "--retentions", "0.3", "--bootstrap", "200"]
+    assert quality.main(grid + ["--chunks", "15", "31", "--dialogues", "2", "--out", str(tmp_path / "whole.json")]) == 0
+    part = grid + ["--chunks", "15", "--causal-retentions", "--policies", "raincheck", "--dialogues", "2"]
+    with pytest.raises(SystemExit):  # no Full / Hard runs: only as a part of a grid, in a results file
+        quality.main(part + ["--out", str(tmp_path / "o.json")])
+    c = tmp_path / "c.jsonl"
+    assert quality.main(part + ["--save-results", str(c), "--out", str(tmp_path / "o.json")]) == 0
+    assert "no summary" in capsys.readouterr().out and not (tmp_path / "o.json").exists()
+    assert lines(c)[0]["header"]["grid"] == [["raincheck", "uniform", 0.3, 15, "boundary"]]
+    p1, p2 = str(parts / "p1.jsonl"), str(parts / "p2.jsonl")
+    assert quality.main(["--merge", p1, str(c), p2, "--out", str(tmp_path / "m.json")]) == 0
+    merged = json.loads((tmp_path / "m.json").read_text())
+    assert merged["records"] == json.loads((tmp_path / "whole.json").read_text())["records"]
+    meta = merged["runs"]["qwen3_vl"]["meta"]
+    assert meta["chunks"] == [31, 15] and meta["dialogues"] == 2
+    assert [p["configurations"] for p in meta["parts"]] == [4, 1, 4]
+    with pytest.raises(SystemExit, match="lacks the Full / Hard runs"):
+        quality.main(["--merge", str(c), "--out", str(tmp_path / "o.json")])
+    # a dialogue without a run of every configuration is left out, with a warning
+    short = tmp_path / "short.jsonl"
+    short.write_text("".join(json.dumps(r) + "\n" for r in lines(c)[:2]))
+    capsys.readouterr()
+    assert quality.main(["--merge", p1, p2, str(short), "--out", str(tmp_path / "s.json")]) == 0
+    assert "1 dialogues lack a run of some configuration of the merged grid and are left out: [[1, 1]]" in \
+        capsys.readouterr().out
+    assert json.loads((tmp_path / "s.json").read_text())["runs"]["qwen3_vl"]["meta"]["indices"] == [[0, 0]]

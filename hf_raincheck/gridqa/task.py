@@ -88,7 +88,7 @@ QUESTION_KINDS = ("cell", "row", "column", "count", "larger", "colour", "search"
 QUESTION_WEIGHTS = {"cell": 0.18, "row": 0.16, "column": 0.12, "count": 0.16, "larger": 0.1, "colour": 0.1,
                     "search": 0.18, "find": 0.0}
 
-SPLITS = {"train": 0, "test": 1, "demo": 2}
+SPLITS = {"train": 0, "test": 1, "demo": 2, "val": 3}
 
 
 def cell_id(colour: str, kind: str) -> int:
