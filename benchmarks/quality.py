@@ -49,6 +49,7 @@ prefill. Visibility (``"boundary"``, the paper's, vs ``"causal"``) is compared a
 from __future__ import annotations
 
 import argparse
+import gzip
 import importlib.util
 import itertools
 import json
@@ -389,9 +390,10 @@ def _mismatch(a, b, a_name, b_name, fields=MATCH_FIELDS):
 
 
 def read_results(path, repair=False):
-    """``(header or None, [result, ...])`` of a ``--save-results`` file. A last line cut off by a killed run is
-    dropped; with ``repair`` also from the file, so that appending starts on a fresh line."""
-    with open(path, "rb") as f:
+    """``(header or None, [result, ...])`` of a ``--save-results`` file (``.gz``: gzip-compressed, read only, as
+    the committed parts in ``benchmarks/results/quality_parts``). A last line cut off by a killed run is dropped;
+    with ``repair`` also from the file, so that appending starts on a fresh line."""
+    with (gzip.open if str(path).endswith(".gz") else open)(path, "rb") as f:
         data = f.read()
     header, results, pos, end, number = None, [], 0, 0, 0
     while pos < len(data):
@@ -672,6 +674,9 @@ def main(argv=None):
         if args.save_results:
             parser.error("--merge and --save-results exclude each other")
         return merge(args, argv)
+    if args.save_results and args.save_results.endswith(".gz"):
+        parser.error(f"--save-results {args.save_results}: a run appends to a plain JSON-lines file; compress it "
+                     "(gzip) after the run, --merge reads .gz")
     args.bootstrap = 1000 if args.bootstrap is None else args.bootstrap
     args.seed = 0 if args.seed is None else args.seed
     if args.quick:

@@ -122,6 +122,15 @@ def test_merge_keeps_a_repeated_dialogue_once_and_refuses_a_conflicting_one(part
     assert quality.main(["--merge", p1, p2, p1, "--out", str(tmp_path / "m.json")]) == 0
     merged = json.loads((tmp_path / "m.json").read_text())
     assert merged["records"] == json.loads((parts / "m.json").read_text())["records"]
+    # a gzip-compressed part (as committed) merges the same; a run cannot append to one
+    import gzip
+
+    with gzip.open(tmp_path / "p2.jsonl.gz", "wb") as f:
+        f.write((parts / "p2.jsonl").read_bytes())
+    assert quality.main(["--merge", p1, str(tmp_path / "p2.jsonl.gz"), "--out", str(tmp_path / "z.json")]) == 0
+    assert json.loads((tmp_path / "z.json").read_text())["records"] == merged["records"]
+    with pytest.raises(SystemExit):
+        quality.main(QUICK + ["--save-results", str(tmp_path / "p2.jsonl.gz"), "--out", str(tmp_path / "o.json")])
     rows = lines(parts / "p1.jsonl")
     run = next(iter(rows[1]["runs"].values()))
     run["correct"][0] = not run["correct"][0]
