@@ -576,7 +576,21 @@ def default_out(args) -> str:
 
 
 def merge(args, argv):
-    """``--merge``: no model runs; the parts' results summarised like one run of their grid."""
+    """``--merge``: no model runs; the parts' results summarised like one run of their grid, one summary per
+    architecture (parts of both can be given at once: each arch's part of ``--out`` is written from its files)."""
+    by_arch = {}
+    for path in args.merge:
+        header, _ = read_results(path)
+        by_arch.setdefault((header or {}).get("arch"), []).append(path)
+    for paths in by_arch.values():
+        code = merge_arch(argparse.Namespace(**{**vars(args), "merge": paths}), argv)
+        if code:
+            return code
+    return 0
+
+
+def merge_arch(args, argv):
+    """``--merge`` of one architecture's parts."""
     headers, results, parts = merge_results(args.merge)
     head = headers[0]
     explicit = {"bootstrap": args.bootstrap, "seed": args.seed}

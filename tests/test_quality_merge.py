@@ -177,3 +177,21 @@ def test_a_part_of_other_configurations_merges_into_the_union_of_the_grids(parts
     assert "1 dialogues lack a run of some configuration of the merged grid and are left out: [[1, 1]]" in \
         capsys.readouterr().out
     assert json.loads((tmp_path / "s.json").read_text())["runs"]["qwen3_vl"]["meta"]["indices"] == [[0, 0]]
+
+
+def test_one_merge_writes_each_architecture_from_its_own_parts(parts, tmp_path):
+    p1, p2 = str(parts / "p1.jsonl"), str(parts / "p2.jsonl")
+    other = []
+    for name in ("p1", "p2"):  # the same results under another arch's header: a stand-in for Qwen3.5 parts
+        rows = lines(parts / f"{name}.jsonl")
+        rows[0]["header"]["arch"] = "qwen3_5"
+        (tmp_path / f"{name}_35.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        other.append(str(tmp_path / f"{name}_35.jsonl"))
+    out = tmp_path / "both.json"
+    assert quality.main(["--merge", other[0], p1, other[1], p2, "--out", str(out)]) == 0
+    both = json.loads(out.read_text())
+    assert set(both["runs"]) == {"qwen3_vl", "qwen3_5"}
+    vl = json.loads((parts / "m.json").read_text())["runs"]["qwen3_vl"]["records"]
+    assert both["runs"]["qwen3_vl"]["records"] == vl
+    assert both["runs"]["qwen3_5"]["records"] == [{**r, "arch": "qwen3_5"} for r in vl]
+    assert len(both["records"]) == 2 * len(vl)
