@@ -6,8 +6,8 @@
     python scripts/train_gridqa.py --eval-only hf_raincheck/assets/gridqa-qwen3-vl --device cpu   # re-evaluate
     python scripts/train_gridqa.py --arch qwen3_vl --init-from ckpt/a --curriculum-steps 0 --out ckpt/b ...  # go on
 
-Shipped (H200, torch 2.11, four runs sharing one GPU, 440 s of training each; commands in each checkpoint's
-``training_stats.json``):
+Shipped (H200, torch 2.11, four runs sharing one GPU, ~440 s of training per stage; commands in each
+checkpoint's ``training_stats.json``):
 
     python scripts/train_gridqa.py --arch qwen3_vl --device cuda --time-budget 440 --eval-dialogues 500 \
         --eval-batch 256 --workers 2 --threads 1 --structured 1.0 --loss answer --batch 128 --lr 1.5e-3 \
