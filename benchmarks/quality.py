@@ -461,15 +461,14 @@ def _same_run(a, b):
             == {f: v for f, v in b.items() if f != "seconds" and (answers or f != "answers")})
 
 
-def merge_results(paths):
-    """``(headers, results sorted by index, parts)`` of ``--save-results`` files: their headers must agree on
-    ``MERGE_FIELDS`` (their grids may differ); a dialogue's runs are the union of its runs in every file, and a
-    (dialogue, configuration) in several files must have the same result in each (it is kept once)."""
+def merge_results(files):
+    """``(headers, results sorted by index, parts)`` of read ``--save-results`` files ``[(path, header, results)]``:
+    their headers must agree on ``MERGE_FIELDS`` (their grids may differ); a dialogue's runs are the union of its
+    runs in every file, and a (dialogue, configuration) in several files must have the same result in each (it is
+    kept once)."""
     headers, by_index, where, parts = [], {}, {}, []
-    for path in paths:
-        header, results = read_results(path)
-        if header is None:
-            raise SystemExit(f"{path}: empty, no header line")
+    paths = [path for path, _, _ in files]
+    for path, header, results in files:
         if headers:
             problem = _mismatch(headers[0], header, paths[0], path, fields=MERGE_FIELDS)
             if problem:
@@ -528,7 +527,7 @@ def _meta(args, results, command, wall, **extra):
         "retentions": args.retentions, "chunks": args.chunks, "causal_retentions": args.causal_retentions,
         "causal_chunks": args.causal_chunks, "guard_tokens": args.guard_tokens, "completion": args.completion,
         "max_new_tokens": args.max_new_tokens, "bootstrap": args.bootstrap, "device": args.device,
-        "gdn_kernels": getattr(args, "gdn_kernels_used", None) or gdn_kernels(args), "torch": torch.__version__, "transformers": transformers.__version__,
+        "gdn_kernels": gdn_kernels(args), "torch": torch.__version__, "transformers": transformers.__version__,
         "wall_s": None if wall is None else round(wall, 1),
         # the time of every (dialogue, configuration) run, summed: comparable between whole, resumed and merged runs
         "cpu_s": round(sum(run["seconds"] for r in results for run in r["runs"].values()), 1),
@@ -580,18 +579,18 @@ def merge(args, argv):
     architecture (parts of both can be given at once: each arch's part of ``--out`` is written from its files)."""
     by_arch = {}
     for path in args.merge:
-        header, _ = read_results(path)
-        by_arch.setdefault((header or {}).get("arch"), []).append(path)
-    for paths in by_arch.values():
-        code = merge_arch(argparse.Namespace(**{**vars(args), "merge": paths}), argv)
-        if code:
-            return code
+        header, results = read_results(path)
+        if header is None:
+            raise SystemExit(f"{path}: empty, no header line")
+        by_arch.setdefault(header["arch"], []).append((path, header, results))
+    for files in by_arch.values():
+        merge_arch(argparse.Namespace(**{**vars(args), "merge": [path for path, _, _ in files]}), argv, files)
     return 0
 
 
-def merge_arch(args, argv):
-    """``--merge`` of one architecture's parts."""
-    headers, results, parts = merge_results(args.merge)
+def merge_arch(args, argv, files):
+    """``--merge`` of one architecture's parts (``[(path, header, results)]``, as read)."""
+    headers, results, parts = merge_results(files)
     head = headers[0]
     explicit = {"bootstrap": args.bootstrap, "seed": args.seed}
     args.arch, args.model = head["arch"], head["model"]
@@ -616,9 +615,10 @@ def merge_arch(args, argv):
     grid = [(k, cfg) for k, cfg in config_grid(args) if json.dumps(k) in union]
     if len(grid) != len(union):
         raise SystemExit("the parts' grids together are not part of one grid (config_grid changed since?)")
-    if missing_baselines(grid):
-        raise SystemExit(f"the merged grid lacks the Full / Hard runs {missing_baselines(grid)} that a summary needs: "
-                         "merge a part that has them")
+    baselines = missing_baselines(grid)
+    if baselines:
+        raise SystemExit(f"the merged grid lacks the Full / Hard runs {baselines} that a summary needs: merge a part "
+                         "that has them")
     complete = [r for r in results if set(r["runs"]) >= union]
     if len(complete) < len(results):
         lacking = [r["index"] for r in results if not set(r["runs"]) >= union]
@@ -634,12 +634,12 @@ def merge_arch(args, argv):
         print(f"WARNING: the merged dialogues are not one contiguous range: {ranges} (missing {gaps})", flush=True)
     args.out = args.out or default_out(args)
     args.device = _one_or_all(h["device"] for h in headers)
-    args.gdn_kernels_used = _one_or_all(h.get("gdn_kernels", "torch" if h["device"] == "cpu" else None)
-                                        for h in headers)
     print(f"{len(grid)} configurations x {len(results)} dialogues ({args.arch}) merged from {len(parts)} files",
           flush=True)
     meta = _meta(args, results, [_command(argv)] + [p["command"] for p in parts], None, jobs=None,
                  torch=_one_or_all(h["torch"] for h in headers),
+                 gdn_kernels=_one_or_all(h.get("gdn_kernels", "torch" if h["device"] == "cpu" else None)
+                                         for h in headers),
                  transformers=_one_or_all(h["transformers"] for h in headers), parts=parts)
     write_outputs(results, grid, args, meta)
     return 0
