@@ -183,3 +183,41 @@ def test_compiled_gdn_kernels_resolve_outside_the_trace(hybrid, monkeypatch):
     monkeypatch.setattr(kernels, "_fla_functions", no_import)
     compiled = run(hybrid, inputs, 8, cfg)
     assert new_tokens(compiled, inputs) == new_tokens(eager, inputs) and graphs() == 2
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_fused_steps_pass_the_same_static_store(model, hybrid, family, monkeypatch):
+    """Every fused step of a plan hands the compiled graph the same store tensors, marked as unguarded static
+    addresses (CUDA graphs read them in place, a later plan reuses the graph); what changes per step is only 0-d
+    views of the persistent slot index (the window's start and length) and the fed token and slot."""
+    from hf_raincheck.generation.decode import StaticStep
+
+    net = model if family == "qwen3_vl" else hybrid
+    calls = []
+    original = StaticStep._run
+
+    def recording(self, cache, turn, count, token, slot, chunk):
+        if chunk is not None:
+            calls.append((chunk, cache._slot_index, cache._scratch_slots, count, turn.config.chunk_size))
+        return original(self, cache, turn, count, token, slot, chunk)
+
+    monkeypatch.setattr(StaticStep, "_run", recording)
+    cfg = RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=2, pruning="uniform", completion="blocking")
+    out = run(net, two_images(), 12, cfg)
+    assert len(calls) >= 2 and out.past_key_values.stats.during_decode == sum(c[3] for c in calls)
+    first = calls[0][0]
+    store, width = first[:7], calls[0][1].numel()
+    restored = 0
+    for chunk, index, scratch, count, chunk_size in calls:
+        assert all(a is b for a, b in zip(chunk[:4] + chunk[5:7], store[:4] + store[5:7]))
+        assert chunk[4] is None or all(a is b for a, b in zip(chunk[4], store[4]))
+        start, limit = chunk[7], chunk[8]
+        assert start.dim() == limit.dim() == 0 and start.untyped_storage().data_ptr() == index.data_ptr()
+        assert (int(start), int(limit)) == (restored, count)
+        assert getattr(scratch, "_dynamo_static_input_type", None) == "unguarded"
+        restored += count
+    tensors = [t for t in store[:4] + store[5:7]] + (list(store[4]) if store[4] is not None else [])
+    assert all(getattr(t, "_dynamo_static_input_type", None) == "unguarded" for t in tensors)
+    capacity = out.past_key_values.layers[0].capacity
+    assert store[0].shape[0] == store[2].shape[0] == store[3].shape[0] == capacity <= width
+    assert int(store[3].sum()) == out.past_key_values.plans[-1].total_deferred  # valid: the real store rows

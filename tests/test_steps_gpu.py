@@ -112,3 +112,36 @@ def test_compiled_static_steps_equal_eager_on_cuda(family):
     torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(eager.logits), atol=2e-3, rtol=2e-3)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0, skips.messages
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_compiled_fused_steps_copy_only_the_step_indices(family, monkeypatch):
+    """A CUDA-graph replay copies every input that is not a static address. The store, scratch slots and cache
+    are static, so a fused step copies only the fed token and three 0-d indices (slot, window start and length)
+    where it copied every window view before (17 device-to-device copies per fused step of Qwen3-VL-8B)."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    model = _model(family)
+    inputs = _inputs()
+    cfg = RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=2, pruning="uniform", completion="blocking")
+    torch._dynamo.reset()
+    kw = dict(cache_implementation="static", compile_config=CompileConfig())
+    generate(model, inputs, 16, cfg, **kw)  # compile and record
+    generate(model, inputs, 16, cfg, **kw)  # a new plan: graphs recorded again for its store's addresses
+    original = decode.StaticStep._run
+    copies = {"fused": [], "decode": []}
+
+    def profiled(self, cache, turn, count, token, slot, chunk):
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            result = original(self, cache, turn, count, token, slot, chunk)
+            torch.cuda.synchronize()
+        n = sum(e.count for e in prof.key_averages() if e.key.startswith("Memcpy DtoD"))
+        copies["fused" if chunk is not None else "decode"].append(n)
+        return result
+
+    monkeypatch.setattr(decode.StaticStep, "_run", profiled)
+    generate(model, inputs, 16, cfg, **kw)
+    print(f"\n{family}: device-to-device copies per compiled call: {copies}")
+    assert copies["fused"] and copies["decode"]
+    assert max(copies["fused"]) <= 4 and max(copies["decode"]) <= 2, copies

@@ -39,7 +39,7 @@ class DeferralPlan:
     # device-side helpers: deferred slots as a mask over logical indices [0, boundary), and `deferred` itself
     deferred_slot_mask: torch.Tensor | None = field(default=None, repr=False)
     deferred_on_device: torch.Tensor | None = field(default=None, repr=False)
-    # compiled static steps: the store padded by one chunk (see hf_raincheck.generation.decode.StaticStep)
+    # compiled static steps: the store widened to the cache's capacity (hf_raincheck.generation.decode.StaticStep)
     padded_store: dict | None = field(default=None, repr=False)
 
     @property

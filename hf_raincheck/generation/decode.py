@@ -8,7 +8,10 @@ Two ways to run it, with the same result:
 * compiled (`StaticStep`, with ``cache_implementation="static"``): one ``torch.compile``d function with fixed
   shapes, one graph for a plain decode step (1 row) and one for a fused step (``chunk_size + 1`` rows: the last
   chunk is padded with rows written to scratch slots past the conversation that no row ever sees). Mask, cache
-  writes, DeepStack and the LM head are inside the graph; what changes from step to step is passed as tensors.
+  writes, DeepStack, the chunk's gather from the deferred store and the LM head are inside the graph; what
+  changes from step to step is passed as tensors: the fed token and 0-d views of a persistent index (the slot, the
+  window's start and length), while the store, the scratch slots and the cache are static addresses that CUDA
+  graphs read in place.
 """
 
 from __future__ import annotations
@@ -62,18 +65,28 @@ def decode_step(adapter, cache: DeferredPrefillCache, turn, token: torch.Tensor)
 
 
 # ---------------------------------------------------------------------------------------------------- compiled
-def _step_graph(adapter, cache, token, slot, rope_delta, chunk, backend: str, visibility: str):
-    """The traced body of a static step. `chunk` is None (a plain decode step) or a tuple of tensors:
-    ``(embeds [c, H], positions [3, c], slots [c], valid [c], deepstack [c, H] per layer or None, boundary 0-d,
-    deferred_slots [width])`` where rows past the chunk's real tokens are padding (``valid`` False). `token` None:
-    the chunk alone (the unfused control), no logits."""
+def _step_graph(adapter, cache, token, slot, rope_delta, chunk, backend: str, visibility: str, chunk_size: int):
+    """The traced body of a static step. `chunk` is None (a plain decode step) or a tuple of tensors: the plan's
+    whole padded store ``(embeds [W, H], positions [3, W], slots [W], valid [W], deepstack [W, H] per layer or None,
+    boundary 0-d, deferred_slots [W])`` (static addresses: CUDA graphs read them in place) and two 0-d long tensors
+    ``start`` (the window's first store row) and ``limit`` (how many of its `chunk_size` rows are carried); rows
+    past them are padding (``valid`` False), written to scratch slots. `token` None: the chunk alone (the unfused
+    control), no logits."""
     width = cache.layers[0].capacity
     filled = cache._filled[:width]
     parts = []  # (embeds [1, r, H], positions [3, 1, r], slots [r], deferred flags [r], valid [r], deepstack)
+    d_valid = None
     if chunk is not None:
-        d_embeds, d_positions, d_slots, d_valid, d_deepstack, boundary, deferred_slots = chunk
-        d_slots = torch.where(d_valid, d_slots, cache._scratch_slots)
-        parts.append((d_embeds[None], d_positions[:, None, :], d_slots, d_valid, d_valid, d_deepstack))
+        s_embeds, s_positions, s_slots, s_valid, s_deepstack, boundary, deferred_slots, start, limit = chunk
+        rows = torch.arange(chunk_size, device=s_slots.device)
+        window = start + rows  # the window is gathered here, so no per-step view is a graph input
+        d_valid = s_valid.index_select(0, window) & (rows < limit)
+        d_slots = torch.where(d_valid, s_slots.index_select(0, window), cache._scratch_slots)
+        d_deepstack = None if s_deepstack is None else [f.index_select(0, window) for f in s_deepstack]
+        parts.append((s_embeds.index_select(0, window)[None], s_positions.index_select(1, window)[:, None, :],
+                      d_slots, d_valid, d_valid, d_deepstack))
+        if cache._gdn_step is not None:  # GDN layers read which chunk rows are real
+            cache._gdn_step.valid = d_valid
     else:
         boundary, deferred_slots = 0, None
     if token is not None:
@@ -96,8 +109,7 @@ def _step_graph(adapter, cache, token, slot, rope_delta, chunk, backend: str, vi
     present = filled.clone().index_fill_(0, slots, True)
     mask = visible(present, slots, flags, boundary, deferred_slots, visibility)[None, None]
     if backend == "flash":  # the keys' gather order per row block (attention/flash.py)
-        mask = flash_mask(mask, filled, slots, 0 if chunk is None else chunk[0].shape[0],
-                          None if chunk is None else chunk[3], boundary, visibility)
+        mask = flash_mask(mask, filled, slots, 0 if chunk is None else chunk_size, d_valid, boundary, visibility)
     cache._write_slots = slots
     hidden = adapter.language_forward(embeds, positions, mask, cache, deepstack, backend)
     filled[slots] = filled[slots] | valid
@@ -119,8 +131,8 @@ class StaticStep:
     """Compiled decode / fused steps on a static `DeferredPrefillCache` (see the module docstring).
 
     Built once per model and compile config (`compile_options`: ``torch.compile`` keyword arguments, from
-    transformers' ``CompileConfig``). Per turn, `prepare` pads the pending plan's deferred store by one chunk so
-    every fused step reads fixed-size views.
+    transformers' ``CompileConfig``). Per plan, `prepare` widens the deferred store to the cache's capacity, so
+    every fused step passes the same store tensors and gathers its window inside the graph.
     """
 
     def __init__(self, adapter, compile_options: dict):
@@ -129,14 +141,16 @@ class StaticStep:
 
     @staticmethod
     def prepare(cache: DeferredPrefillCache, plan: DeferralPlan | None, chunk_size: int) -> None:
-        """Scratch slots past the conversation (when the capacity changed), and the plan's fixed-size chunk windows
-        (once per plan): views of its store, which a static cache allocates with one chunk of zero rows past the
-        end (`prepare_turn`)."""
+        """Scratch slots past the conversation (when the capacity changed), and (once per plan and capacity) the
+        plan's store widened to the cache's capacity ``W`` (zero rows past its end), which compiled steps read
+        whole: a step passes only the window's start and length, so the store is the same static-address input at
+        every step (CUDA graphs read it in place instead of copying a new window view each step) and its shape
+        changes only with the capacity, which recompiles anyway."""
         width = cache.layers[0].capacity
         device = cache._filled.device
         scratch = cache._scratch_slots
         if scratch is None or scratch.numel() != chunk_size or cache._scratch_end != width:
-            cache._scratch_slots = torch.arange(width - chunk_size, width, device=device)
+            cache._scratch_slots = _static(torch.arange(width - chunk_size, width, device=device))
             cache._scratch_end = width
         if plan is None or plan.pending == 0:
             return
@@ -144,37 +158,41 @@ class StaticStep:
         if padded is not None and padded["width"] == width:
             return
         total = plan.total_deferred
-        if plan.store_embeds.shape[0] < total + chunk_size:
-            raise RuntimeError("a compiled static step needs the deferred store padded by one chunk (static cache)")
-        valid = torch.zeros(total + chunk_size, dtype=torch.bool, device=device)
+        if total + chunk_size > width:
+            raise RuntimeError(f"static Raincheck cache of capacity {width} cannot hold {total} deferred tokens "
+                               f"and a chunk of {chunk_size} scratch rows")
+        plan.store_embeds = _widened(plan.store_embeds, total, width, 0)
+        plan.store_positions = _widened(plan.store_positions, total, width, 1)
+        plan.deferred_on_device = _widened(plan.deferred_on_device, total, width, 0)
+        if plan.store_deepstack is not None:
+            plan.store_deepstack = [_widened(f, total, width, 0) for f in plan.store_deepstack]
+        valid = torch.zeros(width, dtype=torch.bool, device=device)
         valid[:total] = True
         deferred_slots = torch.zeros(width, dtype=torch.bool, device=device)
         deferred_slots[: plan.boundary] = plan.deferred_slot_mask[: plan.boundary]
         plan.padded_store = dict(
             width=width,
-            embeds=plan.store_embeds,
-            positions=plan.store_positions,
-            slots=plan.deferred_on_device,
-            valid=valid,
-            deepstack=plan.store_deepstack,
-            boundary=torch.full((), plan.boundary, dtype=torch.long, device=device),
-            deferred_slots=deferred_slots,
+            tensors=tuple(_static(t) for t in (
+                plan.store_embeds, plan.store_positions, plan.deferred_on_device, valid,
+            )) + (
+                None if plan.store_deepstack is None else [_static(f) for f in plan.store_deepstack],
+                _static(torch.full((), plan.boundary, dtype=torch.long, device=device)),
+                _static(deferred_slots),
+            ),
         )
 
     def _run(self, cache, turn, count: int, token, slot: int, chunk):
         if self.adapter.gdn_glue is not None:  # GDN layers read how the rows split (tensors only)
             backend = compiled_gdn_backend(turn.config.gdn_backend, cache._filled.device)
             gdn_functions(backend)  # imported here, outside the trace (torch 2.11's dynamo breaks the graph on it)
+            # `valid` is set inside the graph, from the gathered window
             cache._gdn_step = GDNGraphStep(
-                valid=chunk[3] if chunk is not None else None,
-                count=cache._slot_index[count] if chunk is not None else None,
-                live=token is not None,
-                backend=backend,
+                valid=None, count=chunk[-1] if chunk is not None else None, live=token is not None, backend=backend,
             )
         try:
             return self.compiled(
                 self.adapter, cache, token, cache.slot_tensor(slot), turn.rope_delta_tensor, chunk, turn.backend,
-                turn.config.visibility,
+                turn.config.visibility, turn.config.chunk_size,
             )
         finally:
             cache._gdn_step = None
@@ -186,20 +204,8 @@ class StaticStep:
         chunk = None
         if count:
             self.prepare(cache, plan, turn.config.chunk_size)  # done after the prefill already; a no-op here
-            store = plan.padded_store
-            window = slice(plan.restored, plan.restored + turn.config.chunk_size)
-            valid = store["valid"][window]
-            if count < min(turn.config.chunk_size, plan.pending):  # a custom schedule carrying a partial chunk
-                valid = valid & (torch.arange(valid.shape[0], device=valid.device) < count)
-            chunk = (
-                store["embeds"][window],
-                store["positions"][:, window],
-                store["slots"][window],
-                valid,
-                None if store["deepstack"] is None else [f[window] for f in store["deepstack"]],
-                store["boundary"],
-                store["deferred_slots"],
-            )
+            # the window as two 0-d views of a persistent index (no host-to-device copy, no new graph input shape)
+            chunk = plan.padded_store["tensors"] + (cache._slot_index[plan.restored], cache._slot_index[count])
         if count and not turn.config.fused:  # the control: the chunk as a compiled forward of its own, then the step
             self._run(cache, turn, count, None, slot, chunk)
             chunk = None
@@ -210,3 +216,22 @@ class StaticStep:
                 plan.release_store()
                 cache.release_gdn_checkpoints()
         return logits
+
+
+def _static(t: torch.Tensor) -> torch.Tensor:
+    """Marks `t` as a static address for compiled steps (CUDA graphs read it in place rather than copying it at
+    each replay). Unguarded: a later plan's tensor of the same shape reuses the graph (CUDA graph trees record
+    again for its address) instead of recompiling."""
+    torch._dynamo.mark_static_address(t, guard=False)
+    return t
+
+
+def _widened(t: torch.Tensor, total: int, width: int, dim: int) -> torch.Tensor:
+    """`t`'s first `total` entries along `dim`, then zeros up to `width` (`t` itself when already that long)."""
+    if t.shape[dim] == width:
+        return t
+    shape = list(t.shape)
+    shape[dim] = width
+    out = t.new_zeros(shape)
+    out.narrow(dim, 0, total).copy_(t.narrow(dim, 0, total))
+    return out

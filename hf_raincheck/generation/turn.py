@@ -39,13 +39,6 @@ class Turn:
     rope_delta_tensor: torch.Tensor | None = None
 
 
-def _with_zero_rows(t: torch.Tensor, rows: int, dim: int) -> torch.Tensor:
-    """A copy of `t` with `rows` zero rows appended along `dim`."""
-    shape = list(t.shape)
-    shape[dim] = rows
-    return torch.cat([t, t.new_zeros(shape)], dim=dim)
-
-
 def _split_runs(runs: list[Span], counts: dict[str, list[int]]) -> list[Span]:
     """Splits runs of placeholders into one span per image / video frame using the processor's grids."""
     queues = {m: list(c) for m, c in counts.items()}
@@ -273,16 +266,14 @@ def prepare_turn(
         deferred_local[deferred - old] = True
         if deferred.numel() and config.policy == "raincheck":
             local = (deferred - old).to(device)
-            # a static cache's compiled steps read fixed-size chunk windows: the store gets one chunk of zero rows
-            # past its end (never read by eager steps, which slice the real rows only)
-            pad = config.chunk_size if cache.static else 0
-            plan.store_embeds = _with_zero_rows(new_embeds[local], pad, 0)
-            plan.store_deepstack = None if deepstack_new is None else [_with_zero_rows(f[local], pad, 0) for f in deepstack_new]
-            plan.store_positions = _with_zero_rows(positions[:, deferred.to(device)], pad, 1)
+            # (a compiled static step widens the store to the cache's capacity after the prefill: `StaticStep.prepare`)
+            plan.store_embeds = new_embeds[local]
+            plan.store_deepstack = None if deepstack_new is None else [f[local] for f in deepstack_new]
+            plan.store_positions = positions[:, deferred.to(device)]
             slot_mask = torch.zeros(boundary, dtype=torch.bool, device=device)
             slot_mask[deferred.to(device)] = True
             plan.deferred_slot_mask = slot_mask
-            plan.deferred_on_device = _with_zero_rows(deferred.to(device), pad, 0)
+            plan.deferred_on_device = deferred.to(device)
 
     # rows of the prefill: the earlier plan's pending deferred tokens, then I_0 in source order
     live_local = (~deferred_local).nonzero().squeeze(1).to(device)
