@@ -19,6 +19,10 @@ warm-up, CUDA events):
 * ``flash`` (when flash_attn is installed): the flash backend's kernel over the k keys (``attn_backend="flash"``
   calls it per row block after gathering the keys: ``flash_gathered`` adds that gather).
 
+* ``kernel:<config>`` (``--kernel-configs "block_r=64,block_n=64;block_r=128"``, CUDA with Triton): the grouped
+  attention as one split-key Triton kernel pair (`hf_raincheck.attention.grouped_triton`) with those tile sizes
+  (``HF_RAINCHECK_GROUPED_KERNEL=triton`` and ``HF_RAINCHECK_GROUPED_KERNEL_CONFIG`` make fused steps use it).
+
 Eager calls at these sizes are launch-bound (the GPU idles between a path's kernels); ``--graphs`` times a CUDA
 graph of 20 calls replayed (what a compiled static step runs), ``--compile`` lets Inductor fuse each path first.
 
@@ -152,14 +156,29 @@ def main(argv=None) -> int:
                         help="CUDA only: time each path as a replayed CUDA graph (no launch overhead, as in a "
                              "compiled step) instead of eager calls")
     parser.add_argument("--compile", action="store_true", help="torch.compile each path first (with --graphs)")
+    parser.add_argument("--paths", default=None, help=f"comma list of paths to time (default: all of {list(PATHS)})")
+    parser.add_argument("--kernel-configs", default="",
+                        help="';'-separated grouped_triton KernelConfig strings, each timed as a path kernel:<config>")
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
+    chosen = dict(PATHS)
+    if args.paths:
+        unknown = [p for p in args.paths.split(",") if p not in PATHS]
+        if unknown:
+            parser.error(f"--paths: unknown {unknown}; choose from {list(PATHS)}")
+        chosen = {p: PATHS[p] for p in args.paths.split(",")}
+    if args.kernel_configs:
+        from hf_raincheck.attention.grouped_triton import KernelConfig, grouped_attention_kernel
+
+        for text in filter(None, args.kernel_configs.split(";")):
+            config = KernelConfig.parse(text)
+            chosen[f"kernel:{text}"] = lambda *a, c=config: grouped_attention_kernel(*a, config=c)
     device = args.device or ("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
     cuda = device.startswith("cuda")
     if (args.graphs or args.compile) and not cuda:
         parser.error("--graphs / --compile need --device cuda")
-    paths = {name: torch.compile(fn, dynamic=False) if args.compile else fn for name, fn in PATHS.items()}
+    paths = {name: torch.compile(fn, dynamic=False) if args.compile else fn for name, fn in chosen.items()}
     dtype = torch.bfloat16 if cuda else torch.float32
     keys = [int(k) for k in (args.keys or ("200" if args.quick else "4352,1280")).split(",")]
     rows = [int(r) for r in (args.rows or ("1,8" if args.quick else "1,8,16,32,64")).split(",")]
@@ -168,8 +187,9 @@ def main(argv=None) -> int:
     records = []
     mode = ("compiled, " if args.compile else "") + ("CUDA graph replay" if args.graphs else "eager calls")
     print(f"per-call time, {mode}")
-    print("| layer | keys | rows | " + " | ".join(f"{p} us" for p in PATHS) + " | max abs diff grouped vs sdpa |")
-    print("| " + " | ".join(["---"] * (4 + len(PATHS))) + " |")
+    print("| layer | keys | rows | " + " | ".join(f"{p} us" for p in paths) + " | max abs diff grouped vs sdpa |"
+          " max abs diff kernels vs grouped |")
+    print("| " + " | ".join(["---"] * (5 + len(paths))) + " |")
     for name, (hq, hkv, d) in layers.items():
         for k in keys:
             for q in rows:
@@ -180,12 +200,22 @@ def main(argv=None) -> int:
                 visible = torch.rand(1, 1, q, k, device=device, generator=gen) < 0.9
                 visible[..., :1] = True
                 call = (query, key, value, visible, d ** -0.5)
-                times = {p: time_us(fn, call, repeats, cuda, args.graphs) for p, fn in paths.items()}
-                diff = (grouped_attention(*call).float() - sdpa_masked(*call).float()).abs().max().item()
+                times = {}
+                for p, fn in paths.items():
+                    try:
+                        times[p] = time_us(fn, call, repeats, cuda, args.graphs)
+                    except Exception as exc:  # e.g. a kernel configuration that does not fit in shared memory
+                        print(f"  {p} failed at {name} {k} keys {q} rows: {type(exc).__name__}: {str(exc)[:200]}")
+                        times[p] = float("nan")
+                reference = grouped_attention(*call).float()
+                diff = (reference - sdpa_masked(*call).float()).abs().max().item()
+                kernel_diff = max([(paths[p](*call).float() - reference).abs().max().item()
+                                   for p in paths if p.startswith("kernel:") and times[p] == times[p]], default=None)
                 records.append(dict(layer=name, heads=hq, kv_heads=hkv, head_dim=d, keys=k, rows=q,
-                                    **{f"{p}_us": round(t, 2) for p, t in times.items()}, max_abs_diff=diff))
-                print(f"| {name} | {k} | {q} | " + " | ".join(f"{times[p]:.1f}" for p in PATHS) + f" | {diff:.2g} |",
-                      flush=True)
+                                    **{f"{p}_us": round(t, 2) if t == t else None for p, t in times.items()}, max_abs_diff=diff,
+                                    kernel_max_abs_diff=kernel_diff))
+                print(f"| {name} | {k} | {q} | " + " | ".join(f"{times[p]:.1f}" for p in paths) + f" | {diff:.2g} | "
+                      f"{'-' if kernel_diff is None else format(kernel_diff, '.2g')} |", flush=True)
     if args.save:
         head = dict(torch=torch.__version__, device=device, timing=mode, dtype=str(dtype).replace("torch.", ""),
                     gpu=torch.cuda.get_device_name() if cuda else None, repeats=repeats, command=" ".join(sys.argv))

@@ -33,6 +33,11 @@ if os.environ.get("HF_RAINCHECK_TRITON", "1") != "0" and triton_importable():
     except Exception:  # a Triton too old for `torch.library.triton_op`'s needs, or a broken install: torch softmax
         _masked_softmax = None
 _SOFTMAX_KERNEL_ON_CPU = interpreted()  # Triton's interpreter (tests): the kernels run on CPU tensors too
+# ``HF_RAINCHECK_GROUPED_KERNEL=triton`` (at import): the whole grouped attention as one split-key Triton kernel
+# pair (`grouped_triton`, tile sizes from ``HF_RAINCHECK_GROUPED_KERNEL_CONFIG``); opt-in until it is faster
+_grouped_kernel = None
+if _masked_softmax is not None and os.environ.get("HF_RAINCHECK_GROUPED_KERNEL", "") == "triton":
+    from .grouped_triton import grouped_attention_kernel as _grouped_kernel
 
 
 def _softmax_kernel_runs(device: torch.device) -> bool:
@@ -61,6 +66,8 @@ def grouped_attention(
     `GROUPED_SOFTMAX_BLOCK` (None: that default).
     """
     block = GROUPED_SOFTMAX_BLOCK if softmax_block is None else softmax_block
+    if _grouped_kernel is not None and not block and _softmax_kernel_runs(query.device):
+        return _grouped_kernel(query, key, value, visible, scaling)
     b, hq, q, d = query.shape
     hkv, k = key.shape[1], key.shape[2]
     g = hq // hkv
