@@ -98,6 +98,7 @@ class DeferredPrefillCache(DynamicCache):
         self._slot_index: torch.Tensor | None = None  # arange(capacity) on the model device
         self._scratch_slots: torch.Tensor | None = None  # static compiled steps: where padding rows write
         self._scratch_end = 0  # the capacity `_scratch_slots` was placed for
+        self._store_buffers: dict | None = None  # compiled static steps: the deferred store's persistent buffers
         self._model_ref = None
         # per-forward state read by `update`
         self._write_slots: torch.Tensor | None = None

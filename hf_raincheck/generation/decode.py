@@ -16,6 +16,8 @@ Two ways to run it, with the same result:
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..attention.flash import flash_mask
@@ -142,10 +144,11 @@ class StaticStep:
     @staticmethod
     def prepare(cache: DeferredPrefillCache, plan: DeferralPlan | None, chunk_size: int) -> None:
         """Scratch slots past the conversation (when the capacity changed), and (once per plan and capacity) the
-        plan's store widened to the cache's capacity ``W`` (zero rows past its end), which compiled steps read
-        whole: a step passes only the window's start and length, so the store is the same static-address input at
-        every step (CUDA graphs read it in place instead of copying a new window view each step) and its shape
-        changes only with the capacity, which recompiles anyway."""
+        plan's store copied into the cache's persistent store buffers, ``W`` (the capacity) rows long, zeros past
+        the plan's rows. Compiled steps read the whole buffers and gather their window inside the graph from two
+        0-d indices, so the buffers are the same static-address inputs at every step and every turn of a
+        conversation (CUDA graphs read them in place: no per-step copy of a window, no re-recording per plan);
+        they change only with the capacity, which recompiles anyway."""
         width = cache.layers[0].capacity
         device = cache._filled.device
         scratch = cache._scratch_slots
@@ -161,25 +164,35 @@ class StaticStep:
         if total + chunk_size > width:
             raise RuntimeError(f"static Raincheck cache of capacity {width} cannot hold {total} deferred tokens "
                                f"and a chunk of {chunk_size} scratch rows")
-        plan.store_embeds = _widened(plan.store_embeds, total, width, 0)
-        plan.store_positions = _widened(plan.store_positions, total, width, 1)
-        plan.deferred_on_device = _widened(plan.deferred_on_device, total, width, 0)
+        owner = cache._store_buffers["plan"]() if cache._store_buffers is not None else None
+        if owner is not None and owner is not plan and owner.pending:
+            raise RuntimeError("the deferred store buffers still hold another plan's pending tokens")
+        buffers = _store_buffers(cache, plan, width)
+        n = plan.restored
+        for name, source, dim in (("embeds", plan.store_embeds, 0), ("positions", plan.store_positions, 1),
+                                  ("slots", plan.deferred_on_device, 0)):
+            target = buffers[name]
+            if source is not target:
+                target.narrow(dim, n, total - n).copy_(source.narrow(dim, n, total - n))
+                target.narrow(dim, total, width - total).zero_()
         if plan.store_deepstack is not None:
-            plan.store_deepstack = [_widened(f, total, width, 0) for f in plan.store_deepstack]
-        valid = torch.zeros(width, dtype=torch.bool, device=device)
-        valid[:total] = True
-        deferred_slots = torch.zeros(width, dtype=torch.bool, device=device)
-        deferred_slots[: plan.boundary] = plan.deferred_slot_mask[: plan.boundary]
-        plan.padded_store = dict(
-            width=width,
-            tensors=tuple(_static(t) for t in (
-                plan.store_embeds, plan.store_positions, plan.deferred_on_device, valid,
-            )) + (
-                None if plan.store_deepstack is None else [_static(f) for f in plan.store_deepstack],
-                _static(torch.full((), plan.boundary, dtype=torch.long, device=device)),
-                _static(deferred_slots),
-            ),
-        )
+            for target, source in zip(buffers["deepstack"], plan.store_deepstack):
+                if source is not target:
+                    target[n:total].copy_(source[n:total])
+                    target[total:].zero_()
+        buffers["valid"].zero_()[:total] = True
+        buffers["deferred_slots"].zero_()[: plan.boundary] = plan.deferred_slot_mask[: plan.boundary]
+        buffers["boundary"].fill_(plan.boundary)
+        buffers["plan"] = weakref.ref(plan)
+        plan.store_embeds, plan.store_positions = buffers["embeds"], buffers["positions"]
+        plan.deferred_on_device = buffers["slots"]
+        if plan.store_deepstack is not None:
+            plan.store_deepstack = list(buffers["deepstack"])
+        plan.padded_store = dict(width=width, tensors=(
+            buffers["embeds"], buffers["positions"], buffers["slots"], buffers["valid"],
+            None if plan.store_deepstack is None else list(buffers["deepstack"]),
+            buffers["boundary"], buffers["deferred_slots"],
+        ))
 
     def _run(self, cache, turn, count: int, token, slot: int, chunk):
         if self.adapter.gdn_glue is not None:  # GDN layers read how the rows split (tensors only)
@@ -220,18 +233,33 @@ class StaticStep:
 
 def _static(t: torch.Tensor) -> torch.Tensor:
     """Marks `t` as a static address for compiled steps (CUDA graphs read it in place rather than copying it at
-    each replay). Unguarded: a later plan's tensor of the same shape reuses the graph (CUDA graph trees record
-    again for its address) instead of recompiling."""
+    each replay). Unguarded: dynamo does not guard on the tensor's identity, so another cache's buffers of the
+    same shapes (a new conversation) reuse the compiled graph instead of recompiling it (CUDA graph trees record
+    the graph again for the new addresses)."""
     torch._dynamo.mark_static_address(t, guard=False)
     return t
 
 
-def _widened(t: torch.Tensor, total: int, width: int, dim: int) -> torch.Tensor:
-    """`t`'s first `total` entries along `dim`, then zeros up to `width` (`t` itself when already that long)."""
-    if t.shape[dim] == width:
-        return t
-    shape = list(t.shape)
-    shape[dim] = width
-    out = t.new_zeros(shape)
-    out.narrow(dim, 0, total).copy_(t.narrow(dim, 0, total))
-    return out
+def _store_buffers(cache: DeferredPrefillCache, plan: DeferralPlan, width: int) -> dict:
+    """The cache's persistent deferred-store buffers for `plan`'s shapes at capacity `width` (allocated when there
+    are none yet, or when the capacity, hidden size, dtype or DeepStack depth changed), all static addresses."""
+    embeds = plan.store_embeds
+    layers = None if plan.store_deepstack is None else len(plan.store_deepstack)
+    key = (width, embeds.shape[-1], embeds.dtype, embeds.device, layers,
+           None if plan.store_deepstack is None else plan.store_deepstack[0].dtype)
+    buffers = cache._store_buffers
+    if buffers is not None and buffers["key"] == key:
+        return buffers
+    device = embeds.device
+    cache._store_buffers = buffers = dict(
+        key=key,
+        plan=lambda: None,
+        embeds=_static(embeds.new_zeros(width, embeds.shape[-1])),
+        positions=_static(plan.store_positions.new_zeros(plan.store_positions.shape[0], width)),
+        slots=_static(plan.deferred_on_device.new_zeros(width)),
+        valid=_static(torch.zeros(width, dtype=torch.bool, device=device)),
+        deepstack=None if layers is None else [_static(f.new_zeros(width, f.shape[-1])) for f in plan.store_deepstack],
+        boundary=_static(torch.zeros((), dtype=torch.long, device=device)),
+        deferred_slots=_static(torch.zeros(width, dtype=torch.bool, device=device)),
+    )
+    return buffers
