@@ -1,6 +1,6 @@
 """hf_raincheck: deferred multimodal prefill ("Raincheck") for Hugging Face transformers VLMs."""
 
-from .cache import DeferralPlan, DeferredPrefillCache, TurnRestore
+from .cache import DeferralPlan, DeferredPrefillCache, TurnRestore, release_static_buffers
 from .chat import RaincheckChat, TurnStats
 from .config import RaincheckConfig
 from .generation import FixedChunkSchedule, complete_deferred, enable_raincheck
@@ -17,4 +17,5 @@ __all__ = [
     "RaincheckChat",
     "TurnStats",
     "TurnRestore",
+    "release_static_buffers",
 ]

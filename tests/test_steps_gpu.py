@@ -17,7 +17,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from handmade import _conv  # noqa: E402
 from handmade_qwen3_5 import tiny_qwen3_5  # noqa: E402
-from helpers import generate, new_tokens  # noqa: E402
+from helpers import _extend, generate, new_tokens  # noqa: E402
+from test_compiled_steps import _with_new_image  # noqa: E402
 
 import hf_raincheck.generation.decode as decode  # noqa: E402
 from hf_raincheck import RaincheckConfig, enable_raincheck  # noqa: E402
@@ -25,8 +26,12 @@ from hf_raincheck import RaincheckConfig, enable_raincheck  # noqa: E402
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+def _cuda(inputs):
+    return {k: v.cuda() for k, v in inputs.items()}
+
+
 def _inputs():
-    return {k: v.cuda() for k, v in _conv([(1, 8, 8), (1, 8, 8)], [3, 2, 4]).items()}
+    return _cuda(_conv([(1, 8, 8), (1, 8, 8)], [3, 2, 4]))
 
 
 def _model(family):
@@ -147,3 +152,42 @@ def test_compiled_fused_steps_copy_only_the_step_indices(family, monkeypatch):
     print(f"\n{family}: device-to-device copies per compiled call: {copies}")
     assert copies["fused"] and copies["decode"]
     assert max(copies["fused"]) <= max(copies["decode"]) + 2, copies
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl"])
+def test_new_conversations_and_turns_replay_the_recorded_cuda_graphs(family, monkeypatch):
+    """A finished conversation's static buffers go to the next one (`hf_raincheck.cache.buffer_pool`) and every
+    plan's store is copied into the cache's store buffers, so after the first conversations a new conversation,
+    and its second turn with a new image, record no CUDA graph: they replay (before, each conversation's first
+    decode step and first fused step recorded again, ~35 ms each on Qwen3-VL-8B)."""
+    from torch._inductor import cudagraph_trees
+    from transformers.generation.configuration_utils import CompileConfig
+
+    from hf_raincheck import release_static_buffers
+
+    model = _model(family)
+    cfg = RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=2, pruning="uniform", completion="next_turn")
+    torch._dynamo.reset()
+    release_static_buffers()
+    kw = dict(cache_implementation="static", compile_config=CompileConfig())
+
+    def conversation():
+        inputs = _conv([(1, 8, 8), (1, 8, 8)], [3, 2, 4])
+        out = generate(model, _cuda(inputs), 12, cfg, **kw)
+        turn2 = _with_new_image(_extend(inputs, new_tokens(out, inputs)))
+        generate(model, _cuda(turn2), 12, cfg, past=out.past_key_values, **kw)
+
+    conversation()  # compiles, warms up and records
+    conversation()
+    records = []
+    original = cudagraph_trees.CUDAGraphTreeManager.record_function
+
+    def counting(self, *args, **kwargs):
+        records.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cudagraph_trees.CUDAGraphTreeManager, "record_function", counting)
+    conversation()
+    conversation()
+    print(f"\nCUDA graph recordings in two more conversations of two turns: {len(records)}")
+    assert not records

@@ -1,7 +1,8 @@
 """The Raincheck cache: logical-slot KV layers plus the deferred store and plans."""
 
+from .buffer_pool import release_static_buffers
 from .deferred_cache import DeferredPrefillCache, RestoreStats, TurnRestore
 from .plan import DeferralPlan
 from .slot_layer import SlotLayer
 
-__all__ = ["DeferredPrefillCache", "DeferralPlan", "RestoreStats", "SlotLayer", "TurnRestore"]
+__all__ = ["DeferredPrefillCache", "DeferralPlan", "RestoreStats", "SlotLayer", "TurnRestore", "release_static_buffers"]

@@ -11,6 +11,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from ..gdn_state.state import GDNLayerState
+from .buffer_pool import POOL, CacheBuffers
 from .plan import DeferralPlan
 from .slot_layer import SlotLayer
 
@@ -78,7 +79,13 @@ class DeferredPrefillCache(DynamicCache):
 
     def __init__(self, num_layers: int, static: bool = False, max_cache_len: int = 0):
         super().__init__()
-        self.layers = [SlotLayer(static=static, capacity=max_cache_len) for _ in range(num_layers)]
+        # a static cache's buffers come from, and go back to, the pool of finished conversations' buffers, so the
+        # CUDA graphs recorded for their addresses replay for the next conversation (`buffer_pool`)
+        self._buffers = CacheBuffers(POOL) if static else None
+        if static:
+            weakref.finalize(self, POOL.give, self._buffers.buffers)
+        self.layers = [SlotLayer(static=static, capacity=max_cache_len, buffers=self._buffers, index=i)
+                       for i in range(num_layers)]
         self.layer_class_to_replicate = None
         self.static = static
         self.lock = threading.RLock()
@@ -306,17 +313,17 @@ class DeferredPrefillCache(DynamicCache):
             for layer in self.layers:
                 layer.reserve(target)
             needed = target
-        if self._filled is None:
-            self._filled = torch.zeros(max(needed, 256), dtype=torch.bool, device=device)
-        elif needed > self._filled.numel():
-            grown = torch.zeros(max(needed, 2 * self._filled.numel()), dtype=torch.bool, device=device)
-            grown[: self._filled.numel()] = self._filled
-            self._filled = grown
-        else:
+        if self._filled is not None and needed <= self._filled.numel():
             return
+        size = max(needed, 256) if self._filled is None else max(needed, 2 * self._filled.numel())
+        if self.static:  # compiled steps read it in place (CUDA graphs keep its address): a pooled buffer
+            grown = self._buffers.zeros("filled", (size,), torch.bool, device)
+        else:
+            grown = torch.zeros(size, dtype=torch.bool, device=device)
+        if self._filled is not None:
+            grown[: self._filled.numel()] = self._filled
+        self._filled = grown
         self._slot_index = torch.arange(self._filled.numel(), device=device)
-        if self.static:  # compiled steps read these in place (CUDA graphs keep their addresses)
-            torch._dynamo.mark_static_address(self._filled, guard=False)
 
     def slot_tensor(self, slot: int) -> torch.Tensor:
         """``[slot]`` as a long tensor on the model device: a view of a persistent index (no host-to-device copy)."""

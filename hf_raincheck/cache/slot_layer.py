@@ -19,24 +19,30 @@ class SlotLayer(DynamicLayer):
 
     is_croppable = False
 
-    def __init__(self, static: bool = False, capacity: int = 0):
+    def __init__(self, static: bool = False, capacity: int = 0, buffers=None, index: int = 0):
         super().__init__()
         self.static = static
         self.capacity = capacity if static else 0
+        self._buffers = buffers  # static: the cache's pooled buffers (`buffer_pool.CacheBuffers`)
+        self._index = index
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         b, h, _, dk = key_states.shape
         dv = value_states.shape[-1]
-        self.keys = key_states.new_zeros((b, h, self.capacity, dk))
-        self.values = value_states.new_zeros((b, h, self.capacity, dv))
+        self.keys = self._zeros("keys", (b, h, self.capacity, dk), key_states)
+        self.values = self._zeros("values", (b, h, self.capacity, dv), value_states)
         self.is_initialized = True
-        self._mark_static()
 
-    def _mark_static(self) -> None:
-        if self.static:  # compiled steps write these in place (CUDA graphs keep their addresses)
-            torch._dynamo.mark_static_address(self.keys, guard=False)
-            torch._dynamo.mark_static_address(self.values, guard=False)
+    def _zeros(self, role: str, shape, like: torch.Tensor) -> torch.Tensor:
+        """Zero KV buffers; static: pooled and marked as static addresses (compiled steps write them in place,
+        CUDA graphs keep their addresses)."""
+        if self.static and self._buffers is not None:
+            return self._buffers.zeros(f"layer{self._index}.{role}", shape, like.dtype, like.device)
+        tensor = like.new_zeros(shape)
+        if self.static:
+            torch._dynamo.mark_static_address(tensor, guard=False)
+        return tensor
 
     def reserve(self, needed: int) -> None:
         """Makes room for slots ``[0, needed)``."""
@@ -46,12 +52,11 @@ class SlotLayer(DynamicLayer):
         new_capacity = -(-new_capacity // _GROWTH) * _GROWTH if not self.static else new_capacity
         if self.is_initialized:
             old = self.keys.shape[2]
-            keys = self.keys.new_zeros(self.keys.shape[:2] + (new_capacity, self.keys.shape[3]))
-            values = self.values.new_zeros(self.values.shape[:2] + (new_capacity, self.values.shape[3]))
+            keys = self._zeros("keys", self.keys.shape[:2] + (new_capacity, self.keys.shape[3]), self.keys)
+            values = self._zeros("values", self.values.shape[:2] + (new_capacity, self.values.shape[3]), self.values)
             keys[:, :, :old] = self.keys
             values[:, :, :old] = self.values
             self.keys, self.values = keys, values
-            self._mark_static()
         self.capacity = new_capacity
 
     def write(

@@ -153,7 +153,8 @@ class StaticStep:
         device = cache._filled.device
         scratch = cache._scratch_slots
         if scratch is None or scratch.numel() != chunk_size or cache._scratch_end != width:
-            cache._scratch_slots = _static(torch.arange(width - chunk_size, width, device=device))
+            cache._scratch_slots = cache._buffers.zeros("scratch_slots", (chunk_size,), torch.long, device)
+            cache._scratch_slots.copy_(torch.arange(width - chunk_size, width, device=device))
             cache._scratch_end = width
         if plan is None or plan.pending == 0:
             return
@@ -231,35 +232,30 @@ class StaticStep:
         return logits
 
 
-def _static(t: torch.Tensor) -> torch.Tensor:
-    """Marks `t` as a static address for compiled steps (CUDA graphs read it in place rather than copying it at
-    each replay). Unguarded: dynamo does not guard on the tensor's identity, so another cache's buffers of the
-    same shapes (a new conversation) reuse the compiled graph instead of recompiling it (CUDA graph trees record
-    the graph again for the new addresses)."""
-    torch._dynamo.mark_static_address(t, guard=False)
-    return t
-
-
 def _store_buffers(cache: DeferredPrefillCache, plan: DeferralPlan, width: int) -> dict:
-    """The cache's persistent deferred-store buffers for `plan`'s shapes at capacity `width` (allocated when there
-    are none yet, or when the capacity, hidden size, dtype or DeepStack depth changed), all static addresses."""
-    embeds = plan.store_embeds
-    layers = None if plan.store_deepstack is None else len(plan.store_deepstack)
+    """The cache's persistent deferred-store buffers for `plan`'s shapes at capacity `width` (taken when there
+    are none yet, or when the capacity, hidden size, dtype or DeepStack depth changed): pooled static addresses
+    (`hf_raincheck.cache.buffer_pool`), so a new conversation's store reuses a finished one's addresses too."""
+    embeds, positions, deepstack = plan.store_embeds, plan.store_positions, plan.store_deepstack
+    layers = None if deepstack is None else len(deepstack)
     key = (width, embeds.shape[-1], embeds.dtype, embeds.device, layers,
-           None if plan.store_deepstack is None else plan.store_deepstack[0].dtype)
+           None if deepstack is None else deepstack[0].dtype)
     buffers = cache._store_buffers
     if buffers is not None and buffers["key"] == key:
         return buffers
     device = embeds.device
+    zeros = cache._buffers.zeros
     cache._store_buffers = buffers = dict(
         key=key,
         plan=lambda: None,
-        embeds=_static(embeds.new_zeros(width, embeds.shape[-1])),
-        positions=_static(plan.store_positions.new_zeros(plan.store_positions.shape[0], width)),
-        slots=_static(plan.deferred_on_device.new_zeros(width)),
-        valid=_static(torch.zeros(width, dtype=torch.bool, device=device)),
-        deepstack=None if layers is None else [_static(f.new_zeros(width, f.shape[-1])) for f in plan.store_deepstack],
-        boundary=_static(torch.zeros((), dtype=torch.long, device=device)),
-        deferred_slots=_static(torch.zeros(width, dtype=torch.bool, device=device)),
+        embeds=zeros("store.embeds", (width, embeds.shape[-1]), embeds.dtype, device),
+        positions=zeros("store.positions", (positions.shape[0], width), positions.dtype, device),
+        slots=zeros("store.slots", (width,), plan.deferred_on_device.dtype, device),
+        valid=zeros("store.valid", (width,), torch.bool, device),
+        deepstack=None if layers is None else [
+            zeros(f"store.deepstack{k}", (width, f.shape[-1]), f.dtype, device) for k, f in enumerate(deepstack)
+        ],
+        boundary=zeros("store.boundary", (), torch.long, device),
+        deferred_slots=zeros("store.deferred_slots", (width,), torch.bool, device),
     )
     return buffers

@@ -1,0 +1,81 @@
+"""Static-cache buffers handed from a finished conversation to the next one (`StaticBufferPool`).
+
+Compiled static steps run as CUDA graphs, which read the cache's buffers (KV layers, the filled-slot mask, the
+scratch slots, the deferred store) at the addresses they were recorded with. A new conversation used to allocate
+new buffers, so every conversation recorded its graphs again: on the H200 (Qwen3-VL-8B, image4096) its first decode
+step took ~35 ms instead of ~7.5 and, under Raincheck, its first fused step as well (steps 0 and 16 of every
+answer in `benchmarks/results/latency_static_store.json`), ~0.14 ms per token each over a 256-token answer.
+transformers reuses one static cache per model for the same reason (``model._cache``), resetting it for each call,
+which would wipe a conversation that the user still holds; here a cache's buffers go to the pool only once the
+cache itself is freed, and the next static cache takes them by name (the same role: layer 3's keys, the store's
+embeddings...) when shape, dtype and device match, zeroed.
+
+The pool keeps at most one tensor per name, the latest one given back, so it holds at most one conversation's
+buffers (for Qwen3-VL-8B with a 4096-token image, ~0.8 GB on the GPU). `release_static_buffers()` empties it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class StaticBufferPool:
+    """Free static-cache buffers by role name (at most one per name)."""
+
+    def __init__(self):
+        self._free: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def take(self, name: str, shape, dtype: torch.dtype, device) -> torch.Tensor | None:
+        """A zeroed free buffer of this role and layout, or None (a buffer of another layout is dropped)."""
+        with self._lock:
+            tensor = self._free.pop(name, None)
+        if tensor is None or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype \
+                or tensor.device != torch.device(device):
+            return None
+        return tensor.zero_()
+
+    def give(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Takes back a freed cache's buffers (replacing older ones of the same roles)."""
+        with self._lock:
+            self._free.update(buffers)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(t.numel() * t.element_size() for t in self._free.values())
+
+
+POOL = StaticBufferPool()
+
+
+def release_static_buffers() -> int:
+    """Frees the buffers that finished static-cache conversations left for the next one (see the module
+    docstring); returns the bytes released. Call ``torch.cuda.empty_cache()`` after it to return them to the
+    driver."""
+    released = POOL.nbytes()
+    POOL.clear()
+    return released
+
+
+class CacheBuffers:
+    """One static cache's pooled buffers by role name; given back to `pool` when the cache is freed."""
+
+    def __init__(self, pool: StaticBufferPool):
+        self.pool = pool
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def zeros(self, name: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
+        """A zero tensor for role `name`: a pooled one when the layout matches, else a new one. Marked as an
+        unguarded static address (compiled steps read it in place; dynamo does not guard on its identity)."""
+        tensor = self.pool.take(name, shape, dtype, device)
+        if tensor is None:
+            tensor = torch.zeros(shape, dtype=dtype, device=device)
+        torch._dynamo.mark_static_address(tensor, guard=False)
+        self.buffers[name] = tensor
+        return tensor
