@@ -8,9 +8,10 @@ a one-row decode call. Measured per call on the H200 (bf16, as a replayed CUDA g
 128) SDPA 98.4 us, grouped 36.2 us; Qwen3.5-9B layer (16 / 4, dim 256) 234.6 us against 31.5 us. One row stays on
 SDPA (13 us against 16). ``HF_RAINCHECK_GROUPED_ROWS`` sets the largest row count that takes the grouped path
 (default 64; 0 turns it off). Where Triton runs, the grouped path's masked softmax is one kernel
-(`softmax_triton`: 30.9 instead of 44.3 us per Qwen3-VL-8B call at 32 rows, same run). Tried and removed: the
-whole path as one split-key Triton kernel pair (flash-decoding style), slower on the H200 (Qwen3-VL-8B 37.9 vs 30.7
-us at 32 rows, Qwen3.5-9B 72.7 vs 24.0; no config fit Qwen3.5's 64 rows in shared memory).
+(`softmax_triton`: 30.9 instead of 44.3 us per Qwen3-VL-8B call at 32 rows, same run). Opt-in
+(``HF_RAINCHECK_GROUPED_KERNEL=triton``): the whole path as one split-key Triton kernel pair (`grouped_triton`,
+flash-decoding style, tunable tiles); swept on the H200 its best configuration took 30.0 us at 32 rows (Qwen3-VL-8B,
+no real gain), 38.1 against 47.8 at 64 rows, and lost on Qwen3.5-9B's head dim 256 (40.9 against 24.0 at 32 rows).
 """
 
 from __future__ import annotations
