@@ -35,6 +35,10 @@ Measurements (each after a warm-up call of the same shapes, which also absorbs c
 * ``e2e_ms``: the generate call (blocking completion of what the answer left pending included);
   ``restored_at_token``: the output token produced by the step that carried the last deferred chunk (None: the
   answer ended first); ``peak_mem_gib``: ``torch.cuda.max_memory_allocated`` over the answer run;
+* ``--interleave``: per workload and cache, every policy warms up first, then their ``--repeats`` answer runs
+  alternate round by round (the order rotating), so a drift over the call moves them alike; records add
+  ``rounds``, ``tpot_ms_rounds`` and ``tpot_vs_full_paired`` (the median over rounds of TPOT / Full's TPOT of
+  the same round), and the targets a paired TPOT check (run to run, Full's TPOT moved by up to 10% on the H200);
 * medians over ``--repeats`` answer runs, ratios against Full on the same cache kind, and the issue's targets
   (Raincheck TTFT <= 1.03 x Hard and <= 0.80 x Full on image4096; TPOT <= 1.03 x Full; restoration step <= 1.15 x a
   decode-only step on the dynamic cache, <= 1.25 x on the static one).
@@ -89,7 +93,8 @@ from hf_raincheck.generation.schedule import carried_tokens  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 RECORD_KEYS = ("model", "workload", "policy", "chunk_size", "fused", "ttft_ms", "tpot_ms", "restore_step_ms",
-               "decode_step_ms", "e2e_ms", "restored_at_token", "peak_mem_gib", "cache", "gpus", "step_ms")
+               "decode_step_ms", "e2e_ms", "restored_at_token", "peak_mem_gib", "cache", "gpus", "step_ms",
+               "rounds", "tpot_ms_rounds", "tpot_vs_full_paired")
 TEXT_BEFORE, QUESTION = 10, 30  # ~40 text tokens around the media
 TARGET_WORKLOAD = "image4096"  # where the TTFT targets are checked
 # a first run of a kind has no measured estimate: assume this much (s) when deciding whether it fits the budget
@@ -365,16 +370,19 @@ def ttft_run(bench: Bench, inputs, policy, cache) -> float:
     return 1e3 * (timer.times[1] - start)
 
 
-def measure(bench: Bench, workload: str, inputs, policy: Policy, cache: str) -> tuple[dict, float]:
-    """One record: a warm-up (compiles, captures graphs), TTFT calls, answer runs; medians. Also the warm-up's s."""
-    args = bench.args
+def warm_up(bench: Bench, inputs, policy: Policy, cache: str) -> tuple[list[float], float]:
+    """A whole answer (every step kind and every switch between them, decode-only -> fused -> decode-only, runs
+    once, so compilation and CUDA-graph recording stay out of the measured calls), then the TTFT-only calls;
+    returns their TTFTs and the warm-up's seconds."""
     t0 = time.perf_counter()
-    # a whole answer: every step kind and every switch between them (decode-only -> fused -> decode-only) has run
-    # once, so compilation and CUDA-graph recording stay out of the measured calls
     bench.generate(inputs, policy, cache)
     warmup_s = time.perf_counter() - t0
-    ttfts = [ttft_run(bench, inputs, policy, cache) for _ in range(args.ttft_repeats)]
-    answers = [answer_run(bench, inputs, policy, cache) for _ in range(args.repeats)]
+    return [ttft_run(bench, inputs, policy, cache) for _ in range(bench.args.ttft_repeats)], warmup_s
+
+
+def make_record(bench: Bench, workload: str, policy: Policy, cache: str, ttfts: list[float],
+                answers: list[dict]) -> dict:
+    """One record from a run's TTFT calls and answer runs: medians (peak memory: the maximum)."""
     record = dict(model=bench.name, workload=workload, policy=policy.name, chunk_size=policy.chunk_size,
                   fused=policy.fused, cache=cache, gpus=bench.gpus)
     record["ttft_ms"] = statistics.median(ttfts + [a["ttft_ms"] for a in answers])
@@ -382,7 +390,29 @@ def measure(bench: Bench, workload: str, inputs, policy: Policy, cache: str) -> 
         record[key] = median_or_none([a[key] for a in answers])
     record["peak_mem_gib"] = max((a["peak_mem_gib"] for a in answers if a["peak_mem_gib"] is not None), default=None)
     record["step_ms"] = answers[len(answers) // 2]["step_ms"] if answers else None  # per decode step, one answer
-    return {key: record[key] for key in RECORD_KEYS}, warmup_s
+    record["rounds"] = len(answers)
+    record["tpot_ms_rounds"] = [round(a["tpot_ms"], 4) for a in answers]
+    record["tpot_vs_full_paired"] = None
+    return {key: record[key] for key in RECORD_KEYS}
+
+
+def measure(bench: Bench, workload: str, inputs, policy: Policy, cache: str) -> tuple[dict, float]:
+    """One record: a warm-up (compiles, captures graphs), TTFT calls, answer runs; medians. Also the warm-up's s."""
+    ttfts, warmup_s = warm_up(bench, inputs, policy, cache)
+    answers = [answer_run(bench, inputs, policy, cache) for _ in range(bench.args.repeats)]
+    return make_record(bench, workload, policy, cache, ttfts, answers), warmup_s
+
+
+def paired_ratios(records: list[dict]) -> None:
+    """``tpot_vs_full_paired`` of each interleaved record: the median over rounds of its TPOT / Full's TPOT in the
+    same round (a drift over the run moves both alike)."""
+    full = next((r for r in records if r["policy"] == "full"), None)
+    if full is None:
+        return
+    for record in records:
+        pairs = [a / b for a, b in zip(record["tpot_ms_rounds"], full["tpot_ms_rounds"]) if b]
+        if pairs and len(record["tpot_ms_rounds"]) == len(full["tpot_ms_rounds"]):
+            record["tpot_vs_full_paired"] = round(statistics.median(pairs), 4)
 
 
 # ---------------------------------------------------------------------------------------------------- profile
@@ -508,6 +538,7 @@ def check_targets(records: list[dict], chunk_size: int) -> list[dict]:
         hard = find(records, model, workload, cache, "hard", gpus=gpus)
         step_limit = 1.15 if cache == "dynamic" else 1.25
         candidates = [("TPOT <= 1.03 x full", ratio(rc["tpot_ms"], full and full["tpot_ms"]), 1.03),
+                      ("TPOT <= 1.03 x full (median of paired rounds)", rc.get("tpot_vs_full_paired"), 1.03),
                       (f"restore step <= {step_limit} x decode step",
                        ratio(rc["restore_step_ms"], rc["decode_step_ms"]), step_limit)]
         if workload == TARGET_WORKLOAD:
@@ -601,6 +632,7 @@ def header(args, cuda: bool, workloads: dict) -> dict:
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         command=" ".join(sys.argv), quick=args.quick,
         settings=dict(new_tokens=args.new_tokens, repeats=args.repeats, ttft_repeats=args.ttft_repeats,
+                      interleave=args.interleave,
                       retention=args.retention, chunk_size=args.chunk_size, guard_tokens=args.guard_tokens,
                       pruning=args.pruning, completion="blocking", static_max_cache_len=args.max_cache_len,
                       budget_s=args.budget_s, attn_backend=args.attn_backend, gdn_backend=args.gdn_backend,
@@ -727,6 +759,60 @@ def run_plan_item(bench: Bench, inputs: dict, workload: str, cache: str, policy:
           f"compiled graphs {compiled_graphs()})", flush=True)
 
 
+def run_interleaved(bench: Bench, inputs: dict, workload: str, cache: str, policies: list[Policy], budget: Budget,
+                    results: Results) -> None:
+    """``--interleave``: the policies of one (workload, cache) warm up one after another, then their answer runs
+    alternate, round by round (the order rotating each round), so that a drift over the call (clocks, host load)
+    moves every policy alike; records also carry per-round TPOTs and the median paired ratio to Full."""
+    ready = []  # (policy, kind, ttfts, warm-up s, start)
+    for policy in policies:
+        what = dict(model=bench.name, workload=workload, cache=cache, policy=policy.label)
+        kind = budget.kind(policy, cache, bench.cuda)
+        # the whole run of this policy: its warm-up now, its answers spread over the rounds
+        if not budget.fits(kind):
+            results.skipped.append(what)
+            print(f"  skipped (time budget): {workload} {cache} {policy.label}", flush=True)
+            continue
+        t0 = time.perf_counter()
+        try:
+            ttfts, warmup_s = warm_up(bench, inputs[workload], policy, cache)
+        except Exception as error:  # noqa: BLE001
+            results.errors.append(dict(what, error=f"{type(error).__name__}: {error}"))
+            print(f"  FAILED {workload} {cache} {policy.label}: {type(error).__name__}: {error}", flush=True)
+            traceback.print_exc(limit=3)
+            continue
+        ready.append(dict(policy=policy, kind=kind, ttfts=ttfts, warmup_s=warmup_s,
+                          seconds=time.perf_counter() - t0, answers=[], failed=None))
+    for round_index in range(bench.args.repeats):
+        shift = round_index % max(len(ready), 1)
+        for entry in ready[shift:] + ready[:shift]:
+            if entry["failed"]:
+                continue
+            t0 = time.perf_counter()
+            try:
+                entry["answers"].append(answer_run(bench, inputs[workload], entry["policy"], cache))
+            except Exception as error:  # noqa: BLE001
+                entry["failed"] = f"{type(error).__name__}: {error}"
+                results.errors.append(dict(model=bench.name, workload=workload, cache=cache,
+                                           policy=entry["policy"].label, error=entry["failed"]))
+                print(f"  FAILED {workload} {cache} {entry['policy'].label}: {entry['failed']}", flush=True)
+            entry["seconds"] += time.perf_counter() - t0
+    records = []
+    for entry in ready:
+        if entry["failed"] or not entry["answers"]:
+            continue
+        records.append(make_record(bench, workload, entry["policy"], cache, entry["ttfts"], entry["answers"]))
+        budget.record(entry["kind"], entry["seconds"], entry["warmup_s"])
+    paired_ratios(records)
+    for record, entry in zip(records, [e for e in ready if not e["failed"] and e["answers"]]):
+        results.records.append(record)
+        paired = record["tpot_vs_full_paired"]
+        print(f"  {workload:9s} {cache:7s} {entry['policy'].label:22s} TTFT {record['ttft_ms']:8.1f} ms  "
+              f"TPOT {record['tpot_ms']:7.2f} ms  ({record['rounds']} rounds"
+              + ("" if paired is None else f", paired TPOT / full {paired:.3f}") + ")", flush=True)
+    results.save()
+
+
 def placement_devices(args, gpus: int) -> list[str]:
     """The devices a model is split over: ``cuda:0 .. cuda:{gpus-1}`` (one GPU: ``--device`` as given); on the CPU
     ``cpu`` repeated, which still dispatches through accelerate's hooks (a smoke run of the multi-GPU path)."""
@@ -767,8 +853,15 @@ def run_model(model_name: str, gpus: int, args, workloads: dict, budget: Budget,
             print(f"  {text}")
         results.profile = (results.profile or "") + (
             f"# {model_name}{where}, {first}, Raincheck chunk {args.chunk_size}\n\n" + text + "\n\n")
-    for workload, cache, policy in plan:
-        run_plan_item(bench, inputs, workload, cache, policy, budget, results)
+    if args.interleave:
+        groups: dict = {}
+        for workload, cache, policy in plan:
+            groups.setdefault((workload, cache), []).append(policy)
+        for (workload, cache), policies in groups.items():
+            run_interleaved(bench, inputs, workload, cache, policies, budget, results)
+    else:
+        for workload, cache, policy in plan:
+            run_plan_item(bench, inputs, workload, cache, policy, budget, results)
     results.head.setdefault("compiled_graphs", {})[model_name] = compiled_graphs()
     del bench, inputs
     gc.unfreeze()
@@ -795,6 +888,9 @@ def parse_args(argv=None):
                         help="Raincheck chunk sizes on --sweep-workload (7,15,31,63; --quick 15,31; '' off)")
     parser.add_argument("--sweep-workload", default="image4096")
     parser.add_argument("--repeats", type=int, default=1, help="forced answers per run (each a mean over its steps)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="per workload and cache: warm every policy up, then alternate their --repeats answer "
+                             "runs round by round; records add per-round TPOTs and the median paired TPOT / Full")
     parser.add_argument("--ttft-repeats", type=int, default=None, help="extra first-token-only calls (4; --quick 1)")
     parser.add_argument("--new-tokens", type=int, default=None, help="forced answer length (256; --quick 24)")
     parser.add_argument("--retention", type=float, default=0.3)

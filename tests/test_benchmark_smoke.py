@@ -10,7 +10,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD_KEYS = {"model", "workload", "policy", "chunk_size", "fused", "ttft_ms", "tpot_ms", "restore_step_ms",
-               "decode_step_ms", "e2e_ms", "restored_at_token", "peak_mem_gib", "cache", "gpus", "step_ms"}
+               "decode_step_ms", "e2e_ms", "restored_at_token", "peak_mem_gib", "cache", "gpus", "step_ms",
+               "rounds", "tpot_ms_rounds", "tpot_vs_full_paired"}
 
 
 def test_latency_quick_writes_the_issue_records(tmp_path):
@@ -72,6 +73,28 @@ def test_latency_quick_split_over_devices(tmp_path):
     rows = sorted((r["gpus"], r["policy"]) for r in report["records"])
     assert rows == [(1, "full"), (1, "raincheck"), (2, "full"), (2, "raincheck")]
     assert sorted({t["gpus"] for t in report["targets"]}) == [1, 2]
+
+
+def test_latency_quick_interleaved_rounds(tmp_path):
+    """``--interleave --repeats 3``: the policies' answers alternate round by round; each record keeps its three
+    per-round TPOTs (their median is its TPOT) and the median of its paired ratios to Full's same round (Full: 1);
+    the target list has the paired TPOT check."""
+    out = run_script([os.path.join(ROOT, "benchmarks", "latency.py"), "--quick", "--save", "--interleave",
+                      "--repeats", "3", "--models", "tiny", "--workloads", "image1024", "--caches", "static",
+                      "--policies", "full,raincheck,hard", "--chunk-sweep", "", "--results-dir", str(tmp_path)],
+                     tmp_path)
+    assert "3 rounds, paired TPOT / full" in out
+    report = json.loads((tmp_path / "latency.json").read_text())
+    records = {r["policy"]: r for r in report["records"]}
+    assert set(records) == {"full", "raincheck", "hard"} and report["header"]["settings"]["interleave"] is True
+    full = records["full"]
+    for r in records.values():
+        assert r["rounds"] == 3 and len(r["tpot_ms_rounds"]) == 3
+        assert abs(sorted(r["tpot_ms_rounds"])[1] - r["tpot_ms"]) < 1e-3
+        pairs = sorted(a / b for a, b in zip(r["tpot_ms_rounds"], full["tpot_ms_rounds"]))
+        assert abs(r["tpot_vs_full_paired"] - pairs[1]) < 1e-3
+    assert full["tpot_vs_full_paired"] == 1.0
+    assert "TPOT <= 1.03 x full (median of paired rounds)" in {t["target"] for t in report["targets"]}
 
 
 def test_multi_gpu_quick_equals_the_one_device_model(tmp_path):
