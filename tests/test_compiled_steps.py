@@ -243,3 +243,42 @@ def test_fused_steps_pass_the_same_static_store(model, hybrid, family, monkeypat
     assert all(getattr(t, "_dynamo_static_input_type", None) == "unguarded" for t in tensors)
     capacity = cache.layers[0].capacity
     assert store[0].shape[0] == store[2].shape[0] == store[3].shape[0] == capacity
+
+
+def test_gdn_states_stay_in_the_same_buffers_across_turns(hybrid, monkeypatch):
+    """Qwen3.5: eager forwards (each turn's prefill) build new GDN state tensors; the cache copies them into its
+    persistent buffers before the compiled steps run, so every compiled step of every turn updates the same
+    tensors in place (no CUDA-graph recording per turn) and the results still equal eager steps'."""
+    from hf_raincheck.generation.decode import StaticStep
+
+    seen = []
+    original = StaticStep._run
+
+    def recording(self, cache, turn, count, token, slot, chunk):
+        states = {i: (s.state, s.conv) + ((s.prefix.recurrent, s.prefix.conv) if s.prefix is not None else ())
+                  for i, s in cache.gdn_states.items()}
+        seen.append((chunk is not None, states))
+        return original(self, cache, turn, count, token, slot, chunk)
+
+    monkeypatch.setattr(StaticStep, "_run", recording)
+    cfg = RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=2, pruning="uniform", completion="next_turn")
+    inputs = two_images()
+    out = run(hybrid, inputs, 12, cfg)
+    first_turn = len(seen)
+    nxt = _with_new_image(_extend(_extend(inputs, new_tokens(out, inputs)), [7, 8]))
+    out2 = run(hybrid, nxt, 12, cfg, past=out.past_key_values)
+    eager = run(hybrid, inputs, 12, cfg, static=False)
+    eager2 = run(hybrid, _with_new_image(_extend(_extend(inputs, new_tokens(eager, inputs)), [7, 8])), 12, cfg,
+                 past=eager.past_key_values, static=False)
+    torch.testing.assert_close(torch.stack(out2.logits), torch.stack(eager2.logits), **TOL)
+    assert 0 < first_turn < len(seen) and any(fused for fused, _ in seen[first_turn:])
+    reference = seen[0][1]
+    assert reference
+    for fused, states in seen:
+        for idx, tensors in states.items():
+            assert all(a is b for a, b in zip(tensors[:2], reference[idx][:2])), "a GDN state moved"
+    prefixes = {idx: tensors[2:] for fused, states in seen if fused for idx, tensors in states.items()}
+    for fused, states in seen:
+        if fused:
+            for idx, tensors in states.items():
+                assert len(tensors) == 4 and all(a is b for a, b in zip(tensors[2:], prefixes[idx]))

@@ -154,12 +154,13 @@ def test_compiled_fused_steps_copy_only_the_step_indices(family, monkeypatch):
     assert max(copies["fused"]) <= max(copies["decode"]) + 2, copies
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
 def test_new_conversations_and_turns_replay_the_recorded_cuda_graphs(family, monkeypatch):
     """A finished conversation's static buffers go to the next one (`hf_raincheck.cache.buffer_pool`) and every
-    plan's store is copied into the cache's store buffers, so after the first conversations a new conversation,
-    and its second turn with a new image, record no CUDA graph: they replay (before, each conversation's first
-    decode step and first fused step recorded again, ~35 ms each on Qwen3-VL-8B)."""
+    plan's store (and, on Qwen3.5, every prefill's GDN states) is copied into the cache's persistent buffers, so
+    after the first conversations a new conversation, and its second turn with a new image, record no CUDA graph:
+    they replay (before, each conversation's first decode step and first fused step recorded again, ~35 ms each on
+    Qwen3-VL-8B; on Qwen3.5-9B 81 and 157 ms, every turn)."""
     from torch._inductor import cudagraph_trees
     from transformers.generation.configuration_utils import CompileConfig
 

@@ -79,3 +79,14 @@ class CacheBuffers:
         torch._dynamo.mark_static_address(tensor, guard=False)
         self.buffers[name] = tensor
         return tensor
+
+    def persistent(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor`'s values in the persistent buffer of role `name` (taken as in `zeros` the first time, or when
+        the layout changed); returns that buffer (`tensor` itself when it already is)."""
+        buffer = self.buffers.get(name)
+        if buffer is tensor:
+            return tensor
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype \
+                or buffer.device != tensor.device:
+            buffer = self.zeros(name, tensor.shape, tensor.dtype, tensor.device)
+        return buffer.copy_(tensor)

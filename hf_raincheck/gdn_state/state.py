@@ -111,6 +111,17 @@ class GDNLayerState:
         if self.carry and not self.fixed:
             self.state = self.state[..., : self.value_dim].contiguous()
 
+    def persist(self, into) -> None:
+        """Rebinds the state, the conv window and the prefix checkpoint to ``into(field, tensor)``: the same values
+        in persistent buffers (compiled static steps; see `DeferredPrefillCache.persist_gdn_states`)."""
+        if self.state is not None:
+            self.state = into("state", self.state)
+        if self.conv is not None:
+            self.conv = into("conv", self.conv)
+        if self.prefix is not None:
+            self.prefix.recurrent = into("prefix.recurrent", self.prefix.recurrent)
+            self.prefix.conv = into("prefix.conv", self.prefix.conv)
+
     def snapshot(self) -> tuple:
         """References to everything a forward may replace (updates build new tensors, never write in place)."""
         prefix = self.prefix

@@ -61,6 +61,8 @@ def decode_step(adapter, cache: DeferredPrefillCache, turn, token: torch.Tensor)
         else:
             rows = concat_rows([deferred_rows(plan, count), live]) if count else live
             logits = run_rows(adapter, cache, rows, plan if count else None, turn.backend, config.visibility, True)
+        if turn.static_step is not None:  # an eager step between compiled ones (a chunk larger than chunk_size)
+            cache.persist_gdn_states()
     cache.record_restored("during_decode", count)
     cache.append_fed_token(token)
     return logits

@@ -283,8 +283,9 @@ def _turn_step(state: RaincheckState, cache: DeferredPrefillCache, turn: Turn, i
         cache.media_grids = dict(cache.pending_media_grids)
         turn.prefill_done = True
         turn.prefill = None  # free the prompt's rows
-        if turn.static_step is not None:  # pad the plan's store and place scratch slots now, not in a step
+        if turn.static_step is not None:  # the plan's store, the scratch slots and GDN states in place now
             turn.static_step.prepare(cache, cache.plan, config.chunk_size)
+            cache.persist_gdn_states()
         return logits
 
     # a decode step: feed y_j, carrying deferred tokens after the guard
