@@ -135,8 +135,8 @@ class StaticStep:
     """Compiled decode / fused steps on a static `DeferredPrefillCache` (see the module docstring).
 
     Built once per model and compile config (`compile_options`: ``torch.compile`` keyword arguments, from
-    transformers' ``CompileConfig``). Per plan, `prepare` widens the deferred store to the cache's capacity, so
-    every fused step passes the same store tensors and gathers its window inside the graph.
+    transformers' ``CompileConfig``). Per plan, `prepare` copies the deferred store into the cache's persistent
+    store buffers, so every fused step passes the same tensors and gathers its window inside the graph.
     """
 
     def __init__(self, adapter, compile_options: dict):
