@@ -83,7 +83,7 @@ class DeferredPrefillCache(DynamicCache):
         # CUDA graphs recorded for their addresses replay for the next conversation (`buffer_pool`)
         self._buffers = CacheBuffers(POOL) if static else None
         if static:
-            weakref.finalize(self, POOL.give, self._buffers.buffers)
+            weakref.finalize(self, POOL.give, self._buffers.buffers).atexit = False  # (nothing to hand on at exit)
         self.layers = [SlotLayer(static=static, capacity=max_cache_len, buffers=self._buffers, index=i)
                        for i in range(num_layers)]
         self.layer_class_to_replicate = None
