@@ -88,7 +88,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shapes import SHAPES, build_inputs, build_model, build_video_inputs, dispatch  # noqa: E402
 
 import hf_raincheck  # noqa: E402
-from hf_raincheck import FixedChunkSchedule, RaincheckConfig, enable_raincheck  # noqa: E402
+from hf_raincheck import FixedChunkSchedule, RaincheckConfig, enable_raincheck, release_static_buffers  # noqa: E402
 from hf_raincheck.generation.schedule import carried_tokens  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -866,6 +866,7 @@ def run_model(model_name: str, gpus: int, args, workloads: dict, budget: Budget,
     del bench, inputs
     gc.unfreeze()
     gc.collect()
+    release_static_buffers()  # the finished conversations' static buffers, kept for this model's next one
     torch._dynamo.reset()
     if cuda:
         torch.cuda.empty_cache()
