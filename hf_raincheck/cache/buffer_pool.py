@@ -12,6 +12,8 @@ embeddings...) when shape, dtype and device match, zeroed.
 
 The pool keeps at most one tensor per name, the latest one given back, so it holds at most one conversation's
 buffers (for Qwen3-VL-8B with a 4096-token image, ~0.8 GB on the GPU). `release_static_buffers()` empties it.
+A tensor taken out of a static cache and kept after the cache is freed (``cache.layers[0].keys``) is one of those
+buffers: the next conversation overwrites it, so clone what you keep.
 """
 
 from __future__ import annotations
