@@ -35,6 +35,8 @@ Measurements (each after a warm-up call of the same shapes, which also absorbs c
 * ``e2e_ms``: the generate call (blocking completion of what the answer left pending included);
   ``restored_at_token``: the output token produced by the step that carried the last deferred chunk (None: the
   answer ended first); ``peak_mem_gib``: ``torch.cuda.max_memory_allocated`` over the answer run;
+* ``one_off_steps``: ``[decode step, ms]`` of the answer's steps over 3x its median step (e.g. a CUDA graph
+  recorded again);
 * ``--interleave``: per workload and cache, every policy warms up first, then their ``--repeats`` answer runs
   alternate round by round (the order rotating), so a drift over the call moves them alike; records add
   ``rounds``, ``tpot_ms_rounds`` and ``tpot_vs_full_paired`` (the median over rounds of TPOT / Full's TPOT of
@@ -94,7 +96,7 @@ from hf_raincheck.generation.schedule import carried_tokens  # noqa: E402
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 RECORD_KEYS = ("model", "workload", "policy", "chunk_size", "fused", "ttft_ms", "tpot_ms", "restore_step_ms",
                "decode_step_ms", "e2e_ms", "restored_at_token", "peak_mem_gib", "cache", "gpus", "step_ms",
-               "rounds", "tpot_ms_rounds", "tpot_vs_full_paired")
+               "rounds", "tpot_ms_rounds", "tpot_vs_full_paired", "one_off_steps")
 TEXT_BEFORE, QUESTION = 10, 30  # ~40 text tokens around the media
 TARGET_WORKLOAD = "image4096"  # where the TTFT targets are checked
 # a first run of a kind has no measured estimate: assume this much (s) when deciding whether it fits the budget
@@ -390,10 +392,20 @@ def make_record(bench: Bench, workload: str, policy: Policy, cache: str, ttfts: 
         record[key] = median_or_none([a[key] for a in answers])
     record["peak_mem_gib"] = max((a["peak_mem_gib"] for a in answers if a["peak_mem_gib"] is not None), default=None)
     record["step_ms"] = answers[len(answers) // 2]["step_ms"] if answers else None  # per decode step, one answer
+    record["one_off_steps"] = one_off_steps(record["step_ms"])
     record["rounds"] = len(answers)
     record["tpot_ms_rounds"] = [round(a["tpot_ms"], 4) for a in answers]
     record["tpot_vs_full_paired"] = None
     return {key: record[key] for key in RECORD_KEYS}
+
+
+def one_off_steps(step_ms: list[float] | None) -> list[list] | None:
+    """``[decode step, ms]`` of the steps that took over 3x the median step: one-offs such as a CUDA graph recorded
+    again (a new conversation's buffers at new addresses used to cost ~35 ms on its first decode and fused steps)."""
+    if not step_ms:
+        return None
+    limit = 3 * statistics.median(step_ms)
+    return [[j + 1, ms] for j, ms in enumerate(step_ms) if ms > limit]
 
 
 def measure(bench: Bench, workload: str, inputs, policy: Policy, cache: str) -> tuple[dict, float]:
