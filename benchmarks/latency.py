@@ -408,13 +408,6 @@ def one_off_steps(step_ms: list[float] | None) -> list[list] | None:
     return [[j + 1, ms] for j, ms in enumerate(step_ms) if ms > limit]
 
 
-def measure(bench: Bench, workload: str, inputs, policy: Policy, cache: str) -> tuple[dict, float]:
-    """One record: a warm-up (compiles, captures graphs), TTFT calls, answer runs; medians. Also the warm-up's s."""
-    ttfts, warmup_s = warm_up(bench, inputs, policy, cache)
-    answers = [answer_run(bench, inputs, policy, cache) for _ in range(bench.args.repeats)]
-    return make_record(bench, workload, policy, cache, ttfts, answers), warmup_s
-
-
 def paired_ratios(records: list[dict]) -> None:
     """``tpot_vs_full_paired`` of each interleaved record: the median over rounds of its TPOT / Full's TPOT in the
     same round (a drift over the run moves both alike)."""
@@ -744,57 +737,36 @@ def set_compile_limits() -> None:
             setattr(config, name, value)
 
 
-def run_plan_item(bench: Bench, inputs: dict, workload: str, cache: str, policy: Policy, budget: Budget,
-                  results: Results) -> None:
-    what = dict(model=bench.name, workload=workload, cache=cache, policy=policy.label)
-    kind = budget.kind(policy, cache, bench.cuda)
-    if not budget.fits(kind):
-        results.skipped.append(what)
-        print(f"  skipped (time budget): {workload} {cache} {policy.label}", flush=True)
-        return
-    t0 = time.perf_counter()
-    try:
-        record, warmup_s = measure(bench, workload, inputs[workload], policy, cache)
-    except Exception as error:  # noqa: BLE001  (one failing run must not lose the others)
-        results.errors.append(dict(what, error=f"{type(error).__name__}: {error}"))
+def run_policies(bench: Bench, inputs: dict, workload: str, cache: str, policies: list[Policy], budget: Budget,
+                 results: Results) -> None:
+    """Records of `policies` on one (workload, cache): each warms up (compiles, records its graphs, TTFT calls),
+    then their ``--repeats`` answer runs alternate round by round (the order rotating each round; one policy: its
+    answers in a row), so that with ``--interleave`` (all of a workload's policies at once) a drift over the call
+    (clocks, host load) moves every policy alike; records carry per-round TPOTs and the median paired ratio to
+    Full. A policy whose estimated run does not fit the budget is skipped; one that fails loses only itself."""
+    def failed(policy: Policy, error: Exception) -> None:  # one failing run must not lose the others
+        results.errors.append(dict(model=bench.name, workload=workload, cache=cache, policy=policy.label,
+                                   error=f"{type(error).__name__}: {error}"))
         print(f"  FAILED {workload} {cache} {policy.label}: {type(error).__name__}: {error}", flush=True)
         traceback.print_exc(limit=3)
         if bench.cuda:
             torch.cuda.empty_cache()
-        return
-    seconds = time.perf_counter() - t0
-    budget.record(kind, seconds, warmup_s)
-    results.records.append(record)
-    results.save()
-    print(f"  {workload:9s} {cache:7s} {policy.label:22s} TTFT {record['ttft_ms']:8.1f} ms  "
-          f"TPOT {record['tpot_ms']:7.2f} ms  ({seconds:.0f} s, warm-up {warmup_s:.0f} s, "
-          f"compiled graphs {compiled_graphs()})", flush=True)
 
-
-def run_interleaved(bench: Bench, inputs: dict, workload: str, cache: str, policies: list[Policy], budget: Budget,
-                    results: Results) -> None:
-    """``--interleave``: the policies of one (workload, cache) warm up one after another, then their answer runs
-    alternate, round by round (the order rotating each round), so that a drift over the call (clocks, host load)
-    moves every policy alike; records also carry per-round TPOTs and the median paired ratio to Full."""
-    ready = []  # (policy, kind, ttfts, warm-up s, start)
+    ready = []
     for policy in policies:
-        what = dict(model=bench.name, workload=workload, cache=cache, policy=policy.label)
         kind = budget.kind(policy, cache, bench.cuda)
-        # the whole run of this policy: its warm-up now, its answers spread over the rounds
-        if not budget.fits(kind):
-            results.skipped.append(what)
+        if not budget.fits(kind):  # the whole run of this policy: its warm-up now, its answers over the rounds
+            results.skipped.append(dict(model=bench.name, workload=workload, cache=cache, policy=policy.label))
             print(f"  skipped (time budget): {workload} {cache} {policy.label}", flush=True)
             continue
         t0 = time.perf_counter()
         try:
             ttfts, warmup_s = warm_up(bench, inputs[workload], policy, cache)
         except Exception as error:  # noqa: BLE001
-            results.errors.append(dict(what, error=f"{type(error).__name__}: {error}"))
-            print(f"  FAILED {workload} {cache} {policy.label}: {type(error).__name__}: {error}", flush=True)
-            traceback.print_exc(limit=3)
+            failed(policy, error)
             continue
         ready.append(dict(policy=policy, kind=kind, ttfts=ttfts, warmup_s=warmup_s,
-                          seconds=time.perf_counter() - t0, answers=[], failed=None))
+                          seconds=time.perf_counter() - t0, answers=[], failed=False))
     for round_index in range(bench.args.repeats):
         shift = round_index % max(len(ready), 1)
         for entry in ready[shift:] + ready[:shift]:
@@ -804,24 +776,20 @@ def run_interleaved(bench: Bench, inputs: dict, workload: str, cache: str, polic
             try:
                 entry["answers"].append(answer_run(bench, inputs[workload], entry["policy"], cache))
             except Exception as error:  # noqa: BLE001
-                entry["failed"] = f"{type(error).__name__}: {error}"
-                results.errors.append(dict(model=bench.name, workload=workload, cache=cache,
-                                           policy=entry["policy"].label, error=entry["failed"]))
-                print(f"  FAILED {workload} {cache} {entry['policy'].label}: {entry['failed']}", flush=True)
+                entry["failed"] = True
+                failed(entry["policy"], error)
             entry["seconds"] += time.perf_counter() - t0
-    records = []
-    for entry in ready:
-        if entry["failed"] or not entry["answers"]:
-            continue
-        records.append(make_record(bench, workload, entry["policy"], cache, entry["ttfts"], entry["answers"]))
-        budget.record(entry["kind"], entry["seconds"], entry["warmup_s"])
+    done = [entry for entry in ready if not entry["failed"] and entry["answers"]]
+    records = [make_record(bench, workload, e["policy"], cache, e["ttfts"], e["answers"]) for e in done]
     paired_ratios(records)
-    for record, entry in zip(records, [e for e in ready if not e["failed"] and e["answers"]]):
+    for record, entry in zip(records, done):
+        budget.record(entry["kind"], entry["seconds"], entry["warmup_s"])
         results.records.append(record)
         paired = record["tpot_vs_full_paired"]
         print(f"  {workload:9s} {cache:7s} {entry['policy'].label:22s} TTFT {record['ttft_ms']:8.1f} ms  "
-              f"TPOT {record['tpot_ms']:7.2f} ms  ({record['rounds']} rounds"
-              + ("" if paired is None else f", paired TPOT / full {paired:.3f}") + ")", flush=True)
+              f"TPOT {record['tpot_ms']:7.2f} ms  ({entry['seconds']:.0f} s, warm-up {entry['warmup_s']:.0f} s, "
+              f"compiled graphs {compiled_graphs()}" + (f", {record['rounds']} rounds" if record["rounds"] > 1 else "")
+              + ("" if paired is None or len(done) == 1 else f", paired TPOT / full {paired:.3f}") + ")", flush=True)
     results.save()
 
 
@@ -865,15 +833,11 @@ def run_model(model_name: str, gpus: int, args, workloads: dict, budget: Budget,
             print(f"  {text}")
         results.profile = (results.profile or "") + (
             f"# {model_name}{where}, {first}, Raincheck chunk {args.chunk_size}\n\n" + text + "\n\n")
-    if args.interleave:
-        groups: dict = {}
-        for workload, cache, policy in plan:
-            groups.setdefault((workload, cache), []).append(policy)
-        for (workload, cache), policies in groups.items():
-            run_interleaved(bench, inputs, workload, cache, policies, budget, results)
-    else:
-        for workload, cache, policy in plan:
-            run_plan_item(bench, inputs, workload, cache, policy, budget, results)
+    groups: dict = {}  # --interleave: a workload's policies together; else each run on its own
+    for k, (workload, cache, policy) in enumerate(plan):
+        groups.setdefault((workload, cache) if args.interleave else k, (workload, cache, []))[2].append(policy)
+    for workload, cache, policies in groups.values():
+        run_policies(bench, inputs, workload, cache, policies, budget, results)
     results.head.setdefault("compiled_graphs", {})[model_name] = compiled_graphs()
     del bench, inputs
     gc.unfreeze()
