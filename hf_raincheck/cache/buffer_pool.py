@@ -34,8 +34,7 @@ class StaticBufferPool:
         """A zeroed free buffer of this role and layout, or None (a buffer of another layout is dropped)."""
         with self._lock:
             tensor = self._free.pop(name, None)
-        if tensor is None or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype \
-                or tensor.device != torch.device(device):
+        if tensor is None or not _fits(tensor, shape, dtype, device):
             return None
         return tensor.zero_()
 
@@ -51,6 +50,11 @@ class StaticBufferPool:
     def nbytes(self) -> int:
         with self._lock:
             return sum(t.numel() * t.element_size() for t in self._free.values())
+
+
+def _fits(tensor: torch.Tensor, shape, dtype: torch.dtype, device) -> bool:
+    """Whether `tensor` has this layout (shape, dtype, device)."""
+    return tuple(tensor.shape) == tuple(shape) and tensor.dtype == dtype and tensor.device == torch.device(device)
 
 
 POOL = StaticBufferPool()
@@ -88,7 +92,6 @@ class CacheBuffers:
         buffer = self.buffers.get(name)
         if buffer is tensor:
             return tensor
-        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype \
-                or buffer.device != tensor.device:
+        if buffer is None or not _fits(buffer, tensor.shape, tensor.dtype, tensor.device):
             buffer = self.zeros(name, tensor.shape, tensor.dtype, tensor.device)
         return buffer.copy_(tensor)
