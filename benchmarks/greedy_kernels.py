@@ -10,6 +10,8 @@
   question), retention 0.3: ms per call (the kernel's one-pass preparation of the matrix included) and us per
   greedy step, and how many cover rows changed over the loop
   (the incremental update's work);
+- MMTok in two launches (``--late step:splits,...``: the early steps with `coverage_plan`'s split count, the rest
+  from that step with that many programs; ``default``: `coverage_stages`' own choice, ``none``: one launch);
 - DivPrune (`divprune_steps_triton`) on the same spans' features.
 
 Median of ``--repeats`` CUDA-synchronised calls after a warm-up (the warm-up compiles). Writes ``--out`` (JSON)
@@ -105,6 +107,9 @@ def main(argv=None):
                         help="also record where an MMTok step's time goes (the kernel's clock readings, CUDA only)")
     parser.add_argument("--tiles", default="",
                         help="comma list of MMTok changed-row tiles to try (default: the kernel's)")
+    parser.add_argument("--late", default="",
+                        help="comma list of MMTok late stages to try, step:splits (e.g. 64:8), 'default' "
+                             "(coverage_stages' choice) or 'none' (one launch of coverage_plan's split count)")
     parser.add_argument("--retention", type=float, default=0.3)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="greedy_kernels.json")
@@ -155,6 +160,35 @@ def main(argv=None):
                     rows[-1]["phases"] = step_phases(run, batch, budget, splits, ms)
                     print(json.dumps(rows[-1]["phases"]), flush=True)
                 save(args, device, rows)
+        for option in [o.strip() for o in args.late.split(",") if o.strip()]:
+            if option == "default":
+                late = None
+            elif option == "none":
+                late = (budget, 1)
+            else:
+                step, _, late_splits = option.partition(":")
+                late = (int(step), int(late_splits))
+            try:
+                stages = greedy_triton.coverage_stages(n, batch, budget, device, late=late)
+            except ValueError as err:
+                rows.append(dict(case=case, kernel="mmtok", late=option, ms=None, note=str(err)))
+                continue
+
+            def run_late(late=late):
+                return greedy_triton.coverage_order_triton(cover, scales, budget, width + 1, late=late)
+
+            order = run_late()
+            if order is None:
+                rows.append(dict(case=case, kernel="mmtok", late=option, ms=None, note="barrier gave up"))
+                continue
+            reference = order if reference is None else reference
+            ms = timed(run_late, device, args.repeats)
+            rows.append(dict(case=case, kernel="mmtok", spans=batch, tokens=n, budget=budget, late=option,
+                             stages=[list(st[:2]) for st in stages], splits="+".join(str(st[1]) for st in stages),
+                             ms=round(ms, 3), us_per_step=round(1e3 * ms / budget, 2),
+                             same_picks=bool(torch.equal(order, reference))))
+            print(json.dumps(rows[-1]), flush=True)
+            save(args, device, rows)
         plan = greedy_triton.coverage_plan(n, batch, device)
         rows.append(dict(case=case, kernel="mmtok", plan_splits=plan[0], plan_block=plan[1]))
         if reference is not None:
@@ -178,12 +212,12 @@ def main(argv=None):
         save(args, device, rows)
 
     save(args, device, rows)
-    print("\n| case | kernel | splits | warps | tile | ms | us / step | same picks |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| case | kernel | splits | late | warps | tile | ms | us / step | same picks |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if "ms" in r:
-            print(f"| {r['case']} | {r['kernel']} | {r.get('splits', '-')} | {r.get('warps') or '-'} | "
-                  f"{r.get('tile_r') or '-'} | {r['ms']} | {r.get('us_per_step', '-')} | "
+            print(f"| {r['case']} | {r['kernel']} | {r.get('splits', '-')} | {r.get('late', '-')} | "
+                  f"{r.get('warps') or '-'} | {r.get('tile_r') or '-'} | {r['ms']} | {r.get('us_per_step', '-')} | "
                   f"{r.get('same_picks', '-')} |")
     phased = [r for r in rows if "phases" in r]
     if phased:

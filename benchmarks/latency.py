@@ -28,7 +28,8 @@ graphs.
 Measurements (each after a warm-up call of the same shapes, which also absorbs compilation):
 
 * ``ttft_ms``: inputs already on the device -> first token (vision, selection and prefill included): median over
-  ``--ttft-repeats`` calls stopped after the first token plus the answer runs;
+  ``--ttft-repeats`` calls stopped after the first token plus the answer runs (``ttft_ms_calls``: each call's, the
+  first-token-only calls first, then the answer runs in order);
 * ``tpot_ms``: over the whole answer (first to last token); ``restore_step_ms`` / ``decode_step_ms``: mean
   duration of the decode steps that carried deferred tokens / of the other decode steps. A streamer's ``put``
   timestamps every token after a device synchronisation; decode step j feeds token j and ends with token j+1;
@@ -96,7 +97,7 @@ from hf_raincheck.generation.schedule import carried_tokens  # noqa: E402
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 RECORD_KEYS = ("model", "workload", "policy", "chunk_size", "fused", "ttft_ms", "tpot_ms", "restore_step_ms",
                "decode_step_ms", "e2e_ms", "restored_at_token", "peak_mem_gib", "cache", "gpus", "step_ms",
-               "rounds", "tpot_ms_rounds", "tpot_vs_full_paired", "one_off_steps")
+               "rounds", "tpot_ms_rounds", "tpot_vs_full_paired", "one_off_steps", "ttft_ms_calls")
 TEXT_BEFORE, QUESTION = 10, 30  # ~40 text tokens around the media
 TARGET_WORKLOAD = "image4096"  # where the TTFT targets are checked
 # a first run of a kind has no measured estimate: assume this much (s) when deciding whether it fits the budget
@@ -388,6 +389,7 @@ def make_record(bench: Bench, workload: str, policy: Policy, cache: str, ttfts: 
     record = dict(model=bench.name, workload=workload, policy=policy.name, chunk_size=policy.chunk_size,
                   fused=policy.fused, cache=cache, gpus=bench.gpus)
     record["ttft_ms"] = statistics.median(ttfts + [a["ttft_ms"] for a in answers])
+    record["ttft_ms_calls"] = [round(t, 2) for t in ttfts + [a["ttft_ms"] for a in answers]]
     for key in ("tpot_ms", "restore_step_ms", "decode_step_ms", "e2e_ms", "restored_at_token"):
         record[key] = median_or_none([a[key] for a in answers])
     record["peak_mem_gib"] = max((a["peak_mem_gib"] for a in answers if a["peak_mem_gib"] is not None), default=None)

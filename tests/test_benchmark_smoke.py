@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD_KEYS = {"model", "workload", "policy", "chunk_size", "fused", "ttft_ms", "tpot_ms", "restore_step_ms",
                "decode_step_ms", "e2e_ms", "restored_at_token", "peak_mem_gib", "cache", "gpus", "step_ms",
-               "rounds", "tpot_ms_rounds", "tpot_vs_full_paired", "one_off_steps"}
+               "rounds", "tpot_ms_rounds", "tpot_vs_full_paired", "one_off_steps", "ttft_ms_calls"}
 
 
 def test_latency_quick_writes_the_issue_records(tmp_path):
@@ -33,6 +34,8 @@ def test_latency_quick_writes_the_issue_records(tmp_path):
         assert len(r["step_ms"]) == 23 and all(s > 0 for s in r["step_ms"])
         median = sorted(r["step_ms"])[11]
         assert r["one_off_steps"] == [[j + 1, ms] for j, ms in enumerate(r["step_ms"]) if ms > 3 * median]
+        assert len(r["ttft_ms_calls"]) == report["header"]["settings"]["ttft_repeats"] + r["rounds"]
+        assert abs(statistics.median(r["ttft_ms_calls"]) - r["ttft_ms"]) < 0.01
         assert abs(sum(r["step_ms"]) / 23 - r["tpot_ms"]) < 0.01 * r["tpot_ms"] + 0.01
     # every model x workload x cache has the five policies side by side, and the sweep adds chunk 15
     groups = {(r["model"], r["workload"], r["cache"]) for r in records}

@@ -93,6 +93,44 @@ def test_mmtok_kernel_every_split_count(device, monkeypatch):
         assert torch.equal(got.cpu(), want.cpu()), splits
 
 
+def test_mmtok_kernel_in_two_launches(device, monkeypatch):
+    """A greedy split over two launches (``late``: the state goes through memory, the second launch goes on from
+    the step given, with its own split count) picks what one launch and the torch path pick, wherever it
+    switches (before the first step, after it, mid-way, at the budget)."""
+    cover = _cover(2, 96, 5, device, seed=9)
+    budget, width = 40, 96
+    _torch_path(monkeypatch)
+    want = greedy_coverage_order(cover, budget, lazy=False)
+    cover32, scales = _cover_and_scales(cover, width)
+    plans = [(1, (step, 1)) for step in (0, 1, 7, budget)]
+    if device.type == "cuda":
+        plans += [(6, (5, 2)), (2, (1, 6)), (3, (20, 1)), (None, None), (None, (3, 2))]
+    for splits, late in plans:
+        got = coverage_order_triton(cover32, scales, budget, width + 1, splits=splits, late=late)
+        assert got is not None
+        assert torch.equal(got.cpu(), want.cpu()), (splits, late)
+
+
+def test_coverage_stages(device):
+    """Which launches a greedy takes: one unless a late stage is given, or by default where it means fewer
+    programs; bad ``late`` values are refused, naming the argument."""
+    from hf_raincheck.pruning.greedy_triton import LATE_SPLITS, LATE_STEP, coverage_stages
+
+    assert coverage_stages(96, 1, 40, device, splits=1) == [(0, 1, 128)]
+    assert coverage_stages(96, 1, 40, device, splits=1, late=(7, 1)) == [(0, 1, 128), (7, 1, 128)]
+    assert coverage_stages(96, 1, 40, device, splits=1, late=(0, 1)) == [(0, 1, 128)]
+    assert coverage_stages(96, 1, 40, device, splits=1, late=(40, 2)) == [(0, 1, 128)]
+    for bad in ((-1, 2), (3, 0), (3,)):
+        with pytest.raises(ValueError, match="late"):
+            coverage_stages(96, 1, 40, device, late=bad)
+    if device.type == "cuda":
+        early = coverage_stages(4096, 1, 1229, device)
+        assert early[0][:2] == (0, 64) and early[1][:2] == (LATE_STEP, LATE_SPLITS)
+        assert coverage_stages(4096, 1, 2 * LATE_STEP - 1, device) == early[:1]  # too few steps left for it
+        with pytest.raises(ValueError, match="late"):
+            coverage_stages(256, 16, 77, device, late=(5, 64))  # 16 x 64 programs cannot all be resident
+
+
 def test_mmtok_kernel_phases(device, monkeypatch):
     """``phases=`` (benchmarks) leaves the picks alone and records five increasing SM clock readings per step and
     program; a tensor too small for them is refused, naming the argument."""

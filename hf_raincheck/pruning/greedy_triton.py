@@ -109,25 +109,27 @@ def _warps(block: int) -> int:
 # ------------------------------------------------------------------------------------------------------- mmtok
 @triton.jit
 def _coverage_kernel(
-    cover_ptr, cover_t_ptr, scales_ptr, gain_ptr, order_ptr, proposals_ptr, fail_ptr,
+    cover_ptr, cover_t_ptr, scales_ptr, gain_ptr, best_ptr, taken_ptr, order_ptr, proposals_ptr, fail_ptr,
     scratch_rows_ptr, scratch_old_ptr, scratch_new_ptr, phases_ptr,
-    n, m, budget, ranks_w,
+    n, m, budget, start, stop, ranks_w, proposal_stride,
     SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, TILE_R: tl.constexpr, SPIN: tl.constexpr, PHASES: tl.constexpr,
 ):
-    """The full greedy of one span (``program_id(1)``) over the columns of split ``program_id(0)``; see the module
-    docstring. With ``PHASES`` (benchmarks only), each program writes the SM clock at five points of every step to
-    ``phases_ptr [B, budget, SPLITS, 5]`` (int64): start, proposal ready, barrier passed, column taken (``best``
-    and the changed rows), gains updated."""
+    """Steps ``start .. stop - 1`` of the full greedy of one span (``program_id(1)``) over the columns of split
+    ``program_id(0)``; see the module docstring. The state comes from and goes back to memory: the columns' gains
+    (``gain_ptr [B, n]``), ``best`` (``best_ptr [B, m + n]``) and the taken columns (``taken_ptr [B, n]``, int8),
+    so that a later launch (another split count) goes on from ``stop``. With ``PHASES`` (benchmarks only), each
+    program writes the SM clock at five points of every step to ``phases_ptr [B, budget, SPLITS, 5]`` (int64):
+    start, proposal ready, barrier passed, column taken (``best`` and the changed rows), gains updated."""
     split, b, cover, cover_t, cols, col_in, gain, taken, s_rows, s_old, s_new = _span_setup(
-        cover_ptr, cover_t_ptr, gain_ptr, scratch_rows_ptr, scratch_old_ptr, scratch_new_ptr, n, m,
+        cover_ptr, cover_t_ptr, gain_ptr, taken_ptr, scratch_rows_ptr, scratch_old_ptr, scratch_new_ptr, n, m,
         SPLITS, BLOCK_C, BLOCK_M, BLOCK_N)
-    rows_q, q_in, rows_v, v_in, best_q, best_v = _best_vectors(m, n, BLOCK_M, BLOCK_N)
+    rows_q, q_in, rows_v, v_in, best_q, best_v = _best_vectors(best_ptr + b * (m + n), m, n, BLOCK_M, BLOCK_N)
     scale_1 = tl.load(scales_ptr)  # `cover` is unscaled: its entries are scaled as they are read (`cover_t` is)
     scale_2 = tl.load(scales_ptr + 1)
     others = tl.arange(0, SPLITS_P2)
     failed = 0
-    for s in range(0, budget):
+    for s in range(start, stop):
         if failed == 0:
             slot = b * budget + s
             at = phases_ptr + (slot * SPLITS + split) * 5
@@ -141,7 +143,7 @@ def _coverage_kernel(
             if SPLITS > 1:
                 # the barrier: each program stores its proposal in its own slot of this step (one store), then waits
                 # for the span's other programs' (`_wait_for_proposals`)
-                row = proposals_ptr + slot * SPLITS
+                row = proposals_ptr + slot * proposal_stride  # [B, budget, stride]: every launch its own slots
                 tl.store(row + split, low)
                 seen, failed = _wait_for_proposals(row, others, SPLITS, fail_ptr + b, SPIN)
                 low = tl.min(seen, axis=0)
@@ -168,6 +170,12 @@ def _coverage_kernel(
                 if PHASES:
                     tl.store(at + 4, _clock(tl.min(gain, axis=0)))
                 tl.debug_barrier()
+    # the state for a later launch: every program its columns, program 0 the (shared) `best`
+    tl.store(gain_ptr + b * n + cols, gain, mask=col_in)
+    tl.store(taken_ptr + b * n + cols, taken.to(tl.int8), mask=col_in)
+    if split == 0:
+        tl.store(best_ptr + b * (m + n) + rows_q, best_q, mask=q_in)
+        tl.store(best_ptr + b * (m + n) + m + rows_v, best_v, mask=v_in)
 
 
 @triton.jit
@@ -201,10 +209,10 @@ def _prepare_kernel(cover_ptr, scales_ptr, cover_t_ptr, gain_ptr, rows_n, n,
 
 
 @triton.jit
-def _span_setup(cover_ptr, cover_t_ptr, gain_ptr, scratch_rows_ptr, scratch_old_ptr, scratch_new_ptr, n, m,
-                SPLITS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _span_setup(cover_ptr, cover_t_ptr, gain_ptr, taken_ptr, scratch_rows_ptr, scratch_old_ptr, scratch_new_ptr, n,
+                m, SPLITS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """A program's view of its span: ``(split, b, cover [R, n], cover_t [n, R], its columns, which are real, their
-    gains, taken (the padding), its three compaction buffers)``."""
+    gains, taken (chosen columns and the padding), its three compaction buffers)``."""
     split = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     rows_n = m + n
@@ -213,20 +221,21 @@ def _span_setup(cover_ptr, cover_t_ptr, gain_ptr, scratch_rows_ptr, scratch_old_
     cols = split * BLOCK_C + tl.arange(0, BLOCK_C)
     col_in = cols < n
     gain = tl.load(gain_ptr + b * n + cols, mask=col_in, other=0)  # int64, exact fixed point
-    taken = cols >= n  # padding: never a candidate
+    taken = (tl.load(taken_ptr + b * n + cols, mask=col_in, other=1) != 0) | (cols >= n)  # padding: never a candidate
     at = (b * SPLITS + split) * (BLOCK_M + BLOCK_N)
     return split, b, cover, cover_t, cols, col_in, gain, taken, scratch_rows_ptr + at, scratch_old_ptr + at, \
         scratch_new_ptr + at
 
 
 @triton.jit
-def _best_vectors(m, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``best`` (0 before any pick) as two register vectors, question rows and span rows (R = m + n is not padded
-    to a power of two whole), with their row offsets and masks: ``(rows_q, q_in, rows_v, v_in, best_q, best_v)``."""
+def _best_vectors(best, m, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``best`` (the span's ``[m + n]`` from memory: 0 before any pick) as two register vectors, question rows and
+    span rows (R = m + n is not padded to a power of two whole), with their row offsets and masks: ``(rows_q, q_in,
+    rows_v, v_in, best_q, best_v)``."""
     rows_q = tl.arange(0, BLOCK_M)
     rows_v = tl.arange(0, BLOCK_N)
-    best_q = tl.zeros([BLOCK_M], dtype=tl.float32)
-    best_v = tl.zeros([BLOCK_N], dtype=tl.float32)
+    best_q = tl.load(best + rows_q, mask=rows_q < m, other=0.0)
+    best_v = tl.load(best + m + rows_v, mask=rows_v < n, other=0.0)
     return rows_q, rows_q < m, rows_v, rows_v < n, best_q, best_v
 
 
@@ -302,6 +311,17 @@ def _gain_terms(x, old, new):
 #: the most programs a span's columns are split over (H200, 4096 tokens: 7.6 us per step at 64, 9.1 at 32, 7.7 at
 #: 128; 1024 tokens: 4.2 us at 64; `benchmarks/greedy_kernels.py`)
 MAX_SPLITS = 64
+#: the late stage (`coverage_stages`): from step `LATE_STEP` on, a span's greedy goes on with `LATE_SPLITS`
+#: programs, where at least `LATE_STEP` steps remain. Early steps change many rows of ``best`` (4096 tokens: 4120 at
+#: step 0, then 2083, 1364, 992, ..., ~200 by step 20, a median of 5 later), and their gain updates want many
+#: programs; later steps are bound by the per-step chain (barrier, column, compaction), which fewer programs run
+#: a little faster (a median step of 6.1 us at 8 programs against 7.1 at 64). H200, 4096 tokens, median of 7:
+#: 64 programs throughout 9.76 ms; then 8 from step 16 / 32 / 64 / 128 / 256: 11.20 / 10.55 / 9.93 / 9.44 / 9.13;
+#: 4 or 16 or 32 from step 64: 10.11 / 10.09 / 10.23 (`benchmarks/greedy_kernels.py --device cuda --splits 64
+#: --late ...`, `benchmarks/results/greedy_kernels_late.json`). At 1024 tokens (307 steps) a late stage did not pay
+#: (1.55 ms in one launch, 1.60 from step 256), hence the "steps remaining" condition
+LATE_STEP = 256
+LATE_SPLITS = 8
 
 
 def coverage_plan(n: int, batch: int, device: torch.device, splits: int | None = None) -> tuple[int, int]:
@@ -318,6 +338,29 @@ def coverage_plan(n: int, batch: int, device: torch.device, splits: int | None =
             splits = 1  # too many spans for one resident grid: one program per span (no barrier)
     block_c = max(16, triton.next_power_of_2(triton.cdiv(n, splits)))
     return triton.cdiv(n, block_c), block_c
+
+
+def coverage_stages(n: int, batch: int, budget: int, device: torch.device, splits: int | None = None,
+                    late: tuple[int, int] | None = None) -> list[tuple[int, int, int]]:
+    """The launches of a greedy: ``[(first step, splits, block_c)]``. The early stage runs `coverage_plan`'s split
+    count (or `splits`); ``late = (step, splits)`` goes on from that step with that many programs (a step at or
+    past the budget: one stage). By default (neither given) `LATE_STEP` and `LATE_SPLITS`, where that is fewer
+    programs than the early stage's and at least `LATE_STEP` steps remain after it."""
+    early, block_c = coverage_plan(n, batch, device, splits)
+    stages = [(0, early, block_c)]
+    if late is None:
+        if splits is not None or LATE_SPLITS >= early or budget - LATE_STEP < LATE_STEP:
+            return stages
+        late = (LATE_STEP, LATE_SPLITS)
+    elif (len(late) != 2 or late[0] < 0 or late[1] < 1
+          or (device.type == "cuda" and late[1] > 1 and late[1] * batch > sm_count(device))):
+        raise ValueError(f"late must be (step >= 0, splits >= 1) with splits x spans ({batch}) within the SM count "
+                         f"(the programs of a launch must be resident together), got {late}")
+    step, late_splits = late
+    late_splits, late_block = coverage_plan(n, batch, device, late_splits)
+    if step < budget:
+        stages = ([(0, early, block_c)] if step > 0 else []) + [(step, late_splits, late_block)]
+    return stages
 
 
 @torch.no_grad()
@@ -339,45 +382,55 @@ def prepare_cover(cover: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tens
 def coverage_order_triton(cover: torch.Tensor, scales: torch.Tensor, budget: int, ranks_w: int,
                           splits: int | None = None, spin_limit: int = SPIN_LIMIT,
                           num_warps: int | None = None, tile_r: int | None = None,
-                          phases: torch.Tensor | None = None) -> torch.Tensor | None:
+                          phases: torch.Tensor | None = None,
+                          late: tuple[int, int] | None = None) -> torch.Tensor | None:
     """The full greedy on ``cover [B, R, n]`` (fp32, unscaled) with the fixed-point scales ``scales [2]``
     (`mmtok.fixed_point_scales`; the same gains and picks as `mmtok.greedy_coverage_order`'s torch paths on
     ``fixed_point(cover)``) -> ``[B, budget]`` picks in order, or None when a program gave up waiting at the
     barrier (the caller then runs the torch path). `splits` forces the number of programs per span
-    (`coverage_plan`), `spin_limit` the barrier's patience (tests), `num_warps` the warps per program and `tile_r`
-    the changed rows per tile of the gain update (benchmarks; defaults: 8 warps for spans of 4096+ tokens, else 4;
-    ``4096 // block_c`` rows, at most 64); `phases`, an int64 tensor of ``B * budget * splits * 5`` elements,
-    receives the kernel's per-step clock readings (`_coverage_kernel`; benchmarks)."""
+    (`coverage_plan`; then one launch unless `late` is given), ``late = (step, splits)`` the step from which a
+    second launch goes on with that many programs (`coverage_stages`), `spin_limit` the barrier's patience
+    (tests), `num_warps` the warps per program and `tile_r` the changed rows per tile of the gain update
+    (benchmarks; defaults: 8 warps for spans of 4096+ tokens, else 4; ``4096 // block_c`` rows, at most 64);
+    `phases`, an int64 tensor of ``B * budget * splits * 5`` elements, receives the kernel's per-step clock
+    readings (`_coverage_kernel`; benchmarks; one launch: with `splits`, without `late`)."""
     batch, rows_n, n = cover.shape
     device = cover.device
     order = torch.zeros(batch, budget, dtype=torch.long, device=device)
     if budget <= 0:
         return order
-    splits, block_c = coverage_plan(n, batch, device, splits)
+    if phases is not None and (splits is None or late is not None):
+        raise ValueError("phases needs one launch: pass splits, and no late stage")
+    stages = coverage_stages(n, batch, budget, device, splits, late)
     m = rows_n - n  # question rows first, then the span's rows (`mmtok.coverage_matrix`)
     block_m = max(16, triton.next_power_of_2(max(m, 1)))
     block_n = max(16, triton.next_power_of_2(n))
     cover = cover.contiguous()
     scales = scales.to(device=device, dtype=torch.float32).contiguous()
     cover_t, gain = prepare_cover(cover, scales)
+    best = torch.zeros(batch, rows_n, dtype=torch.float32, device=device)  # the state between launches
+    taken = torch.zeros(batch, n, dtype=torch.int8, device=device)
+    most = max(sp for _, sp, _ in stages)
     # per step, span and program, one slot; INT64_MIN = "not proposed yet" (ranks are > -2^62)
-    proposals = torch.full((batch, budget, splits), -INT64_MAX - 1, dtype=torch.long, device=device)
-    if phases is not None and phases.numel() < batch * budget * splits * 5:
-        raise ValueError(f"phases must hold batch * budget * splits * 5 = {batch * budget * splits * 5} int64 clock "
+    proposals = torch.full((batch, budget, most), -INT64_MAX - 1, dtype=torch.long, device=device)
+    if phases is not None and phases.numel() < batch * budget * most * 5:
+        raise ValueError(f"phases must hold batch * budget * splits * 5 = {batch * budget * most * 5} int64 clock "
                          f"readings, got {phases.numel()}")
     fail = torch.zeros(batch, dtype=torch.int32, device=device)
-    scratch = batch * splits * (block_m + block_n)
+    scratch = batch * most * (block_m + block_n)
     scratch_rows = torch.empty(scratch, dtype=torch.int32, device=device)
     scratch_old = torch.empty(scratch, dtype=torch.float32, device=device)
     scratch_new = torch.empty_like(scratch_old)
-    tile_r = tile_r or max(1, min(64, 4096 // block_c))
     with _on(device):
-        shapes = dict(SPLITS=splits, SPLITS_P2=max(2, triton.next_power_of_2(splits)), BLOCK_C=block_c,
-                      BLOCK_M=block_m, BLOCK_N=block_n, TILE_R=tile_r, SPIN=spin_limit, PHASES=phases is not None,
-                      num_warps=num_warps or (8 if block_n >= 4096 else 4))
-        _coverage_kernel[(splits, batch)](
-            cover, cover_t, scales, gain, order, proposals, fail, scratch_rows, scratch_old, scratch_new,
-            order if phases is None else phases, n, m, budget, ranks_w, **shapes)
-    if splits > 1 and bool(fail.any()):  # one host synchronisation
+        for k, (start, stage_splits, block_c) in enumerate(stages):
+            stop = stages[k + 1][0] if k + 1 < len(stages) else budget
+            shapes = dict(SPLITS=stage_splits, SPLITS_P2=max(2, triton.next_power_of_2(stage_splits)),
+                          BLOCK_C=block_c, BLOCK_M=block_m, BLOCK_N=block_n,
+                          TILE_R=tile_r or max(1, min(64, 4096 // block_c)), SPIN=spin_limit,
+                          PHASES=phases is not None, num_warps=num_warps or (8 if block_n >= 4096 else 4))
+            _coverage_kernel[(stage_splits, batch)](
+                cover, cover_t, scales, gain, best, taken, order, proposals, fail, scratch_rows, scratch_old,
+                scratch_new, order if phases is None else phases, n, m, budget, start, stop, ranks_w, most, **shapes)
+    if most > 1 and bool(fail.any()):  # one host synchronisation
         return None
     return order
