@@ -424,15 +424,22 @@ def paired_ratios(records: list[dict]) -> None:
 
 # ---------------------------------------------------------------------------------------------------- profile
 def profile_steps(bench: Bench, inputs, cache: str) -> str:
-    """torch.profiler tables of decode step `guard` (decode only) and step `guard + 2` (fused) of Raincheck, and of
-    decode step `guard` of Full (the same step kind without a plan, for comparison)."""
+    """torch.profiler tables of decode step `guard` (decode only), step `guard + 2` (fused) and the second decode
+    step after restoration finished (decode only, nothing pending) of Raincheck, and of Full's decode steps
+    `guard` and the same late step (the same step kinds without a plan, for comparison)."""
     from torch.profiler import ProfilerActivity, profile
 
     args = bench.args
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.cuda else [])
     profilers, walls = {}, {}
-    runs = [(raincheck_policy(args, args.chunk_size), {"decode-only": args.guard_tokens, "fused": args.guard_tokens + 2}),
-            (full_policy(args), {"Full decode": args.guard_tokens})]
+    raincheck = raincheck_policy(args, args.chunk_size)
+    out, _, _, _ = bench.generate(inputs, raincheck, cache, stop_after=args.guard_tokens + 4)  # warm-up
+    counts = carry_counts(raincheck.config, out.past_key_values.turn_stats[-1].deferred, 8 * args.new_tokens)
+    del out
+    late = max((j for j, c in enumerate(counts, start=1) if c), default=args.guard_tokens) + 2
+    runs = [(raincheck, {"decode-only": args.guard_tokens, "fused": args.guard_tokens + 2,
+                         "decode-only after restoration": late}),
+            (full_policy(args), {"Full decode": args.guard_tokens, "Full decode (late)": late})]
     for policy, steps in runs:
         def hook(k, steps=steps):  # decode step j runs between the puts of tokens j and j + 1 (both after a sync)
             for name, step in steps.items():
@@ -444,8 +451,9 @@ def profile_steps(bench: Bench, inputs, cache: str) -> str:
                     walls[name] = time.perf_counter() - walls[name]
                     profilers[name].stop()
 
-        bench.generate(inputs, policy, cache, stop_after=args.guard_tokens + 4)  # warm-up
-        bench.generate(inputs, policy, cache, stop_after=args.guard_tokens + 4, hook=hook)
+        if policy is not raincheck:
+            bench.generate(inputs, policy, cache, stop_after=late + 2)  # warm-up
+        bench.generate(inputs, policy, cache, stop_after=late + 2, hook=hook)
     sort_by = "device_time_total" if bench.cuda else "cpu_time_total"
     parts = []
     for name, prof in profilers.items():

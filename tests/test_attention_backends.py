@@ -91,3 +91,61 @@ def test_blocked_softmax_grouped_path_equals_naive(monkeypatch, block):
     assert len(blocked) == (1 if 200 % block == 0 else 0) + (1 if 203 % block == 0 else 0)
     scores = torch.randn(3, 2, 50).masked_fill(torch.rand(3, 2, 50) < 0.3, float("-inf"))
     torch.testing.assert_close(original(scores, 10), torch.softmax(scores, dim=-1))
+
+
+def test_short_eager_forwards_on_cuda_leave_cudnn_out():
+    """`eager_sdpa_backends`: on CUDA, forwards of a few rows run SDPA without cuDNN (a plan built per new key
+    length); the other backends keep their flags; nested or concurrent forwards keep it off until the last leaves,
+    then the user's setting comes back (also when it was off); long forwards and other devices change nothing."""
+    flags = torch.backends.cuda
+    cuda = torch.device("cuda")
+    others = (flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled(), flags.math_sdp_enabled())
+    assert flags.cudnn_sdp_enabled()
+    with sdpa.eager_sdpa_backends(cuda, 1):
+        assert not flags.cudnn_sdp_enabled()
+        assert (flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled(), flags.math_sdp_enabled()) == others
+        with sdpa.eager_sdpa_backends(cuda, sdpa.SHAPE_CHANGING_ROWS):  # another forward (a background completion)
+            assert not flags.cudnn_sdp_enabled()
+        assert not flags.cudnn_sdp_enabled()  # still inside the first
+    assert flags.cudnn_sdp_enabled()
+    for device, rows in (("cpu", 1), ("cuda", sdpa.SHAPE_CHANGING_ROWS + 1)):
+        with sdpa.eager_sdpa_backends(torch.device(device), rows):
+            assert flags.cudnn_sdp_enabled()
+    flags.enable_cudnn_sdp(False)  # the user's own setting
+    try:
+        with sdpa.eager_sdpa_backends(cuda, 1):
+            assert not flags.cudnn_sdp_enabled()
+        assert not flags.cudnn_sdp_enabled()
+    finally:
+        flags.enable_cudnn_sdp(True)
+
+
+def test_every_eager_forward_sets_its_attention_backends(monkeypatch):
+    """`run_rows` enters `eager_sdpa_backends` once per forward, with the forward's row count (prefill, decode-only
+    and fused steps)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from handmade import _conv, _tiny_model
+    from helpers import generate
+
+    from hf_raincheck import RaincheckConfig, enable_raincheck
+    from hf_raincheck.generation import rows as rows_module
+
+    seen = []
+    original = rows_module.eager_sdpa_backends
+
+    def recorded(device, rows):
+        seen.append(rows)
+        return original(device, rows)
+
+    monkeypatch.setattr(rows_module, "eager_sdpa_backends", recorded)
+    model = enable_raincheck(_tiny_model("eager"))
+    inputs = _conv([(1, 8, 8)], [3, 2, 4])
+    cfg = RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=2, pruning="uniform", completion="blocking")
+    out = generate(model, inputs, 10, cfg)
+    deferred = out.past_key_values.turn_stats[0].deferred
+    assert deferred == 11
+    # the prefill (the kept prompt tokens), two guard steps, fused steps carrying 5, 5 and 1 deferred rows, the rest
+    assert seen == [inputs["input_ids"].shape[1] - deferred, 1, 1, 6, 6, 2, 1, 1, 1, 1]

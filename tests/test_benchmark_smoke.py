@@ -56,7 +56,8 @@ def test_latency_quick_writes_the_issue_records(tmp_path):
         else:
             assert r["restored_at_token"] is None and r["restore_step_ms"] is None
     assert {t["target"] for t in report["targets"]} >= {"TTFT <= 1.03 x hard", "TPOT <= 1.03 x full"}
-    assert "fused step" in (tmp_path / "latency_profile.txt").read_text()
+    profile = (tmp_path / "latency_profile.txt").read_text()
+    assert "fused step" in profile and "decode-only after restoration step" in profile and "Full decode (late)" in profile
 
 
 def run_script(args, tmp_path, timeout=300):

@@ -192,3 +192,30 @@ def test_new_conversations_and_turns_replay_the_recorded_cuda_graphs(family, mon
     conversation()
     print(f"\nCUDA graph recordings in two more conversations of two turns: {len(records)}")
     assert not records
+
+
+def test_eager_decode_attention_builds_no_cudnn_plan_per_step():
+    """Decode-shaped bf16 attention over a key length that grows by one per call (an eager decode step), inside
+    `eager_sdpa_backends`: no cuDNN attention runs (it builds a plan per new shape: ~1 ms of host time per call on
+    the H200), another SDPA backend does, and the results match SDPA's own choice."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from hf_raincheck.attention import sdpa
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(1, 8, 4200, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(1, 8, 4200, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    lengths = range(4096, 4104)
+    want = [sdpa.sdpa_attention(q, k[:, :, :n], v[:, :, :n], None, 128 ** -0.5, causal_lower_right=True)
+            for n in lengths]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with sdpa.eager_sdpa_backends(q.device, 1):
+            got = [sdpa.sdpa_attention(q, k[:, :, :n], v[:, :, :n], None, 128 ** -0.5, causal_lower_right=True)
+                   for n in lengths]
+    names = {e.name for e in prof.events()}
+    attention = sorted(name for name in names if name.startswith("aten::_scaled_dot_product"))
+    print("eager decode attention ran:", attention)
+    assert attention and not any("cudnn" in name for name in names), sorted(names)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)

@@ -16,7 +16,9 @@ no real gain), 38.1 against 47.8 at 64 rows, and lost on Qwen3.5-9B's head dim 2
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -106,6 +108,56 @@ def blocked_softmax(scores: torch.Tensor, block: int) -> torch.Tensor:
     e = torch.exp(blocks - top)
     total = e.sum(dim=-1, keepdim=True).sum(dim=-2, keepdim=True)
     return (e / total).flatten(-2)
+
+
+#: forwards of at most this many rows (decode and fused steps) run eagerly on CUDA without cuDNN's SDPA
+#: (`eager_sdpa_backends`)
+SHAPE_CHANGING_ROWS = 64
+
+
+class _WithoutCudnnSDPA:
+    """SDPA's cuDNN backend off while any forward is inside (a count under a lock: the flag is process-wide, and a
+    background completion can run a forward while the user's thread runs another); the user's setting comes back
+    when the last one leaves. The other backends keep their flags."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._inside = 0
+        self._saved = True
+
+    def __enter__(self):
+        with self._lock:
+            if self._inside == 0:
+                self._saved = torch.backends.cuda.cudnn_sdp_enabled()
+                torch.backends.cuda.enable_cudnn_sdp(False)
+            self._inside += 1
+        return self
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._inside -= 1
+            if self._inside == 0:
+                torch.backends.cuda.enable_cudnn_sdp(self._saved)
+        return False
+
+
+_WITHOUT_CUDNN = _WithoutCudnnSDPA()
+
+
+def eager_sdpa_backends(device: torch.device, rows: int):
+    """A context for one eager forward of `rows` rows on `device`: for short forwards on CUDA, SDPA without its
+    cuDNN backend (SDPA then picks flash, memory-efficient or math attention as usual); otherwise nothing.
+
+    cuDNN's SDPA builds an execution plan per shape and strides and caches it (per thread); an eager decode step's
+    key length is one more than the last step's, so a step of a new length builds a plan in every layer. On the
+    H200 (Qwen3-VL-8B, dynamic cache) Raincheck's decode steps after restoration spent 1.06 ms of host time per
+    cuDNN call there (37 ms per step, against 63 us per call for Full's steps of the same run, whose plans were
+    cached; `benchmarks/results/latency_profile_dynamic_cudnn.txt`). Flash and memory-efficient attention have no
+    per-shape build. Set once per forward, not per layer; compiled steps (fixed shapes, CUDA graphs) and long
+    forwards (a prefill: one new shape per turn) keep SDPA's own choice."""
+    if device.type == "cuda" and rows <= SHAPE_CHANGING_ROWS:
+        return _WITHOUT_CUDNN
+    return contextlib.nullcontext()
 
 
 def sdpa_attention(

@@ -12,6 +12,7 @@ from ..gdn_state import resolve as resolve_gdn_backend
 from ..models import ModelAdapter
 from ..attention.dispatch import CAUSAL_LOWER_RIGHT
 from ..attention.flash import flash_mask
+from ..attention.sdpa import eager_sdpa_backends
 from .visibility import visibility_mask
 
 
@@ -149,14 +150,15 @@ def run_rows(
         cache._gdn_step = gdn_step(cache, rows, plan, resolve_gdn_backend(cache.config.gdn_backend, device))
         gdn_before = cache.gdn_snapshot()
     try:
-        hidden = adapter.language_forward(
-            rows.embeds[None],
-            rows.positions[:, None, :],
-            mask,
-            cache,
-            rows.deepstack,
-            backend,
-        )
+        with eager_sdpa_backends(device, rows.size):
+            hidden = adapter.language_forward(
+                rows.embeds[None],
+                rows.positions[:, None, :],
+                mask,
+                cache,
+                rows.deepstack,
+                backend,
+            )
     except BaseException:
         # a forward that fails (or is interrupted) half-way leaves nothing behind: KV writes land in slots that
         # stay unmarked and are rewritten by the retry; GDN states go back to where they were
