@@ -88,6 +88,11 @@ def test_grouped_attention_takes_the_kernel_and_matches_naive(device, monkeypatc
     out = sdpa.grouped_attention(query, key, value, visible, 0.3)
     torch.testing.assert_close(out, naive_attention(query, key, value, visible, 0.3), atol=1e-5, rtol=1e-5)
     assert calls == [1]
+    # inside an eager short forward (`eager_sdpa_backends` on CUDA) the torch softmax runs instead: same result
+    with sdpa._EAGER_SHORT:
+        inside = sdpa.grouped_attention(query, key, value, visible, 0.3)
+    torch.testing.assert_close(inside, naive_attention(query, key, value, visible, 0.3), atol=1e-5, rtol=1e-5)
+    assert calls == [1]
 
 
 def test_masked_softmax_compiles_into_a_cuda_graph(device):

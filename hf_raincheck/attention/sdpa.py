@@ -43,6 +43,11 @@ if _masked_softmax is not None and os.environ.get("HF_RAINCHECK_GROUPED_KERNEL",
     from .grouped_triton import grouped_attention_kernel as _grouped_kernel
 
 
+def _eager_short() -> bool:
+    """Inside an eager short forward (`eager_sdpa_backends`), not while a compiled step is traced."""
+    return not torch.compiler.is_compiling() and _EAGER_SHORT.inside
+
+
 def _softmax_kernel_runs(device: torch.device) -> bool:
     return _masked_softmax is not None and (device.type == "cuda" or (device.type == "cpu" and _SOFTMAX_KERNEL_ON_CPU))
 
@@ -76,7 +81,7 @@ def grouped_attention(
     g = hq // hkv
     rows = query.reshape(b, hkv, g * q, d) * scaling
     scores = torch.matmul(rows, key.transpose(-1, -2)).view(b, hkv, g, q, k)  # the inputs' dtype
-    if not (block and k % block == 0 and k > block) and _softmax_kernel_runs(scores.device):
+    if not (block and k % block == 0 and k > block) and _softmax_kernel_runs(scores.device) and not _eager_short():
         probs = _masked_softmax(scores, visible, value.dtype)  # one Triton kernel: see `softmax_triton`
     else:
         probs = grouped_softmax_torch(scores, visible, value.dtype, block)
@@ -115,15 +120,20 @@ def blocked_softmax(scores: torch.Tensor, block: int) -> torch.Tensor:
 SHAPE_CHANGING_ROWS = 64
 
 
-class _WithoutCudnnSDPA:
-    """SDPA's cuDNN backend off while any forward is inside (a count under a lock: the flag is process-wide, and a
-    background completion can run a forward while the user's thread runs another); the user's setting comes back
-    when the last one leaves. The other backends keep their flags."""
+class _EagerShortForwards:
+    """Inside: SDPA's cuDNN backend is off while any such forward runs (a count under a lock: the flag is
+    process-wide, and a background completion can run a forward while the user's thread runs another); the user's
+    setting comes back when the last one leaves. The other SDPA backends keep their flags. The grouped path reads
+    `inside` too (`grouped_attention`)."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._inside = 0
         self._saved = True
+
+    @property
+    def inside(self) -> bool:
+        return self._inside > 0
 
     def __enter__(self):
         with self._lock:
@@ -141,12 +151,13 @@ class _WithoutCudnnSDPA:
         return False
 
 
-_WITHOUT_CUDNN = _WithoutCudnnSDPA()
+_EAGER_SHORT = _EagerShortForwards()
 
 
 def eager_sdpa_backends(device: torch.device, rows: int):
     """A context for one eager forward of `rows` rows on `device`: for short forwards on CUDA, SDPA without its
-    cuDNN backend (SDPA then picks flash, memory-efficient or math attention as usual); otherwise nothing.
+    cuDNN backend (SDPA then picks flash, memory-efficient or math attention as usual), and the grouped path with
+    its torch softmax (`grouped_attention`); otherwise nothing.
 
     cuDNN's SDPA builds an execution plan per shape and strides and caches it (per thread); an eager decode step's
     key length is one more than the last step's, so a step of a new length builds a plan in every layer. On the
@@ -154,9 +165,13 @@ def eager_sdpa_backends(device: torch.device, rows: int):
     cuDNN call there (37 ms per step, against 63 us per call for Full's steps of the same run, whose plans were
     cached; `benchmarks/results/latency_profile_dynamic_cudnn.txt`). Flash and memory-efficient attention have no
     per-shape build. Set once per forward, not per layer; compiled steps (fixed shapes, CUDA graphs) and long
-    forwards (a prefill: one new shape per turn) keep SDPA's own choice."""
+    forwards (a prefill: one new shape per turn) keep SDPA's own choice.
+
+    The grouped path's Triton softmax is a `torch.library.triton_op`: one node inside a compiled graph, but called
+    eagerly its launch took 136 us of host time per call in the same profile (4.9 ms per fused step, where the
+    torch softmax is a few launches of ~10 us each): eager forwards take the torch softmax."""
     if device.type == "cuda" and rows <= SHAPE_CHANGING_ROWS:
-        return _WITHOUT_CUDNN
+        return _EAGER_SHORT
     return contextlib.nullcontext()
 
 
