@@ -53,6 +53,18 @@ def timed(fn, device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def measure_mmtok(run, fields: dict, budget: int, device, repeats: int, reference):
+    """One MMTok kernel variant ``run()``: ``(row, reference)``, the row `fields` plus ms per call, us per step and
+    whether the picks equal `reference` (the first picks measured, returned), or a "barrier gave up" row."""
+    order = run()
+    if order is None:
+        return dict(fields, ms=None, note="barrier gave up"), reference
+    reference = order if reference is None else reference
+    ms = timed(run, device, repeats)
+    return dict(fields, ms=round(ms, 3), us_per_step=round(1e3 * ms / budget, 2),
+                same_picks=bool(torch.equal(order, reference))), reference
+
+
 def changed_rows(cover: torch.Tensor, order: torch.Tensor) -> int:
     """Rows whose best value rose over the greedy loop, summed over steps (span 0)."""
     best = torch.zeros(cover.shape[1], device=cover.device)
@@ -132,6 +144,7 @@ def main(argv=None):
         scales = fixed_point_scales(cover, width)
         scaled = fixed_point(cover, width, scales)
         reference = None
+        base = dict(case=case, kernel="mmtok", spans=batch, tokens=n, budget=budget)
         warps_tried = [int(w) for w in args.warps.split(",") if w.strip()] or [None]
         tiles_tried = [int(t) for t in args.tiles.split(",") if t.strip()] or [None]
         for splits in [int(s) for s in args.splits.split(",") if s.strip()]:
@@ -144,21 +157,13 @@ def main(argv=None):
                     return greedy_triton.coverage_order_triton(cover, scales, budget, width + 1, splits=splits,
                                                                num_warps=warps, tile_r=tile, phases=phases)
 
-                order = run()
-                if order is None:
-                    rows.append(dict(case=case, kernel="mmtok", splits=splits, warps=warps, tile_r=tile, ms=None,
-                                     note="barrier gave up"))
-                    continue
-                reference = order if reference is None else reference
-                same = bool(torch.equal(order, reference))
-                ms = timed(run, device, args.repeats)
-                rows.append(dict(case=case, kernel="mmtok", spans=batch, tokens=n, budget=budget, splits=splits,
-                                 warps=warps, tile_r=tile, ms=round(ms, 3), us_per_step=round(1e3 * ms / budget, 2),
-                                 same_picks=same))
-                print(json.dumps(rows[-1]), flush=True)
-                if args.phases and device.type == "cuda":
-                    rows[-1]["phases"] = step_phases(run, batch, budget, splits, ms)
-                    print(json.dumps(rows[-1]["phases"]), flush=True)
+                row, reference = measure_mmtok(run, dict(base, splits=splits, warps=warps, tile_r=tile), budget,
+                                               device, args.repeats, reference)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                if args.phases and device.type == "cuda" and row["ms"] is not None:
+                    row["phases"] = step_phases(run, batch, budget, splits, row["ms"])
+                    print(json.dumps(row["phases"]), flush=True)
                 save(args, device, rows)
         for option in [o.strip() for o in args.late.split(",") if o.strip()]:
             if option == "default":
@@ -171,23 +176,17 @@ def main(argv=None):
             try:
                 stages = greedy_triton.coverage_stages(n, batch, budget, device, late=late)
             except ValueError as err:
-                rows.append(dict(case=case, kernel="mmtok", late=option, ms=None, note=str(err)))
+                rows.append(dict(base, late=option, ms=None, note=str(err)))
                 continue
 
             def run_late(late=late):
                 return greedy_triton.coverage_order_triton(cover, scales, budget, width + 1, late=late)
 
-            order = run_late()
-            if order is None:
-                rows.append(dict(case=case, kernel="mmtok", late=option, ms=None, note="barrier gave up"))
-                continue
-            reference = order if reference is None else reference
-            ms = timed(run_late, device, args.repeats)
-            rows.append(dict(case=case, kernel="mmtok", spans=batch, tokens=n, budget=budget, late=option,
-                             stages=[list(st[:2]) for st in stages], splits="+".join(str(st[1]) for st in stages),
-                             ms=round(ms, 3), us_per_step=round(1e3 * ms / budget, 2),
-                             same_picks=bool(torch.equal(order, reference))))
-            print(json.dumps(rows[-1]), flush=True)
+            fields = dict(base, late=option, stages=[list(st[:2]) for st in stages],
+                          splits="+".join(str(st[1]) for st in stages))
+            row, reference = measure_mmtok(run_late, fields, budget, device, args.repeats, reference)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
             save(args, device, rows)
         plan = greedy_triton.coverage_plan(n, batch, device)
         rows.append(dict(case=case, kernel="mmtok", plan_splits=plan[0], plan_block=plan[1]))
