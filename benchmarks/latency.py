@@ -484,6 +484,89 @@ def profile_ttft(bench: Bench, inputs, cache: str) -> str:
     return "\n".join(parts)
 
 
+def ttft_phases(bench: Bench, inputs, cache: str, calls: int) -> list[dict]:
+    """`calls` first-token calls of Full, Hard and Raincheck in turn (after one warm-up each), every call's time
+    split by phase: each phase's function wrapped with a device sync before and after (so the phases add up to
+    about the call, a little slower than unwrapped). Where a first turn's time goes, call by call: a phase that
+    varies between calls shows here, where one profiled call cannot."""
+    from hf_raincheck.cache.deferred_cache import DeferredPrefillCache
+    from hf_raincheck.generation import enable as enable_module
+    from hf_raincheck.generation import turn as turn_module
+    from hf_raincheck.generation.decode import StaticStep
+
+    adapter = getattr(bench.model, "_raincheck_state").adapter
+    spent: dict[str, float] = {}
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            bench.sync()
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                bench.sync()
+                spent[name] = spent.get(name, 0.0) + 1e3 * (time.perf_counter() - t0)
+        return wrapper
+
+    targets = [("prepare_turn", turn_module, "prepare_turn", enable_module), ("vision", adapter, "vision_features", None),
+               ("selection", turn_module, "select_kept", None), ("prefill forward", enable_module, "run_rows", None),
+               ("reserve", DeferredPrefillCache, "reserve", None),
+               ("persist GDN", DeferredPrefillCache, "persist_gdn_states", None),
+               ("static prepare", StaticStep, "prepare", None)]
+    saved = []
+    for name, owner, attr, user in targets:  # `user`: the module that imported the function by name
+        where = user or owner
+        own = attr in vars(where)  # False: an instance's method from its class (restored by deleting)
+        original = vars(where)[attr] if own else getattr(where, attr)
+        static = isinstance(original, staticmethod)
+        wrapped = timed(name, original.__func__ if static else original)
+        setattr(where, attr, staticmethod(wrapped) if static else wrapped)
+        saved.append((where, attr, original if own else None))
+    rows = []
+    try:
+        policies = [p for p in main_policies(bench.args) if p.name in ("full", "hard", "raincheck") and p.fused is not False]
+        for policy in policies:
+            bench.generate(inputs, policy, cache, stop_after=1)  # warm-up
+        for k in range(calls):
+            for policy in policies:
+                spent.clear()
+                before = cuda_segments(bench)
+                ttft = ttft_run(bench, inputs, policy, cache)
+                after = cuda_segments(bench)
+                phases = {name: round(ms, 2) for name, ms in spent.items()}
+                known = sum(ms for name, ms in spent.items() if name not in ("vision", "selection"))
+                rows.append(dict(policy=policy.label, cache=cache, call=k, ttft_ms=round(ttft, 2),
+                                 other_ms=round(ttft - known, 2), **phases,
+                                 cuda_mallocs=None if before is None else after - before))
+    finally:
+        for where, attr, original in reversed(saved):
+            if original is None:
+                delattr(where, attr)
+            else:
+                setattr(where, attr, original)
+    return rows
+
+
+def cuda_segments(bench: Bench) -> int | None:
+    """Segments the CUDA caching allocator has taken from the driver so far (each a ``cudaMalloc``; None on the
+    CPU): a call that allocates new ones pays for them (and its memory did not fit the cached blocks)."""
+    if not bench.cuda:
+        return None
+    return sum(torch.cuda.memory_stats(device).get("segment.all.allocated", 0) for device in bench.devices)
+
+
+def ttft_phase_table(rows: list[dict]) -> str:
+    names = [n for n in ("prepare_turn", "vision", "selection", "prefill forward", "reserve", "persist GDN",
+                         "static prepare") if any(n in r for r in rows)]
+    lines = ["| policy | cache | call | TTFT ms | " + " | ".join(names) + " | other | cudaMallocs |",
+             "| --- | --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['policy']} | {r['cache']} | {r['call']} | {r['ttft_ms']:.1f} | "
+                     + " | ".join(fmt(r.get(n)) for n in names) + f" | {r['other_ms']:.1f} | "
+                     + ("-" if r["cuda_mallocs"] is None else str(r["cuda_mallocs"])) + " |")
+    return "\n".join(lines)
+
+
 def kernel_busy(prof) -> str:
     """', GPU kernels busy X ms' (host-bound when far below the wall time), or '' without CUDA events."""
     try:
@@ -832,6 +915,11 @@ def run_model(model_name: str, gpus: int, args, workloads: dict, budget: Budget,
     print(f"\n== {model_name}{where}: built in {time.perf_counter() - started:.1f} s", flush=True)
     plan = run_plan(args)
     inputs = {name: workloads[name].inputs(devices[0], dtype) for name in dict.fromkeys(w for w, _, _ in plan)}
+    if args.ttft_phases and model_name == args.models[0]:
+        rows = [r for cache in args.caches for r in ttft_phases(bench, inputs[args.workloads[0]], cache, args.ttft_phases)]
+        table = ttft_phase_table(rows)
+        print(f"\n# {model_name}, {args.workloads[0]}: first-token calls by phase (ms, synced)\n{table}\n", flush=True)
+        results.head.setdefault("ttft_phases", {})[model_name] = rows
     if (args.profile or args.profile_ttft) and model_name == args.models[0]:
         first = args.workloads[0]
         try:
@@ -893,6 +981,9 @@ def parse_args(argv=None):
     parser.add_argument("--profile", action="store_true", help="torch.profiler tables of one fused step")
     parser.add_argument("--profile-ttft", action="store_true",
                         help="torch.profiler tables of one first-token call of Full, Hard and Raincheck")
+    parser.add_argument("--ttft-phases", type=int, default=0, metavar="CALLS",
+                        help="CALLS first-token calls of Full, Hard and Raincheck, each split by phase (vision, "
+                             "selection, prefill forward, ...; synced), printed and saved in the header")
     parser.add_argument("--profile-rows", type=int, default=30)
     parser.add_argument("--save", action="store_true", help="write latency.json and latency.png to --results-dir")
     parser.add_argument("--merge", action="store_true", help="with --save: keep the existing file's other records")

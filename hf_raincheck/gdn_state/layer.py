@@ -99,9 +99,12 @@ def gdn_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layer: GDNLaye
     if live:
         cut = step.checkpoint_at if step.checkpoint_plan is not None else 0
         if cut:
+            # the rows before a new plan's boundary: `checkpoint` starts P_tail afresh right after them, so a map
+            # carried through them would be dropped (the fixed layout carries one from the first prefill on)
+            before = layer.state if layer.carry == 0 else layer.recurrent.contiguous()
             out, state, layer.conv = _segment(
                 glue, module, step.backend, qkv[..., n : n + cut], a[:, n : n + cut], b[:, n : n + cut],
-                layer.state, layer.conv, layer.carry,
+                before, layer.conv,
             )
             layer.set_state(state, value_dim)
             outs.append(out)
