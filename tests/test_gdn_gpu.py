@@ -43,10 +43,12 @@ def rel(a, b):
     ids=["decode-bf16", "chunk31-bf16", "prefill300-bf16", "decode-fp32"],
 )
 def test_fla_matches_torch(monkeypatch, t, dtype, recurrent_rows):
-    """(recurrent_rows: `kernels.FLA_RECURRENT_MAX_ROWS`, which kernel rows from a state take.)"""
+    """(recurrent_rows: `kernels.FLA_RECURRENT_MAX_ROWS` and `FLA_EAGER_RECURRENT_MAX_ROWS`, which kernel rows from a
+    state take.)"""
     import hf_raincheck.gdn_state.kernels as kernels
 
     monkeypatch.setattr(kernels, "FLA_RECURRENT_MAX_ROWS", recurrent_rows)
+    monkeypatch.setattr(kernels, "FLA_EAGER_RECURRENT_MAX_ROWS", recurrent_rows)
     q, k, v, g, beta = factors(t, dtype)
     s0 = torch.randn(1, HV, K, V, generator=torch.Generator().manual_seed(1)).cuda()
     stacked = torch.cat([s0, torch.eye(K).cuda().expand(1, HV, K, K)], dim=-1)

@@ -115,3 +115,30 @@ def test_fla_rows_from_a_state_take_the_recurrent_kernel_up_to_the_limit(monkeyp
     fla_31 = "recurrent" if most >= 31 else "chunk"
     assert calls == ["recurrent", fla_31, fla_31, "chunk", "chunk",
                      "torch recurrent", "torch chunk", "torch chunk", "torch chunk", "torch chunk"]
+
+
+@pytest.mark.parametrize("compiled_most", [1, 64])
+def test_eager_fla_calls_take_the_recurrent_kernel_up_to_their_own_limit(monkeypatch, compiled_most):
+    """Eager `advance` calls (prefill tails, eager fused steps: host-bound) route fla rows from a state by
+    `FLA_EAGER_RECURRENT_MAX_ROWS`; calls through the custom op (compiled steps) by `FLA_RECURRENT_MAX_ROWS`."""
+    import hf_raincheck.gdn_state.kernels as kernels
+
+    calls = []
+
+    def fake(name):
+        def fn(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+            calls.append(name)
+            return v.clone(), torch.zeros(v.shape[0], v.shape[2], q.shape[-1], v.shape[-1])
+        return fn
+
+    monkeypatch.setattr(kernels, "FLA_RECURRENT_MAX_ROWS", compiled_most)
+    monkeypatch.setattr(kernels, "FLA_EAGER_RECURRENT_MAX_ROWS", 40)
+    monkeypatch.setitem(kernels._FUNCTIONS, "fla", (fake("chunk"), fake("recurrent")))
+    state = torch.zeros(1, 2, 4, 4)
+    for opaque in (False, True):
+        for rows in (1, 31, 41):
+            x = torch.zeros(1, rows, 2, 4)
+            kernels.advance("fla", x, x, x, x[..., 0], x[..., 0], state, opaque=opaque)
+    op_31 = "recurrent" if compiled_most >= 31 else "chunk"
+    op_41 = "recurrent" if compiled_most >= 41 else "chunk"
+    assert calls == ["recurrent", "recurrent", "chunk", "recurrent", op_31, op_41]

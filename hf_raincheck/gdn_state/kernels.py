@@ -70,16 +70,22 @@ def functions(backend: str) -> tuple:
 # transformers): compiled (CUDA graphs, no host time per call), HF_RAINCHECK_FLA_RECURRENT_ROWS=64 made a fused step's
 # GPU time longer on the H200 (8.15 vs 7.81 ms: the recurrent kernel takes 24 us per layer on 32 rows; README).
 FLA_RECURRENT_MAX_ROWS = int(os.environ.get("HF_RAINCHECK_FLA_RECURRENT_ROWS", "1"))
+# fla-core, eager forwards: rows from a state up to this many take the recurrent kernel. Eager forwards are
+# host-bound on a GPU, and the chunked function's host time (~1.05-1.76 ms per call on the H200, several Triton
+# launches and checks) is what a Raincheck forward adds per GDN layer: the tail after a new plan's boundary in a
+# prefill (~40 rows), the chunk of an eager fused step. The recurrent kernel is one launch (~0.3 ms of host); its
+# GPU time (~24 us for 32 rows) hides under that.
+FLA_EAGER_RECURRENT_MAX_ROWS = int(os.environ.get("HF_RAINCHECK_FLA_EAGER_RECURRENT_ROWS", "64"))
 
 
-def gated_delta(backend: str, q, k, v, g, beta, state):
+def gated_delta(backend: str, q, k, v, g, beta, state, recurrent_rows: int | None = None):
     """Rows ``[1, T, ...]`` from `state` (``None``: zeros). Returns ``(o [1, T, H_v, V], final state fp32)``.
 
     Single rows with a state use the recurrent kernel, everything else the chunked one, as transformers does (fla:
-    up to `FLA_RECURRENT_MAX_ROWS` rows from a state take the recurrent one).
+    up to `recurrent_rows` rows from a state take the recurrent one; default `FLA_RECURRENT_MAX_ROWS`).
     """
     chunk, recurrent = functions(backend)
-    most = FLA_RECURRENT_MAX_ROWS if backend == "fla" else 1
+    most = (FLA_RECURRENT_MAX_ROWS if recurrent_rows is None else recurrent_rows) if backend == "fla" else 1
     fn = recurrent if (state is not None and q.shape[1] <= most) else chunk
     out, final = fn(
         q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
@@ -95,14 +101,15 @@ def advance(backend: str, q, k, v, g, beta, state, carry: int = 0, opaque: bool 
     ``A_T ... A_1 P``. Keeping ``[S | P]`` in one buffer costs one kernel call per row block for both.
 
     `opaque`: call the kernels through the ``hf_raincheck::gated_delta`` custom op (`ops.py`), one node in a traced
-    graph (compiled steps, `gdn_rows_forward_graph`; `functions(backend)` must have run before tracing).
+    graph (compiled steps, `gdn_rows_forward_graph`; `functions(backend)` must have run before tracing). Eager
+    calls (not `opaque`) take fla's recurrent kernel up to `FLA_EAGER_RECURRENT_MAX_ROWS` rows from a state.
     """
     if carry:
         v = torch.cat([v, v.new_zeros(*v.shape[:-1], carry)], dim=-1)
     if opaque:
         out, final = torch.ops.hf_raincheck.gated_delta(q, k, v, g, beta, state, backend)
     else:
-        out, final = gated_delta(backend, q, k, v, g, beta, state)
+        out, final = gated_delta(backend, q, k, v, g, beta, state, FLA_EAGER_RECURRENT_MAX_ROWS)
     return (out[..., : out.shape[-1] - carry] if carry else out), final
 
 

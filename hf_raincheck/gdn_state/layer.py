@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .kernels import advance
 from .state import GDNLayerState
@@ -70,6 +71,15 @@ class GDNGlue:
         raise NotImplementedError
 
 
+def _window_after(window, rows, kernel: int) -> torch.Tensor:
+    """The short-conv window ``[1, C, kernel]`` after `rows` ``[1, C, t]`` from `window` (None: zeros)."""
+    full = rows if window is None else torch.cat([window, rows], dim=-1)
+    window = full[..., -kernel:]
+    if window.shape[-1] < kernel:
+        window = F.pad(window, (kernel - window.shape[-1], 0))
+    return window.contiguous()
+
+
 def _segment(glue, module, backend, qkv, a, b, state, window, carry=0):
     conv_out, window = glue.conv(module, qkv, window)
     q, k, v, g, beta = glue.factors(module, conv_out, a, b)
@@ -98,15 +108,18 @@ def gdn_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layer: GDNLaye
     live = total - n
     if live:
         cut = step.checkpoint_at if step.checkpoint_plan is not None else 0
+        # one short conv and one set of gates over every live row (a boundary inside them only splits the
+        # kernel calls): the conv window at the boundary is read off the same rows
+        rows = qkv[..., n:]
+        conv_out, window_end = glue.conv(module, rows, layer.conv)
+        q, k, v, g, beta = glue.factors(module, conv_out, a[:, n:], b[:, n:])
         if cut:
             # the rows before a new plan's boundary: `checkpoint` starts P_tail afresh right after them, so a map
             # carried through them would be dropped (the fixed layout carries one from the first prefill on)
             before = layer.state if layer.carry == 0 else layer.recurrent.contiguous()
-            out, state, layer.conv = _segment(
-                glue, module, step.backend, qkv[..., n : n + cut], a[:, n : n + cut], b[:, n : n + cut],
-                before, layer.conv,
-            )
+            out, state = advance(step.backend, q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut], before)
             layer.set_state(state, value_dim)
+            layer.conv = _window_after(layer.conv, rows[..., :cut], kernel)
             outs.append(out)
         if step.checkpoint_plan is not None:
             layer.checkpoint(
@@ -114,14 +127,12 @@ def gdn_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layer: GDNLaye
             )
         if not step.track and layer.carry:
             layer.release()
-        rest = slice(n + cut, total)
-        if rest.stop > rest.start:
-            out, state, layer.conv = _segment(
-                glue, module, step.backend, qkv[..., rest], a[:, rest], b[:, rest], layer.state, layer.conv,
-                layer.carry,
-            )
+        if live > cut:
+            out, state = advance(step.backend, q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:],
+                                 layer.state, layer.carry)
             layer.set_state(state, value_dim)
             outs.append(out)
+        layer.conv = window_end
     core = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return glue.output(module, core, z)
 
