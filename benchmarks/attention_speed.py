@@ -19,6 +19,10 @@ warm-up, CUDA events):
 * ``flash`` (when flash_attn is installed): the flash backend's kernel over the k keys (``attn_backend="flash"``
   calls it per row block after gathering the keys: ``flash_gathered`` adds that gather).
 
+* ``softmax:<config>`` (``--softmax-configs "block=1024,warps=4;block=512"``, with ``--graphs``): the grouped path
+  with its softmax kernel tiled so (`hf_raincheck.attention.softmax_triton.SoftmaxConfig`;
+  ``HF_RAINCHECK_SOFTMAX_CONFIG`` sets it for fused steps).
+
 * ``kernel:<config>`` (``--kernel-configs "block_r=64,block_n=64;block_r=128"``, CUDA with Triton): the grouped
   attention as one split-key Triton kernel pair (`hf_raincheck.attention.grouped_triton`) with those tile sizes
   (``HF_RAINCHECK_GROUPED_KERNEL=triton`` and ``HF_RAINCHECK_GROUPED_KERNEL_CONFIG`` make fused steps use it).
@@ -98,6 +102,17 @@ if flash.available():
     PATHS.update(flash=flash_contiguous, flash_gathered=flash_gathered)
 
 
+def grouped_with_softmax(config, query, key, value, visible, scaling):
+    """The grouped path with the softmax kernel's tiling set to `config` for this call."""
+    from hf_raincheck.attention import softmax_triton
+
+    saved, softmax_triton.CONFIG = softmax_triton.CONFIG, config
+    try:
+        return grouped_attention(query, key, value, visible, scaling)
+    finally:
+        softmax_triton.CONFIG = saved
+
+
 def time_graphed_us(fn, args, repeats: int, calls: int = 20) -> float:
     """Per-call GPU time with launch overhead removed, as inside a compiled (CUDA-graphed) step: `calls` calls
     captured as one CUDA graph, replayed; median over `repeats` replays, divided by `calls`."""
@@ -159,6 +174,9 @@ def main(argv=None) -> int:
     parser.add_argument("--paths", default=None, help=f"comma list of paths to time (default: all of {list(PATHS)})")
     parser.add_argument("--kernel-configs", default="",
                         help="';'-separated grouped_triton KernelConfig strings, each timed as a path kernel:<config>")
+    parser.add_argument("--softmax-configs", default="",
+                        help="';'-separated softmax_triton tilings ('block=1024,warps=4'), each timed as the grouped "
+                             "path with that softmax tiling: path softmax:<config> (HF_RAINCHECK_SOFTMAX_CONFIG)")
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
@@ -174,8 +192,16 @@ def main(argv=None) -> int:
         for text in filter(None, args.kernel_configs.split(";")):
             config = KernelConfig.parse(text)
             chosen[f"kernel:{text}"] = lambda *a, c=config: grouped_attention_kernel(*a, config=c)
+    for text in filter(None, args.softmax_configs.split(";")):
+        from hf_raincheck.attention import softmax_triton
+
+        chosen[f"softmax:{text}"] = lambda *a, c=softmax_triton.parse_config(text, "--softmax-configs"): \
+            grouped_with_softmax(c, *a)
     device = args.device or ("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
     cuda = device.startswith("cuda")
+    if args.softmax_configs and args.compile:
+        parser.error("--softmax-configs: time them with --graphs, without --compile (a traced step reads the "
+                     "tiling once)")
     if (args.graphs or args.compile) and not cuda:
         parser.error("--graphs / --compile need --device cuda")
     paths = {name: torch.compile(fn, dynamic=False) if args.compile else fn for name, fn in chosen.items()}
@@ -210,7 +236,8 @@ def main(argv=None) -> int:
                 reference = grouped_attention(*call).float()
                 diff = (reference - sdpa_masked(*call).float()).abs().max().item()
                 kernel_diff = max([(paths[p](*call).float() - reference).abs().max().item()
-                                   for p in paths if p.startswith("kernel:") and times[p] == times[p]], default=None)
+                                   for p in paths if p.startswith(("kernel:", "softmax:")) and times[p] == times[p]],
+                                  default=None)
                 records.append(dict(layer=name, heads=hq, kv_heads=hkv, head_dim=d, keys=k, rows=q,
                                     **{f"{p}_us": round(t, 2) if t == t else None for p, t in times.items()}, max_abs_diff=diff,
                                     kernel_max_abs_diff=kernel_diff))

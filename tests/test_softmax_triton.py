@@ -104,3 +104,28 @@ def test_masked_softmax_compiles_into_a_cuda_graph(device):
     for _ in range(3):
         got = fn(scores, visible)
     torch.testing.assert_close(got, masked_softmax(scores, visible, torch.bfloat16), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("config", ["block=32,warps=1", "block=64", "warps=2", "block=256,warps=8"])
+def test_configured_tiling_equals_torch(device, monkeypatch, config):
+    """`HF_RAINCHECK_SOFTMAX_CONFIG`'s tilings (one pass where the row fits the block, else two passes): the same
+    values as the torch reference."""
+    from hf_raincheck.attention import softmax_triton
+
+    monkeypatch.setattr(softmax_triton, "CONFIG", softmax_triton.parse_config(config))
+    scores, visible = _case(2, 2, 2, 3, 200, device, torch.bfloat16, 2, seed=2)
+    visible[1, 0, 2, :96] = False
+    for out_dtype in (torch.float32, torch.bfloat16):
+        got = masked_softmax(scores, visible, out_dtype)
+        tol = dict(atol=2e-6, rtol=2e-5) if out_dtype == torch.float32 else {}
+        torch.testing.assert_close(got, sdpa.grouped_softmax_torch(scores, visible, out_dtype), **tol)
+
+
+def test_softmax_config_parses_and_names_bad_values():
+    from hf_raincheck.attention.softmax_triton import SoftmaxConfig, parse_config
+
+    assert parse_config("") == SoftmaxConfig()
+    assert parse_config("block=1024, warps=4") == SoftmaxConfig(1024, 4)
+    for bad in ("block=100", "block=8", "warps=3", "rows=2", "block=x"):
+        with pytest.raises(ValueError, match="HF_RAINCHECK_SOFTMAX_CONFIG"):
+            parse_config(bad)

@@ -16,6 +16,9 @@ Only the order of the fp32 sum differs. A `torch.library.triton_op`, so compiled
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -24,6 +27,36 @@ from torch.library import triton_op, wrap_triton
 #: rows of at most this many keys are read once (held in registers); longer rows are read twice
 ONE_PASS_KEYS = 8192
 LONG_BLOCK = 2048  # keys per block of the two-pass kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class SoftmaxConfig:
+    """The kernel's tiling: ``block`` keys per block (0: a row of up to `ONE_PASS_KEYS` keys in one block, read
+    once; longer rows in blocks of `LONG_BLOCK`, read twice), ``warps`` per program (0: by the block's size). A
+    row longer than ``block`` takes the two-pass kernel."""
+
+    block: int = 0
+    warps: int = 0
+
+
+def parse_config(text: str, source: str = "HF_RAINCHECK_SOFTMAX_CONFIG") -> SoftmaxConfig:
+    """``"block=1024,warps=4"`` (either may be left out) -> `SoftmaxConfig`; errors name `source`."""
+    values = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        if name not in ("block", "warps") or not value.isdigit():
+            raise ValueError(f"{source}: expected 'block=<int>,warps=<int>' (either may be left out), got {text!r}")
+        values[name] = int(value)
+    block, warps = values.get("block", 0), values.get("warps", 0)
+    if block and (block < 16 or block & (block - 1)):
+        raise ValueError(f"{source}: block must be 0 (automatic) or a power of two >= 16, got {block}")
+    if warps and warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"{source}: warps must be 0 (automatic) or one of 1, 2, 4, 8, 16, 32, got {warps}")
+    return SoftmaxConfig(block, warps)
+
+
+#: the tiling every call uses (read when a call runs, or when a compiled step is traced)
+CONFIG = parse_config(os.environ.get("HF_RAINCHECK_SOFTMAX_CONFIG", ""))
 
 
 @triton.jit
@@ -83,9 +116,10 @@ def masked_softmax(scores: torch.Tensor, visible: torch.Tensor, out_dtype: torch
     scores = scores.contiguous()
     vis = visible.expand(b, h, q, k)  # broadcast dims: stride 0 (bool, read as Triton's i1)
     out = torch.empty((b, h, g * q, k), dtype=out_dtype, device=scores.device)
-    one_pass = k <= ONE_PASS_KEYS
-    block = max(16, triton.next_power_of_2(k)) if one_pass else LONG_BLOCK
-    warps = 4 if block <= 2048 else (8 if block <= 4096 else 16)
+    config = CONFIG
+    one_pass = k <= (config.block or ONE_PASS_KEYS)
+    block = max(16, triton.next_power_of_2(k)) if one_pass else (config.block or LONG_BLOCK)
+    warps = config.warps or (4 if block <= 2048 else (8 if block <= 4096 else 16))
     if b * h * g * q and k:
         wrap_triton(_masked_softmax_kernel)[(b * h * g * q,)](
             scores, vis, out, k, h, g, q, vis.stride(0), vis.stride(1), vis.stride(2), vis.stride(3),

@@ -175,6 +175,9 @@ def gdn_rows_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, layer: G
         where = step.count + torch.arange(window.shape[-1], device=full.device)
         new_window = full.index_select(-1, where)
         q, k, v, g, beta = glue.factors(module, conv_out, a[:, :n], b[:, :n])
+        # the kernels want contiguous rows (fla copies views, three eager copies per layer inside the opaque call);
+        # made here, Inductor writes them in the kernel that computes them
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         valid = step.valid[None, :, None]
         g = torch.where(valid, g, torch.zeros_like(g))
         beta = torch.where(valid, beta, torch.zeros_like(beta))
