@@ -62,7 +62,9 @@ still leaves its results; ``--merge`` keeps the file's records that this call do
 fused step and one decode-only step of Raincheck (first model and workload, each cache kind),
 ``latency_profile.txt``; with ``--profile-ttft`` (same file) one first-token call of Full, Hard and Raincheck each,
 sorted by GPU time and by host time, with the wall time and the GPU kernels' busy time (a first turn whose GPU idles
-is host-bound).
+is host-bound); with ``--ttft-phases N`` N first-token calls of Full, Hard and Raincheck in turn, each split by phase
+(vision, selection, the prefill forward, the static cache's preparation; each phase's function wrapped with a
+device sync) with the call's new ``cudaMalloc`` count: printed, and saved in the JSON header (``ttft_phases``).
 """
 
 from __future__ import annotations

@@ -149,3 +149,27 @@ def test_every_eager_forward_sets_its_attention_backends(monkeypatch):
     assert deferred == 11
     # the prefill (the kept prompt tokens), two guard steps, fused steps carrying 5, 5 and 1 deferred rows, the rest
     assert seen == [inputs["input_ids"].shape[1] - deferred, 1, 1, 6, 6, 2, 1, 1, 1, 1]
+
+
+def test_one_masked_row_of_an_eager_short_forward_takes_the_grouped_path(monkeypatch):
+    """Inside an eager short forward (cuDNN off), one row under a mask (a decode step while deferred slots are
+    pending) goes to the grouped path, not to SDPA (whose masked GQA fallback repeats K and V per query head);
+    outside it, and without a mask, one row stays on SDPA. Same values as the reference either way."""
+    from hf_raincheck.attention import naive_attention
+
+    calls = []
+    original = sdpa.grouped_attention
+    monkeypatch.setattr(sdpa, "grouped_attention", lambda *a: calls.append(1) or original(*a))
+    gen = torch.Generator().manual_seed(3)
+    query = torch.randn(1, 8, 1, 16, generator=gen)
+    key = torch.randn(1, 2, 30, 16, generator=gen)
+    value = torch.randn(1, 2, 30, 16, generator=gen)
+    visible = torch.rand(1, 1, 1, 30, generator=gen) < 0.6
+    want = naive_attention(query, key, value, visible, 0.25)
+    torch.testing.assert_close(sdpa.sdpa_attention(query, key, value, visible, 0.25), want, atol=1e-5, rtol=1e-5)
+    assert calls == []
+    with sdpa._EAGER_SHORT:
+        torch.testing.assert_close(sdpa.sdpa_attention(query, key, value, visible, 0.25), want, atol=1e-5, rtol=1e-5)
+        assert calls == [1]
+        sdpa.sdpa_attention(query, key, value, None, 0.25)  # no mask: SDPA
+        assert calls == [1]

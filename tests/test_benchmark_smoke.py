@@ -103,6 +103,48 @@ def test_latency_quick_interleaved_rounds(tmp_path):
     assert "TPOT <= 1.03 x full (median of paired rounds)" in {t["target"] for t in report["targets"]}
 
 
+def test_latency_quick_ttft_phases(tmp_path):
+    """``--ttft-phases 2``: two first-token calls per policy, each split by phase; the phases sit inside the call
+    (the prefill forward is timed for every policy, selection only where something is pruned) and the functions it
+    wrapped are restored afterwards."""
+    out = run_script([os.path.join(ROOT, "benchmarks", "latency.py"), "--quick", "--save", "--ttft-phases", "2",
+                      "--models", "tiny-qwen3.5", "--workloads", "image1024", "--caches", "static",
+                      "--policies", "full,raincheck,hard", "--chunk-sweep", "", "--results-dir", str(tmp_path)],
+                     tmp_path)
+    assert "first-token calls by phase" in out
+    rows = json.loads((tmp_path / "latency.json").read_text())["header"]["ttft_phases"]["tiny-qwen3.5"]
+    assert [(r["policy"], r["call"]) for r in rows] == [
+        (p, k) for k in range(2) for p in ("full", "raincheck c31", "hard")]
+    for r in rows:
+        assert 0 < r["prefill forward"] < r["ttft_ms"] and 0 < r["vision"] <= r["prepare_turn"] < r["ttft_ms"]
+        assert ("selection" in r) == (r["policy"] != "full") and r["cuda_mallocs"] is None
+
+
+def test_ttft_phases_unwraps_what_it_timed():
+    """`latency.ttft_phases` (in process): every function it wrapped is the original again afterwards (module
+    functions, the cache's and the static step's methods, the adapter's bound method: no synced timers left)."""
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import latency
+    from shapes import build_model
+
+    from hf_raincheck.cache.deferred_cache import DeferredPrefillCache
+    from hf_raincheck.generation import decode, enable, turn
+
+    before = (enable.prepare_turn, enable.run_rows, turn.select_kept, DeferredPrefillCache.__dict__["reserve"],
+              DeferredPrefillCache.__dict__["persist_gdn_states"], decode.StaticStep.__dict__["prepare"])
+    args = latency.parse_args(["--quick", "--models", "tiny", "--workloads", "image1024", "--caches", "static",
+                               "--policies", "full,raincheck,hard", "--chunk-sweep", ""])
+    bench = latency.Bench(latency.enable_raincheck(build_model("tiny", "cpu", torch.float32)), "tiny", args, False)
+    rows = latency.ttft_phases(bench, latency.QUICK_WORKLOADS["image1024"].inputs("cpu", torch.float32), "static", 1)
+    assert len(rows) == 3 and all("prefill forward" in r for r in rows)
+    after = (enable.prepare_turn, enable.run_rows, turn.select_kept, DeferredPrefillCache.__dict__["reserve"],
+             DeferredPrefillCache.__dict__["persist_gdn_states"], decode.StaticStep.__dict__["prepare"])
+    assert all(a is b for a, b in zip(after, before))
+    assert "vision_features" not in vars(bench.model._raincheck_state.adapter)
+
+
 def test_multi_gpu_quick_equals_the_one_device_model(tmp_path):
     """``multi_gpu.py --quick``: the hooked copy gives the same tokens, logits and restore stats per policy, and
     the placement check saw the deferred rows pending after turn 1 (the next_turn policy)."""

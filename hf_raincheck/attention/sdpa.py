@@ -192,7 +192,12 @@ def sdpa_attention(
             mask = bias.causal_lower_right(query.shape[2], key.shape[2])
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=enable_gqa)
         return out.transpose(1, 2).contiguous()
-    if visible is not None and 1 < query.shape[2] <= GROUPED_MAX_ROWS:
+    rows = query.shape[2]
+    if visible is not None and (1 < rows <= GROUPED_MAX_ROWS or (rows == 1 and GROUPED_MAX_ROWS and _eager_short())):
+        # (one masked row of an eager short forward, e.g. a decode step while deferred slots are pending: SDPA
+        # without cuDNN has no masked GQA kernel and fell back to its math path, which repeats K and V per query
+        # head: 8.6 of 16.1 GPU ms and 15.5 ms of host time per Qwen3-VL-8B decode step on the H200,
+        # `benchmarks/results/latency_profile_dynamic_no_cudnn.txt`)
         return grouped_attention(query, key, value, visible, scaling)
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=visible, scale=scaling, enable_gqa=enable_gqa
