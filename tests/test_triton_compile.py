@@ -22,7 +22,8 @@ from helpers import TRITON_MARKS  # noqa: E402
 pytestmark = TRITON_MARKS
 
 GREEDY_ARGS = {
-    "cover_ptr": "*fp32", "cover_t_ptr": "*fp32", "scales_ptr": "*fp32", "gain_ptr": "*i64", "order_ptr": "*i64", "proposals_ptr": "*i64",
+    "cover_ptr": "*fp32", "cover_t_ptr": "*fp32", "scales_ptr": "*fp32", "gain_ptr": "*i64", "best_ptr": "*fp32",
+    "taken_ptr": "*i8", "order_ptr": "*i64", "proposals_ptr": "*i64",
     "fail_ptr": "*i32", "scratch_rows_ptr": "*i32", "scratch_old_ptr": "*fp32", "scratch_new_ptr": "*fp32",
     "phases_ptr": "*i64",
 }
@@ -31,6 +32,8 @@ ATTENTION_ARGS = {"Q": "*bf16", "K": "*bf16", "SEG_START": "*i32", "SEG_STOP": "
 PREPARE_ARGS = {"cover_ptr": "*fp32", "scales_ptr": "*fp32", "cover_t_ptr": "*fp32", "gain_ptr": "*i64"}
 SOFTMAX_ARGS = {"scores_ptr": "*bf16", "visible_ptr": "*i1", "out_ptr": "*bf16"}
 DIVPRUNE_ARGS = {"sim_ptr": "*fp32", "nearest_ptr": "*fp32", "order_ptr": "*i64"}
+RESTORE_ARGS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*bf16",
+                "prefix_ptr": "*fp32", "live_ptr": "*fp32", "o_ptr": "*bf16", "scale": "fp32"}
 #: MMTok at 4096 tokens (`coverage_plan`: 64 programs of 64 columns, 8 warps; 24 question rows -> 32)
 MMTOK_4096 = dict(SPLITS=64, SPLITS_P2=64, BLOCK_C=64, BLOCK_M=32, BLOCK_N=4096, TILE_R=64, SPIN=1 << 22,
                   PHASES=False)
@@ -66,6 +69,7 @@ def ptxas_report(compiled, tmp_path) -> str:
 
 def kernels():
     from hf_raincheck.attention import softmax_triton
+    from hf_raincheck.gdn_state import restore_triton
     from hf_raincheck.pruning import attention_triton, greedy_triton
 
     cases = {
@@ -80,6 +84,9 @@ def kernels():
                                  dict(BLOCK_K=8192, ONE_PASS=True), 16),
         "grouped-softmax-long": (softmax_triton._masked_softmax_kernel, SOFTMAX_ARGS,
                                  dict(BLOCK_K=2048, ONE_PASS=False), 4),
+        # a compiled Qwen3.5-9B fused step's GDN restoration (16 key / 32 value heads of 128)
+        "gdn-restore-qwen3.5": (restore_triton._restore_chunk_kernel, RESTORE_ARGS,
+                                dict(GROUP=2, K=128, V=128, LIVE_W=256, BV=32), 8),
     }
     for kind in ("lse", "received"):
         block_m, block_n, warps, stages = attention_triton.CONFIGS[(kind, "16bit")]
@@ -99,7 +106,8 @@ def compile_case(case: str, tmp_path) -> str:
 
 @pytest.mark.parametrize("case", ["mmtok-4096", "mmtok-4096-phases", "mmtok-video", "mmtok-prepare",
                                   "divprune-4096", "grouped-softmax-4352",
-                                  "grouped-softmax-long", "attention-lse", "attention-received"])
+                                  "grouped-softmax-long", "gdn-restore-qwen3.5", "attention-lse",
+                                  "attention-received"])
 def test_kernel_compiles_for_hopper(case, tmp_path):
     if os.environ.get("TRITON_INTERPRET") == "1":  # the kernels are interpreted functions here: compile elsewhere
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -78,6 +78,34 @@ FLA_RECURRENT_MAX_ROWS = int(os.environ.get("HF_RAINCHECK_FLA_RECURRENT_ROWS", "
 FLA_EAGER_RECURRENT_MAX_ROWS = int(os.environ.get("HF_RAINCHECK_FLA_EAGER_RECURRENT_ROWS", "64"))
 
 
+def _restore_kernel_setting() -> bool:
+    value = os.environ.get("HF_RAINCHECK_GDN_RESTORE_KERNEL", "")
+    if value not in ("", "triton"):
+        raise ValueError(f"HF_RAINCHECK_GDN_RESTORE_KERNEL must be 'triton' (the fused restoration kernel) or unset, "
+                         f"got {value!r}")
+    return value == "triton"
+
+
+#: compiled fused steps restore their chunk and join P_tail in one Triton kernel (`restore_triton`): opt-in
+#: (``HF_RAINCHECK_GDN_RESTORE_KERNEL=triton``) until it is measured on a GPU
+RESTORE_KERNEL = _restore_kernel_setting()
+
+
+def restore_kernel_runs(device: torch.device, key_dim: int, value_dim: int) -> bool:
+    """Whether compiled fused steps on `device` take the fused restoration kernel (`RESTORE_KERNEL` on, Triton runs
+    there: CUDA, or the CPU under Triton's interpreter, and the head sizes fit); imports it (registering its op)
+    when they do. Decided outside the traced step."""
+    if not RESTORE_KERNEL:
+        return False
+    from ..pruning.triton_support import triton_enabled
+
+    if not triton_enabled(device):
+        return False
+    from . import restore_triton
+
+    return restore_triton.supported(key_dim, value_dim)
+
+
 def gated_delta(backend: str, q, k, v, g, beta, state, recurrent_rows: int | None = None):
     """Rows ``[1, T, ...]`` from `state` (``None``: zeros). Returns ``(o [1, T, H_v, V], final state fp32)``.
 
