@@ -120,8 +120,9 @@ def main(argv=None):
     parser.add_argument("--tiles", default="",
                         help="comma list of MMTok changed-row tiles to try (default: the kernel's)")
     parser.add_argument("--late", default="",
-                        help="comma list of MMTok late stages to try, step:splits (e.g. 64:8), 'default' "
-                             "(coverage_stages' choice) or 'none' (one launch of coverage_plan's split count)")
+                        help="comma list of MMTok late stages to try, step:splits (e.g. 64:8) or "
+                             "step:splits:warps:tile_r (e.g. 256:1:16:4), 'default' (coverage_stages' choice) or "
+                             "'none' (one launch of coverage_plan's split count)")
     parser.add_argument("--retention", type=float, default=0.3)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="greedy_kernels.json")
@@ -170,9 +171,8 @@ def main(argv=None):
                 late = None
             elif option == "none":
                 late = (budget, 1)
-            else:
-                step, _, late_splits = option.partition(":")
-                late = (int(step), int(late_splits))
+            else:  # step:splits, or step:splits:warps:tile_r
+                late = tuple(int(part) for part in option.split(":"))
             try:
                 stages = greedy_triton.coverage_stages(n, batch, budget, device, late=late)
             except ValueError as err:

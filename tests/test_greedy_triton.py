@@ -95,14 +95,14 @@ def test_mmtok_kernel_every_split_count(device, monkeypatch):
 
 def test_mmtok_kernel_in_two_launches(device, monkeypatch):
     """A greedy split over two launches (``late``: the state goes through memory, the second launch goes on from
-    the step given, with its own split count) picks what one launch and the torch path pick, wherever it
-    switches (before the first step, after it, mid-way, at the budget)."""
+    the step given, with its own split count, and warps and changed-row tile where given) picks what one launch and
+    the torch path pick, wherever it switches (before the first step, after it, mid-way, at the budget)."""
     cover = _cover(2, 96, 5, device, seed=9)
     budget, width = 40, 96
     _torch_path(monkeypatch)
     want = greedy_coverage_order(cover, budget, lazy=False)
     cover32, scales = _cover_and_scales(cover, width)
-    plans = [(1, (step, 1)) for step in (0, 1, 7, budget)]
+    plans = [(1, (step, 1)) for step in (0, 1, 7, budget)] + [(1, (7, 1, 2, 2))]  # the late launch's warps, tile
     if device.type == "cuda":
         plans += [(6, (5, 2)), (2, (1, 6)), (3, (20, 1)), (None, None), (None, (3, 2))]
     for splits, late in plans:
@@ -120,7 +120,8 @@ def test_coverage_stages(device):
     assert coverage_stages(96, 1, 40, device, splits=1, late=(7, 1)) == [(0, 1, 128), (7, 1, 128)]
     assert coverage_stages(96, 1, 40, device, splits=1, late=(0, 1)) == [(0, 1, 128)]
     assert coverage_stages(96, 1, 40, device, splits=1, late=(40, 2)) == [(0, 1, 128)]
-    for bad in ((-1, 2), (3, 0), (3,)):
+    assert coverage_stages(96, 1, 40, device, splits=1, late=(7, 1, 16, 4)) == [(0, 1, 128), (7, 1, 128)]
+    for bad in ((-1, 2), (3, 0), (3,), (3, 1, 3, 2), (3, 1, 8, 0), (3, 1, 8, 3), (3, 1, 8)):
         with pytest.raises(ValueError, match="late"):
             coverage_stages(96, 1, 40, device, late=bad)
     if device.type == "cuda":

@@ -77,6 +77,9 @@ def kernels():
         "mmtok-4096-phases": (greedy_triton._coverage_kernel, GREEDY_ARGS, dict(MMTOK_4096, PHASES=True), 8),
         "mmtok-video": (greedy_triton._coverage_kernel, GREEDY_ARGS,
                         dict(MMTOK_4096, SPLITS=8, SPLITS_P2=8, BLOCK_C=32, BLOCK_N=256, TILE_R=64), 4),
+        # a late stage on one program (no barrier: `coverage_stages`' late=(step, 1, 16, 4), benchmarks)
+        "mmtok-late-one-program": (greedy_triton._coverage_kernel, GREEDY_ARGS,
+                                   dict(MMTOK_4096, SPLITS=1, SPLITS_P2=2, BLOCK_C=4096, TILE_R=4), 16),
         "mmtok-prepare": (greedy_triton._prepare_kernel, PREPARE_ARGS, dict(BLOCK_R=64, BLOCK_C=64), 4),
         "divprune-4096": (greedy_triton._divprune_kernel, DIVPRUNE_ARGS, dict(BLOCK_N=4096), 8),
         # a fused step's grouped softmax at 4352 keys (one pass), and the two-pass kernel of longer rows
@@ -104,7 +107,8 @@ def compile_case(case: str, tmp_path) -> str:
     return ptxas_report(compiled, tmp_path)
 
 
-@pytest.mark.parametrize("case", ["mmtok-4096", "mmtok-4096-phases", "mmtok-video", "mmtok-prepare",
+@pytest.mark.parametrize("case", ["mmtok-4096", "mmtok-4096-phases", "mmtok-video", "mmtok-late-one-program",
+                                  "mmtok-prepare",
                                   "divprune-4096", "grouped-softmax-4352",
                                   "grouped-softmax-long", "gdn-restore-qwen3.5", "attention-lse",
                                   "attention-received"])

@@ -343,22 +343,25 @@ def coverage_plan(n: int, batch: int, device: torch.device, splits: int | None =
 
 
 def coverage_stages(n: int, batch: int, budget: int, device: torch.device, splits: int | None = None,
-                    late: tuple[int, int] | None = None) -> list[tuple[int, int, int]]:
+                    late: tuple[int, ...] | None = None) -> list[tuple[int, int, int]]:
     """The launches of a greedy: ``[(first step, splits, block_c)]``. The early stage runs `coverage_plan`'s split
     count (or `splits`); ``late = (step, splits)`` goes on from that step with that many programs (a step at or
-    past the budget: one stage). By default (neither given) `LATE_STEP` and `LATE_SPLITS`, where that is fewer
-    programs than the early stage's and at least `LATE_STEP` steps remain after it."""
+    past the budget: one stage); ``(step, splits, warps, tile_r)`` also sets the late launch's warps per program
+    and changed-row tile (`coverage_order_triton`; benchmarks). By default (neither given) `LATE_STEP` and
+    `LATE_SPLITS`, where that is fewer programs than the early stage's and at least `LATE_STEP` steps remain."""
     early, block_c = coverage_plan(n, batch, device, splits)
     stages = [(0, early, block_c)]
     if late is None:
         if splits is not None or LATE_SPLITS >= early or budget - LATE_STEP < LATE_STEP:
             return stages
         late = (LATE_STEP, LATE_SPLITS)
-    elif (len(late) != 2 or late[0] < 0 or late[1] < 1
-          or (device.type == "cuda" and late[1] > 1 and late[1] * batch > sm_count(device))):
-        raise ValueError(f"late must be (step >= 0, splits >= 1) with splits x spans ({batch}) within the SM count "
-                         f"(the programs of a launch must be resident together), got {late}")
-    step, late_splits = late
+    elif (len(late) not in (2, 4) or late[0] < 0 or late[1] < 1
+          or (device.type == "cuda" and late[1] > 1 and late[1] * batch > sm_count(device))
+          or (len(late) == 4 and (late[2] not in (1, 2, 4, 8, 16, 32) or late[3] < 1 or late[3] & (late[3] - 1)))):
+        raise ValueError(f"late must be (step >= 0, splits >= 1) or (step, splits, warps in 1/2/4/8/16/32, tile_r a "
+                         f"power of two), with splits x spans ({batch}) within the SM count (the programs of a launch "
+                         f"must be resident together), got {late}")
+    step, late_splits = late[:2]
     late_splits, late_block = coverage_plan(n, batch, device, late_splits)
     if step < budget:
         stages = ([(0, early, block_c)] if step > 0 else []) + [(step, late_splits, late_block)]
@@ -385,13 +388,14 @@ def coverage_order_triton(cover: torch.Tensor, scales: torch.Tensor, budget: int
                           splits: int | None = None, spin_limit: int = SPIN_LIMIT,
                           num_warps: int | None = None, tile_r: int | None = None,
                           phases: torch.Tensor | None = None,
-                          late: tuple[int, int] | None = None) -> torch.Tensor | None:
+                          late: tuple[int, ...] | None = None) -> torch.Tensor | None:
     """The full greedy on ``cover [B, R, n]`` (fp32, unscaled) with the fixed-point scales ``scales [2]``
     (`mmtok.fixed_point_scales`; the same gains and picks as `mmtok.greedy_coverage_order`'s torch paths on
     ``fixed_point(cover)``) -> ``[B, budget]`` picks in order, or None when a program gave up waiting at the
     barrier (the caller then runs the torch path). `splits` forces the number of programs per span
     (`coverage_plan`; then one launch unless `late` is given), ``late = (step, splits)`` the step from which a
-    second launch goes on with that many programs (`coverage_stages`), `spin_limit` the barrier's patience
+    second launch goes on with that many programs (`coverage_stages`; ``(step, splits, warps, tile_r)`` also
+    sets that launch's warps and tile), `spin_limit` the barrier's patience
     (tests), `num_warps` the warps per program and `tile_r` the changed rows per tile of the gain update
     (benchmarks; defaults: 8 warps for spans of 4096+ tokens, else 4; ``4096 // block_c`` rows, at most 64);
     `phases`, an int64 tensor of ``B * budget * splits * 5`` elements, receives the kernel's per-step clock
@@ -426,10 +430,13 @@ def coverage_order_triton(cover: torch.Tensor, scales: torch.Tensor, budget: int
     with _on(device):
         for k, (start, stage_splits, block_c) in enumerate(stages):
             stop = stages[k + 1][0] if k + 1 < len(stages) else budget
+            warps, tile = num_warps, tile_r
+            if late is not None and len(late) == 4 and start == late[0]:  # the late launch's own settings
+                warps, tile = late[2], late[3]
             shapes = dict(SPLITS=stage_splits, SPLITS_P2=max(2, triton.next_power_of_2(stage_splits)),
                           BLOCK_C=block_c, BLOCK_M=block_m, BLOCK_N=block_n,
-                          TILE_R=tile_r or max(1, min(64, 4096 // block_c)), SPIN=spin_limit,
-                          PHASES=phases is not None, num_warps=num_warps or (8 if block_n >= 4096 else 4))
+                          TILE_R=tile or max(1, min(64, 4096 // block_c)), SPIN=spin_limit,
+                          PHASES=phases is not None, num_warps=warps or (8 if block_n >= 4096 else 4))
             _coverage_kernel[(stage_splits, batch)](
                 cover, cover_t, scales, gain, best, taken, order, proposals, fail, scratch_rows, scratch_old,
                 scratch_new, order if phases is None else phases, n, m, budget, start, stop, ranks_w, most, **shapes)
