@@ -188,6 +188,11 @@ def main_policies(args) -> list[Policy]:
     return [policies[name] for name in POLICY_NAMES if name in args.policies]
 
 
+def first_turn_policies(args) -> list[Policy]:
+    """Full, Hard and Raincheck (fused) among --policies: the ones whose first turns differ."""
+    return [p for p in main_policies(args) if p.name in ("full", "hard", "raincheck") and p.fused is not False]
+
+
 def run_plan(args) -> list[tuple[str, str, Policy]]:
     """(workload, cache, policy) for one model, in priority order."""
     plan = [(w, c, p) for w in args.workloads for c in args.caches for p in main_policies(args)]
@@ -471,7 +476,7 @@ def profile_ttft(bench: Bench, inputs, cache: str) -> str:
 
     args = bench.args
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.cuda else [])
-    policies = [p for p in main_policies(args) if p.name in ("full", "hard", "raincheck") and p.fused is not False]
+    policies = first_turn_policies(args)
     parts = []
     for policy in policies:
         bench.generate(inputs, policy, cache, stop_after=1)  # warm-up (compilation, autotuning)
@@ -510,14 +515,13 @@ def ttft_phases(bench: Bench, inputs, cache: str, calls: int) -> list[dict]:
                 spent[name] = spent.get(name, 0.0) + 1e3 * (time.perf_counter() - t0)
         return wrapper
 
-    targets = [("prepare_turn", turn_module, "prepare_turn", enable_module), ("vision", adapter, "vision_features", None),
-               ("selection", turn_module, "select_kept", None), ("prefill forward", enable_module, "run_rows", None),
-               ("reserve", DeferredPrefillCache, "reserve", None),
-               ("persist GDN", DeferredPrefillCache, "persist_gdn_states", None),
-               ("static prepare", StaticStep, "prepare", None)]
+    # (phase, where the caller looks the function up, its name there)
+    targets = [("prepare_turn", enable_module, "prepare_turn"), ("vision", adapter, "vision_features"),
+               ("selection", turn_module, "select_kept"), ("prefill forward", enable_module, "run_rows"),
+               ("reserve", DeferredPrefillCache, "reserve"), ("persist GDN", DeferredPrefillCache, "persist_gdn_states"),
+               ("static prepare", StaticStep, "prepare")]
     saved = []
-    for name, owner, attr, user in targets:  # `user`: the module that imported the function by name
-        where = user or owner
+    for name, where, attr in targets:
         own = attr in vars(where)  # False: an instance's method from its class (restored by deleting)
         original = vars(where)[attr] if own else getattr(where, attr)
         static = isinstance(original, staticmethod)
@@ -526,7 +530,7 @@ def ttft_phases(bench: Bench, inputs, cache: str, calls: int) -> list[dict]:
         saved.append((where, attr, original if own else None))
     rows = []
     try:
-        policies = [p for p in main_policies(bench.args) if p.name in ("full", "hard", "raincheck") and p.fused is not False]
+        policies = first_turn_policies(bench.args)
         for policy in policies:
             bench.generate(inputs, policy, cache, stop_after=1)  # warm-up
         for k in range(calls):

@@ -71,13 +71,17 @@ class GDNGlue:
         raise NotImplementedError
 
 
-def _window_after(window, rows, kernel: int) -> torch.Tensor:
-    """The short-conv window ``[1, C, kernel]`` after `rows` ``[1, C, t]`` from `window` (None: zeros)."""
-    full = rows if window is None else torch.cat([window, rows], dim=-1)
+def conv_window(full: torch.Tensor, kernel: int) -> torch.Tensor:
+    """The short-conv window ``[1, C, kernel]`` at the end of ``full [1, C, t]`` (zeros on the left if shorter)."""
     window = full[..., -kernel:]
     if window.shape[-1] < kernel:
         window = F.pad(window, (kernel - window.shape[-1], 0))
     return window.contiguous()
+
+
+def _window_after(window, rows, kernel: int) -> torch.Tensor:
+    """The short-conv window after `rows` ``[1, C, t]`` from `window` (None: zeros)."""
+    return conv_window(rows if window is None else torch.cat([window, rows], dim=-1), kernel)
 
 
 def _segment(glue, module, backend, qkv, a, b, state, window, carry=0):

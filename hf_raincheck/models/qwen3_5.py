@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..gdn_state import GDNGlue
+from ..gdn_state.layer import conv_window
 from .qwen3_vl import Qwen3VLAdapter
 
 
@@ -41,10 +42,7 @@ class Qwen3_5GDNGlue(GDNGlue):
             full = mixed_qkv if window is None else torch.cat([window, mixed_qkv], dim=-1)
             out = fns.causal_conv1d_fn(full, weight, module.conv1d.bias, activation=module.activation)
             out = out[:, :, -seq_len:]
-            window = full[..., -kernel:]
-            if window.shape[-1] < kernel:
-                window = F.pad(window, (kernel - window.shape[-1], 0))
-            window = window.contiguous()
+            window = conv_window(full, kernel)
         return out.transpose(1, 2), window
 
     def conv_full(self, module, full):
