@@ -132,6 +132,35 @@ def test_coverage_stages(device):
             coverage_stages(256, 16, 77, device, late=(5, 64))  # 16 x 64 programs cannot all be resident
 
 
+def test_late_stage_from_the_environment(device, monkeypatch):
+    """``HF_RAINCHECK_MMTOK_LATE`` sets the default late stage of a whole selection (GPU sweeps): the picks stay the
+    torch path's, a malformed value is refused naming the variable, and a forced split count ignores it."""
+    from hf_raincheck.pruning import greedy_triton
+
+    cover = _cover(2, 96, 5, device, seed=9)
+    budget, width = 40, 96
+    _torch_path(monkeypatch)
+    want = greedy_coverage_order(cover, budget, lazy=False)
+    cover32, scales = _cover_and_scales(cover, width)
+    seen = []
+    stages = greedy_triton.coverage_stages
+    monkeypatch.setattr(greedy_triton, "coverage_stages", lambda *a, **k: seen.append(a[4:] + (k,)) or stages(*a, **k))
+    for text, late in (("7:1", (7, 1)), ("7:1:2:2", (7, 1, 2, 2)), ("none", (1 << 62, 1))):
+        monkeypatch.setenv("HF_RAINCHECK_MMTOK_LATE", text)
+        assert greedy_triton.late_from_env() == late
+        got = coverage_order_triton(cover32, scales, budget, width + 1)
+        assert torch.equal(got.cpu(), want.cpu()), text
+        assert seen[-1] == (None, late, {}), text
+    got = coverage_order_triton(cover32, scales, budget, width + 1, splits=1)
+    assert seen[-1] == (1, None, {}) and torch.equal(got.cpu(), want.cpu())
+    for bad in ("7", "a:b", "7:1:2"):
+        monkeypatch.setenv("HF_RAINCHECK_MMTOK_LATE", bad)
+        with pytest.raises(ValueError, match="HF_RAINCHECK_MMTOK_LATE"):
+            greedy_triton.late_from_env()
+    monkeypatch.delenv("HF_RAINCHECK_MMTOK_LATE")
+    assert greedy_triton.late_from_env() is None
+
+
 def test_mmtok_kernel_phases(device, monkeypatch):
     """``phases=`` (benchmarks) leaves the picks alone and records five increasing SM clock readings per step and
     program; a tensor too small for them is refused, naming the argument."""

@@ -38,6 +38,7 @@ kernel, the state stays in registers.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import triton
@@ -324,6 +325,25 @@ MAX_SPLITS = 64
 #: (1.55 ms in one launch, 1.60 from step 256), hence the "steps remaining" condition
 LATE_STEP = 256
 LATE_SPLITS = 8
+#: an override of the default late stage, for GPU sweeps of whole selections (`benchmarks/selector_speed.py`):
+#: ``step:splits`` or ``step:splits:warps:tile_r`` as `coverage_stages`' `late`, or ``none`` (one launch)
+LATE_ENV = "HF_RAINCHECK_MMTOK_LATE"
+
+
+def late_from_env() -> tuple[int, ...] | None:
+    """`LATE_ENV` as a `late` tuple (``none``: a step no greedy reaches, so one launch), or None when unset."""
+    text = os.environ.get(LATE_ENV, "").strip()
+    if not text:
+        return None
+    if text == "none":
+        return (1 << 62, 1)
+    try:
+        late = tuple(int(part) for part in text.split(":"))
+    except ValueError:
+        late = ()
+    if len(late) not in (2, 4):
+        raise ValueError(f"{LATE_ENV} must be 'step:splits', 'step:splits:warps:tile_r' or 'none', got {text!r}")
+    return late
 
 
 def coverage_plan(n: int, batch: int, device: torch.device, splits: int | None = None) -> tuple[int, int]:
@@ -407,6 +427,8 @@ def coverage_order_triton(cover: torch.Tensor, scales: torch.Tensor, budget: int
         return order
     if phases is not None and (splits is None or late is not None):
         raise ValueError("phases needs one launch: pass splits, and no late stage")
+    if late is None and splits is None:
+        late = late_from_env()
     stages = coverage_stages(n, batch, budget, device, splits, late)
     m = rows_n - n  # question rows first, then the span's rows (`mmtok.coverage_matrix`)
     block_m = max(16, triton.next_power_of_2(max(m, 1)))
