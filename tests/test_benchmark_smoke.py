@@ -8,6 +8,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD_KEYS = {"model", "workload", "policy", "chunk_size", "fused", "ttft_ms", "tpot_ms", "restore_step_ms",
@@ -143,6 +144,31 @@ def test_ttft_phases_unwraps_what_it_timed():
              DeferredPrefillCache.__dict__["persist_gdn_states"], decode.StaticStep.__dict__["prepare"])
     assert all(a is b for a, b in zip(after, before))
     assert "vision_features" not in vars(bench.model._raincheck_state.adapter)
+
+
+def test_budget_counts_compiled_warm_ups(monkeypatch):
+    """`--budget-s`: every policy on a static CUDA cache is a compiled kind (first guess 90 s, its warm-up kept whole
+    for the next workload, which compiles again), an eager warm-up counts at most 10 s the next time."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import latency
+    from hf_raincheck import RaincheckConfig
+
+    raincheck = latency.Policy("raincheck", RaincheckConfig(chunk_size=31))
+    plain = latency.Policy("plain", None)
+    for policy in (raincheck, plain):
+        assert latency.Budget.kind(policy, "static", cuda=True)[-1] == "compiled"
+        assert latency.Budget.kind(policy, "static", cuda=False)[-1] == "eager"
+        assert latency.Budget.kind(policy, "dynamic", cuda=True)[-1] == "eager"
+    budget = latency.Budget(100.0)
+    compiled = latency.Budget.kind(raincheck, "static", cuda=True)
+    eager = latency.Budget.kind(raincheck, "dynamic", cuda=True)
+    assert budget.fits(compiled) and budget.fits(eager)  # 90 s and 20 s guesses within 100 s
+    budget.record(compiled, 60.0, 52.0)
+    budget.record(eager, 40.0, 30.0)
+    assert math.isclose(budget.estimates[compiled], 1.1 * 8 + 52 + 2)
+    assert math.isclose(budget.estimates[eager], 1.1 * 10 + 10 + 2)
+    budget.model_deadline = budget.deadline = time.perf_counter() + 50.0
+    assert not budget.fits(compiled) and budget.fits(eager)
 
 
 def test_multi_gpu_quick_equals_the_one_device_model(tmp_path):
