@@ -65,6 +65,22 @@ def test_grouped_bf16_is_close_to_the_fp32_reference():
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_grouped_softmax_masks_in_the_scores_dtype_with_the_fp32_values(dtype):
+    """`grouped_softmax_torch` hides keys in the scores' own dtype and lets the softmax upcast (fewer operators in
+    host-bound eager steps): bit for bit the values of upcasting first, masking and normalising in fp32, rows that
+    see nothing included (zeros)."""
+    g = torch.Generator().manual_seed(5)
+    scores = (torch.randn(2, 2, 3, 5, 40, generator=g) * 8).to(dtype)
+    visible = torch.rand(2, 1, 5, 40, generator=g) < 0.6
+    visible[1, 0, 2] = False  # a row that sees nothing
+    want = torch.softmax(scores.float().masked_fill(~visible.unsqueeze(2), float("-inf")), dim=-1)
+    want = want.nan_to_num(0.0).to(dtype).view(2, 2, 15, 40)
+    got = sdpa.grouped_softmax_torch(scores, visible, dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert not got.view(2, 2, 3, 5, 40)[1, :, :, 2].any()
+
+
 def test_grouped_takes_an_expanded_mask():
     """A mask broadcast with `expand` (no copy) works as a dense one (no `view` on non-contiguous strides)."""
     query, key, value, visible = _inputs(4, 12, 4, 2, batch=2)

@@ -96,11 +96,14 @@ def grouped_softmax_torch(scores: torch.Tensor, visible: torch.Tensor, dtype: to
     (two-level over blocks of `block` keys when it divides k), a row that sees nothing -> 0, cast to `dtype`:
     ``[b, hkv, g q, k]``."""
     b, hkv, g, q, k = scores.shape
-    scores = scores.float().masked_fill(~visible.unsqueeze(2), float("-inf"))
+    # hidden keys at -inf in the scores' own dtype (exact), then the softmax upcasts to fp32 itself: the same
+    # values as upcasting first, in one operator instead of three (eager steps are host-bound: ~25 us per op on
+    # the H200 host, per layer)
+    scores = torch.where(visible.unsqueeze(2), scores, float("-inf"))
     if block and k % block == 0 and k > block:
-        probs = blocked_softmax(scores, block)
+        probs = blocked_softmax(scores.float(), block)
     else:
-        probs = torch.softmax(scores, dim=-1)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
     return probs.nan_to_num(0.0).to(dtype).view(b, hkv, g * q, k)
 
 
