@@ -21,9 +21,9 @@ Cache kinds: ``dynamic`` (eager decode) and ``static``. On a static cache transf
 decode step (``reduce-overhead``: CUDA graphs); the script hands it one ``StaticCache`` per model, sized for the
 largest workload and emptied before each call, so one graph is recorded once (a new cache per call, as
 ``cache_implementation="static"`` builds, would re-record it during every answer). Raincheck's policies get
-``cache_implementation="static"`` and transformers' default ``compile_config`` (which models with GDN layers need
-to compile Raincheck's steps; ``--gdn-backend`` picks their kernels); the console shows the count of compiled
-graphs.
+``cache_implementation="static"`` and transformers' default ``compile_config`` (what they get without one too),
+which compiles Raincheck's steps; ``--gdn-backend`` picks the GDN layers' kernels; the console shows the count of
+compiled graphs.
 
 Measurements (each after a warm-up call of the same shapes, which also absorbs compilation):
 
@@ -302,8 +302,7 @@ class Bench:
             kwargs["raincheck_config"] = config
             if cache == "static":
                 kwargs["cache_implementation"] = "static"  # Raincheck sizes its own static cache
-                # transformers' default; models with GDN layers compile Raincheck's steps only when it is given
-                kwargs["compile_config"] = CompileConfig()
+                kwargs["compile_config"] = CompileConfig()  # transformers' default, spelled out
         return kwargs
 
     def generate(self, inputs, policy, cache, stop_after=None, hook=None):

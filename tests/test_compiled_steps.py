@@ -114,6 +114,25 @@ def hybrid():
     return enable_raincheck(tiny_qwen3_5("eager"))
 
 
+def test_static_caches_compile_steps_by_default_on_accelerators_for_both_families(model, hybrid):
+    """As transformers does for its own static caches: on CUDA both families get a compiled step without a
+    `compile_config` (transformers' default one; Qwen3.5's GDN steps were opt-in until measured on the H200),
+    `disable_compile=True` keeps the steps eager, and on the CPU nothing compiles unless the config asks for it."""
+    from transformers import GenerationConfig
+
+    from hf_raincheck.generation.decode import StaticStep
+    from hf_raincheck.generation.enable import _static_step, raincheck_state
+
+    for m in (model, hybrid):
+        state = raincheck_state(m, "test")
+        step = _static_step(m, state, GenerationConfig(), torch.device("cuda"))  # builds the step, compiles nothing
+        assert isinstance(step, StaticStep)
+        assert _static_step(m, state, GenerationConfig(disable_compile=True), torch.device("cuda")) is None
+        assert _static_step(m, state, GenerationConfig(), torch.device("cpu")) is None
+        assert isinstance(_static_step(m, state, GenerationConfig(compile_config=compile_config()),
+                                       torch.device("cpu")), StaticStep)
+
+
 @pytest.mark.parametrize(
     "cfg",
     [

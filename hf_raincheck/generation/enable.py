@@ -211,14 +211,10 @@ def _generate(model, *args, raincheck_config: RaincheckConfig | None = None, **k
 def _static_step(model, state: RaincheckState, gen_config, device: torch.device) -> StaticStep | None:
     """The compiled step for a static cache, as transformers decides for its own static caches: unless
     ``disable_compile``, on accelerators (or any device when ``compile_config._compile_all_devices``), with
-    ``compile_config`` (default: transformers' `CompileConfig`; models with GDN layers need it given explicitly)."""
+    ``compile_config`` (default: transformers' `CompileConfig`), for Qwen3-VL and Qwen3.5 alike."""
     from transformers.generation.configuration_utils import CompileConfig
 
     if gen_config.disable_compile:
-        return None
-    if state.adapter.gdn_glue is not None and gen_config.compile_config is None:
-        # models with GDN layers compile their steps only when asked (compile_config=...): the compiled GDN step
-        # is proven on CPU (dynamo, fullgraph) but not yet measured with fla-core's kernels on a GPU
         return None
     compile_config = gen_config.compile_config or CompileConfig()
     if device.type not in ("cuda", "xpu") and not compile_config._compile_all_devices:
