@@ -14,8 +14,8 @@ per program: no spills at the Qwen3.5 shape (``tests/test_triton_compile.py``).
 
 Opt-in (`HF_RAINCHECK_GDN_RESTORE_KERNEL=triton`): measured on the H200 (2026-12-01) at 52.7 us per layer, 1.27 ms
 per fused step against the 0.84 ms it replaces (`benchmarks/results/latency_profile_qwen3_5_restore_kernel.txt`):
-each program runs the 31 rows one after another, and 128 programs leave that chain exposed. Equal to the compiled
-default path there (`tests/test_steps_gpu.py` with it on). Tested against the plain reference
+each program runs the 31 rows one after another, and 128 programs leave that chain exposed. Compiled steps with it
+equal eager steps there (`tests/test_steps_gpu.py` with it on). Tested against the plain reference
 (`naive.naive_gated_delta`, `naive.naive_join`) under Triton's interpreter (``tests/test_gdn_restore_triton.py``).
 """
 
