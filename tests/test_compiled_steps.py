@@ -114,11 +114,13 @@ def hybrid():
     return enable_raincheck(tiny_qwen3_5("eager"))
 
 
+# building the default step imports Inductor (transformers' default backend), whose import warns inside torch itself
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_static_caches_compile_steps_by_default_on_accelerators_for_both_families(model, hybrid):
     """As transformers does for its own static caches: on CUDA both families get a compiled step without a
     `compile_config` (transformers' default one; Qwen3.5's GDN steps were opt-in until measured on the H200),
     `disable_compile=True` keeps the steps eager, and on the CPU nothing compiles unless the config asks for it."""
-    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import GenerationConfig
 
     from hf_raincheck.generation.decode import StaticStep
     from hf_raincheck.generation.enable import _static_step, raincheck_state
