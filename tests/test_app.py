@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import types
 
 import numpy as np
@@ -11,6 +12,7 @@ import torch
 gr = pytest.importorskip("gradio", reason="the demo needs gradio: pip install -e .[demo]")
 
 from app_support import import_app, write_video  # noqa: E402
+from hf_raincheck.generation.background import BackgroundCompletion  # noqa: E402
 from hf_raincheck.testing import load_tiny_qwen3_vl, make_image, make_video  # noqa: E402
 
 app = import_app()
@@ -106,9 +108,19 @@ def test_inputs_are_checked_before_anything_runs(demo, uploads, tmp_path):
     assert len(demo.sessions) == 0  # nothing started
 
 
-def test_two_streamed_turns_update_the_side_panel(demo, uploads):
+def test_two_streamed_turns_update_the_side_panel(demo, uploads, monkeypatch):
     image = uploads / "grid.png"
     make_image(7, (256, 256)).save(image)
+    # hold the background worker until the answer's final panel is rendered (else, on a fast machine, that panel
+    # can already show the restored tokens and the timer's refresh below has nothing new to show)
+    release = threading.Event()
+    chunk = BackgroundCompletion._chunk
+
+    def gated_chunk(self, model, cache):
+        assert release.wait(60), "the test never released the background worker"
+        return chunk(self, model, cache)
+
+    monkeypatch.setattr(BackgroundCompletion, "_chunk", gated_chunk)
     outs = ask(demo, "What is in the top left corner?", files=[image], max_new=18)
     assert len(outs) >= 3  # the question, streamed pieces, the final panel
     box, history, stats, overlay, caption = outs[-1]
@@ -125,7 +137,10 @@ def test_two_streamed_turns_update_the_side_panel(demo, uploads):
     session = demo.sessions.get("session-1")
     s = session.chat.stats[0]
     assert s.deferred == 44 and s.new_tokens == 18 and s.restored_during_decode == 8  # step 17 of 17 carries 8
+    assert stats.splitlines()[2].endswith("| 8 | 0 |") and "Restoring the rest in the background" in stats
     # the timer's refresh: the panel follows the background worker, then skips while nothing changes
+    assert demo.refresh(request()) == (gr.skip(), gr.skip(), gr.skip())  # still held: nothing new
+    release.set()
     assert session.chat.wait(30)
     stats_now, _, caption_now = demo.refresh(request())
     assert stats_now.splitlines()[2].endswith("| 8 | 36 |")  # during the answer, after it
