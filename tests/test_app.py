@@ -108,12 +108,19 @@ def test_inputs_are_checked_before_anything_runs(demo, uploads, tmp_path):
     assert len(demo.sessions) == 0  # nothing started
 
 
-def test_two_streamed_turns_update_the_side_panel(demo, uploads, monkeypatch):
+@pytest.fixture
+def release():
+    """An event that gates the background worker (see below); set at teardown, so a failing test frees it."""
+    event = threading.Event()
+    yield event
+    event.set()
+
+
+def test_two_streamed_turns_update_the_side_panel(demo, uploads, monkeypatch, release):
     image = uploads / "grid.png"
     make_image(7, (256, 256)).save(image)
     # hold the background worker until the answer's final panel is rendered (else, on a fast machine, that panel
     # can already show the restored tokens and the timer's refresh below has nothing new to show)
-    release = threading.Event()
     chunk = BackgroundCompletion._chunk
 
     def gated_chunk(self, model, cache):
