@@ -59,6 +59,14 @@ torch and accelerate private names (not transformers, but the same kind of coupl
 12. accelerate's ``module._hf_hook`` (its ``execution_device``, ``SequentialHook.hooks``) and
     ``module._old_forward`` (`accelerate_hooks`, `hooked_forward_name`): where a ``device_map``-dispatched module
     computes and where its own forward sits under the hook.
+
+Off the inference path, kept where they are (tests/test_transformers_coupling.py lists them as the only exceptions):
+
+13. ``hf_raincheck.testing.torchvision_free`` (tests and ``--tiny-random``): torch-only subclasses of the Qwen video
+    processors and ``VideoProcessorMixin`` exposed where ``ProcessorMixin`` looks for it (transformers 5.23 cannot
+    build a Qwen-VL processor without torchvision).
+14. ``hf_raincheck.gridqa.batching.batched_vision_attention`` (GridQA training only): a batched copy of the Qwen
+    vision attention forward (the same q, k, v as item 2) with the family's ``apply_rotary_pos_emb_vision``.
 """
 
 from __future__ import annotations
