@@ -60,6 +60,11 @@ def enable_raincheck(model, force: bool = False):
     Raises `ValueError` for a model family without an adapter or a model without its LM head, and `RuntimeError`
     when the installed transformers is not a supported version
     (`hf_raincheck.transformers_coupling.SUPPORTED_TRANSFORMERS`); ``force=True`` warns instead.
+
+    A model that was never enabled runs no Raincheck code at all: transformers itself rejects
+    ``generate(raincheck_config=...)`` ("The following `model_kwargs` are not used by the model:
+    ['raincheck_config']") and ignores a ``generation_config.raincheck_config`` (it keeps unknown generation-config
+    entries without reading them). Call ``enable_raincheck(model)`` first.
     """
     return install(model, _generate, _forward, force=force)
 
