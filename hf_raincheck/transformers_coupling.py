@@ -288,19 +288,30 @@ def compiles_on_all_devices(compile_config) -> bool:
 def guard_pipeline_kwargs(pipe, check) -> None:
     """Runs ``check(kwargs)`` on the keyword arguments of each call of this pipeline instance (and on those it was
     built with) before transformers splits them into processor, generate and postprocess arguments."""
-    if "_sanitize_parameters" in vars(pipe):
-        return  # guarded already (or patched by someone else: left alone)
-    original = pipe._sanitize_parameters
+    if getattr(vars(pipe).get("_sanitize_parameters"), "raincheck_guard", False):
+        return  # guarded already
+    original = pipe._sanitize_parameters  # the class's method, or an instance-level one (kept behind the check)
 
     def sanitize(**kwargs):
         check(kwargs)
         return original(**kwargs)
 
+    sanitize.raincheck_guard = True
+    sanitize.original = original
     pipe._sanitize_parameters = sanitize
 
 
 def unguard_pipeline_kwargs(pipe) -> None:
-    vars(pipe).pop("_sanitize_parameters", None)
+    """Removes `guard_pipeline_kwargs`'s check from this pipeline instance (what was there before comes back)."""
+    guard = vars(pipe).get("_sanitize_parameters")
+    if not getattr(guard, "raincheck_guard", False):
+        return
+    if getattr(guard.original, "__self__", None) is pipe and guard.original.__func__ is getattr(
+        type(pipe), "_sanitize_parameters", None
+    ):
+        del pipe._sanitize_parameters  # the class's method again
+    else:
+        pipe._sanitize_parameters = guard.original
 
 
 def pipeline_preprocess_params(pipe) -> dict:
