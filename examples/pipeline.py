@@ -3,7 +3,9 @@
     python examples/pipeline.py --tiny-random                # a tiny random Qwen3-VL built on the spot (CPU)
     python examples/pipeline.py --model Qwen/Qwen3-VL-8B-Instruct --image photo.jpg --device cuda
 
-`enable_raincheck(model)` lets the pipeline's `generate` accept ``raincheck_config`` through ``generate_kwargs``.
+`enable_raincheck(pipe)` enables the pipeline's model, whose `generate` then accepts ``raincheck_config`` through
+``generate_kwargs``; a top-level ``pipe(..., raincheck_config=cfg)`` raises (transformers would hand it to the
+processor, which drops it). ``model.generation_config.raincheck_config = cfg`` sets a default for every call.
 A pipeline call is one turn and its cache is dropped when it returns, so deferred tokens left when the answer ends
 are useless there: ``completion="next_turn"`` skips restoring them (the default, ``"background"``, would start a
 worker that stops as soon as the cache is freed). For several turns on one cache use `RaincheckChat`
@@ -49,8 +51,7 @@ def main(argv=None):
         parser.error("--model needs --image")
 
     model, processor, image = load(args)
-    enable_raincheck(model)
-    pipe = pipeline("image-text-to-text", model=model, processor=processor)
+    pipe = enable_raincheck(pipeline("image-text-to-text", model=model, processor=processor))
     messages = [{"role": "user", "content": [{"type": "image", "image": image},
                                              {"type": "text", "text": "Describe the picture."}]}]
     policies = {

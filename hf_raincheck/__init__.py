@@ -3,13 +3,14 @@
 from .cache import DeferralPlan, DeferredPrefillCache, TurnRestore, release_static_buffers
 from .chat import RaincheckChat, TurnStats
 from .config import RaincheckConfig
-from .generation import FixedChunkSchedule, complete_deferred, enable_raincheck
+from .generation import FixedChunkSchedule, complete_deferred, disable_raincheck, enable_raincheck
 
 __version__ = "0.1.0"
 
 __all__ = [
     "RaincheckConfig",
     "enable_raincheck",
+    "disable_raincheck",
     "DeferredPrefillCache",
     "DeferralPlan",
     "complete_deferred",

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Union
 
 POLICIES = ("full", "hard", "raincheck")
@@ -50,7 +51,7 @@ class RaincheckConfig:
             (fold them into the next `generate` call on the same cache, or run `complete_deferred` yourself).
         completion_chunk_size: tokens per forward when completing outside decoding (>= 1); also the most a
             new request waits for a running background worker.
-        attn_backend: attention for Raincheck's forwards: ``"auto"`` (sdpa, the fastest measured), ``"sdpa"``,
+        attn_backend: attention for Raincheck's forwards: ``"auto"`` (sdpa: see the benchmarks page), ``"sdpa"``,
             ``"eager"`` (the plain reference) or ``"flash"`` (the flash_attn package's kernels, flash-attn 2/3 or 4;
             each forward's keys gathered past the pending deferred slots; restored rows under
             ``visibility="causal"`` take SDPA; `generate` raises if flash_attn is missing).
@@ -67,6 +68,9 @@ class RaincheckConfig:
             deferred tokens to carry (``step`` counts decode steps from 1). Default: ``chunk_size`` once
             ``step > guard_tokens``.
         seed: seed of the ``random`` selector.
+
+    ``to_dict()`` / ``RaincheckConfig.from_dict(d)`` give and take a JSON-serialisable dict (what
+    ``generation_config.json`` holds when ``model.generation_config.raincheck_config`` is set).
     """
 
     policy: str = "raincheck"
@@ -128,3 +132,47 @@ class RaincheckConfig:
         # the epsilon keeps float noise such as (1 - 0.7) * 10 = 3.0000000000000004 on the intended side
         dropped = math.floor((1.0 - self.retention) * num_tokens + 1e-9)
         return num_tokens - dropped
+
+    def to_dict(self) -> dict:
+        """Every field by name, JSON-serialisable; `from_dict` gives the config back.
+
+        Raises `ValueError` naming the field for what cannot be serialised: a callable ``pruning`` selector, a
+        custom ``schedule``, ``pruning_options`` that JSON cannot hold.
+        """
+        if callable(self.pruning):
+            raise ValueError(
+                f"RaincheckConfig.to_dict: pruning={self.pruning!r} is a callable and cannot be serialised; use a "
+                "registered selector name (hf_raincheck.pruning.available_selectors()) to save the config"
+            )
+        if self.schedule is not None:
+            raise ValueError(
+                f"RaincheckConfig.to_dict: schedule={self.schedule!r} is a custom callable and cannot be serialised; "
+                "leave schedule=None (chunk_size / guard_tokens) to save the config"
+            )
+        try:
+            options = json.loads(json.dumps(self.pruning_options))
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"RaincheckConfig.to_dict: pruning_options={self.pruning_options!r} cannot be serialised to JSON "
+                f"({error})"
+            ) from error
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["pruning_options"] = options
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RaincheckConfig":
+        """The config of a `to_dict` dict (missing fields take their defaults; values validated as at construction).
+
+        Raises `ValueError` for a non-dict or for unknown keys (naming them and the known ones).
+        """
+        if not isinstance(d, dict):
+            raise ValueError(f"RaincheckConfig.from_dict: expected a dict, got {type(d).__name__}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(str(k) for k in d if k not in known)
+        if unknown:
+            raise ValueError(f"RaincheckConfig.from_dict: unknown keys {unknown}; known keys: {known}")
+        values = dict(d)
+        if isinstance(values.get("pruning_options"), dict):
+            values["pruning_options"] = dict(values["pruning_options"])
+        return cls(**values)

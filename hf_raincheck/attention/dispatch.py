@@ -9,13 +9,7 @@ unchanged, so plain `forward`/`generate` calls behave exactly as before.
 
 from __future__ import annotations
 
-import copy
-import sys
-
-import torch
-from transformers import AttentionInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
+from .. import transformers_coupling as hf
 from . import flash
 from .naive import naive_attention
 from .sdpa import sdpa_attention
@@ -37,8 +31,7 @@ CAUSAL_LOWER_RIGHT = _CausalLowerRight()
 
 
 def resolve_backend(name: str) -> str:
-    """``auto`` -> SDPA, the fastest measured (through this backend on the H200, 4352 keys, 1 / 32 rows: flash-attn 4
-    71-110 us per layer against 16-32 us for SDPA with the grouped path; `benchmarks/results/flash_backend_h200.md`);
+    """``auto`` -> SDPA, the fastest of the three in the measurements of the benchmarks page (`benchmarks/`);
     ``flash`` needs the flash_attn package (a ValueError says what to install)."""
     if name == "auto":
         return "sdpa"
@@ -47,17 +40,11 @@ def resolve_backend(name: str) -> str:
     return name
 
 
-def _base_attention(module, base_impl: str):
-    if base_impl in (None, "eager"):
-        return getattr(sys.modules[type(module).__module__], "eager_attention_forward")
-    return ALL_ATTENTION_FUNCTIONS[base_impl]
-
-
 def raincheck_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     backend = kwargs.pop("raincheck_backend", None)
     if backend is None:
-        base_impl = module._raincheck_base_config._attn_implementation
-        return _base_attention(module, base_impl)(
+        base_impl = hf.attention_implementation(module._raincheck_base_config)
+        return hf.attention_function(module, base_impl)(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
     if scaling is None:
@@ -72,7 +59,7 @@ def raincheck_attention(module, query, key, value, attention_mask, scaling=None,
     return out, None
 
 
-AttentionInterface.register(NAME, raincheck_attention)
+hf.register_attention_function(NAME, raincheck_attention)
 
 
 def install(attention_modules) -> None:
@@ -81,17 +68,14 @@ def install(attention_modules) -> None:
         if getattr(module, "_raincheck_base_config", None) is not None:
             continue
         base = module.config
-        private = copy.copy(base)
-        private._attn_implementation_internal = NAME
         module._raincheck_base_config = base
-        module.config = private
+        module.config = hf.config_with_attention(base, NAME)
 
 
 def uninstall(attention_modules) -> None:
+    """Gives these attention modules their own config back (idempotent)."""
     for module in attention_modules:
         base = getattr(module, "_raincheck_base_config", None)
         if base is not None:
             module.config = base
             del module._raincheck_base_config
-
-

@@ -37,12 +37,9 @@ def resolve(name: str, device: torch.device) -> str:
 
 
 def _torch_functions():
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+    from ..transformers_coupling import torch_gated_delta_rule_functions
 
-    # the decorated names may resolve to fla when it is installed; __wrapped__ is transformers' torch code
-    chunk = getattr(m.torch_chunk_gated_delta_rule, "__wrapped__", m.torch_chunk_gated_delta_rule)
-    recurrent = getattr(m.torch_recurrent_gated_delta_rule, "__wrapped__", m.torch_recurrent_gated_delta_rule)
-    return chunk, recurrent
+    return torch_gated_delta_rule_functions()
 
 
 def _fla_functions():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 
+from ..transformers_coupling import hooked_forward_name
 from .layer import GDNGraphStep, gdn_rows_forward, gdn_rows_forward_graph
 
 
@@ -27,18 +28,24 @@ def install(modules: dict, glue) -> None:
     for module in modules.values():
         if getattr(module, "_raincheck_gdn_original", None) is not None:
             continue
-        attr = "_old_forward" if hasattr(module, "_old_forward") else "forward"
+        attr = hooked_forward_name(module)
         original = getattr(module, attr)
-        module._raincheck_gdn_original = (attr, original)
+        # whether `attr` was an instance attribute (accelerate's hook, another patch) or the class's method
+        own = attr in vars(module)
+        module._raincheck_gdn_original = (attr, original, own)
         patched = functools.partial(_raincheck_gdn_forward, original, glue, module)
         setattr(module, attr, functools.update_wrapper(patched, original))
 
 
 def uninstall(modules: dict) -> None:
+    """Gives each GDN module its forward back as it was (idempotent)."""
     for module in modules.values():
         saved = getattr(module, "_raincheck_gdn_original", None)
         if saved is None:
             continue
-        attr, original = saved
-        setattr(module, attr, original)
+        attr, original, own = saved
+        if own:
+            setattr(module, attr, original)
+        else:
+            delattr(module, attr)  # the class's forward again
         del module._raincheck_gdn_original

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import copy
-import functools
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .. import attention
-from ..gdn_state import patch as gdn_patch
+from .. import transformers_coupling as hf
 from ..cache import DeferredPrefillCache, TurnRestore
 from ..config import RaincheckConfig
-from ..models import ModelAdapter, get_adapter
+from . import config_source
+from .install import install
+from .state import STATE_ATTR as _STATE_ATTR
+from .state import RaincheckState, raincheck_state
 from .background import start_background_completion
 from .completion import prefill_pending
 from .rows import Rows, concat_rows, deferred_rows, run_rows
@@ -22,7 +22,6 @@ from .schedule import FixedChunkSchedule, carried_tokens
 from .decode import StaticStep, decode_step
 from .turn import Turn, prepare_turn
 
-_STATE_ATTR = "_raincheck_state"
 # processor outputs that Raincheck consumes itself before handing the call to transformers' generate
 _MEDIA_KWARGS = (
     "pixel_values",
@@ -42,59 +41,32 @@ _UNSUPPORTED_KWARGS = {
 }
 
 
-@dataclass
-class RaincheckState:
-    adapter: ModelAdapter
-    original_generate: object
-    original_forward: object
-    static_steps: dict = field(default_factory=dict)  # compiled static steps by compile options
-    warned_multi_device: bool = False  # the "compiled steps need one device" warning was given
-
-    @staticmethod
-    def backend(config: RaincheckConfig) -> str:
-        return attention.resolve_backend(config.attn_backend)
-
-
-def raincheck_state(model, caller: str) -> RaincheckState:
-    state = getattr(model, _STATE_ATTR, None)
-    if state is None:
-        raise ValueError(f"{caller}: call enable_raincheck(model) first")
-    return state
-
-
-def enable_raincheck(model):
+def enable_raincheck(model, force: bool = False):
     """Makes ``model.generate`` accept ``raincheck_config=RaincheckConfig(...)``.
 
-    Patches this model instance only (its ``generate`` and ``forward`` and the attention function of its text
-    layers, which falls back to the model's own implementation for every call that is not Raincheck's).
-    Idempotent; returns the model. Raises `ValueError` for a model family without an adapter.
+    Patches this model instance only (its ``generate`` and ``forward``, the attention function of its text layers,
+    which falls back to the model's own implementation for every call that is not Raincheck's, and the forward of
+    its Gated DeltaNet layers); `disable_raincheck` takes it all off again, and ``copy.deepcopy`` of an enabled model
+    gives an enabled copy that runs on its own weights. Idempotent; returns the model.
+
+    ``generate`` takes its config from ``raincheck_config=``, else from ``generation_config.raincheck_config`` (a
+    passed ``GenerationConfig``, or ``model.generation_config``: a default that ``save_pretrained`` /
+    ``from_pretrained`` keep); see `hf_raincheck.generation.config_source`.
+
+    `model` is the ``...ForConditionalGeneration`` model (the one with the LM head), or a transformers pipeline
+    built on it (then a top-level ``raincheck_config=`` in a pipeline call raises instead of being dropped; pass
+    ``generate_kwargs={"raincheck_config": cfg}``).
+
+    Raises `ValueError` for a model family without an adapter or a model without its LM head, and `RuntimeError`
+    when the installed transformers is not a supported version
+    (`hf_raincheck.transformers_coupling.SUPPORTED_TRANSFORMERS`); ``force=True`` warns instead.
+
+    A model that was never enabled runs no Raincheck code at all: transformers itself rejects
+    ``generate(raincheck_config=...)`` ("The following `model_kwargs` are not used by the model:
+    ['raincheck_config']") and ignores a ``generation_config.raincheck_config`` (it keeps unknown generation-config
+    entries without reading them). Call ``enable_raincheck(model)`` first.
     """
-    if getattr(model, _STATE_ATTR, None) is not None:
-        return model
-    adapter = get_adapter(model)
-    state = RaincheckState(
-        adapter=adapter,
-        original_generate=model.generate,
-        original_forward=model.forward,
-    )
-    attention.install(adapter.text_attention_modules())
-    if adapter.gdn_glue is not None:
-        gdn_patch.install(adapter.gdn_modules(), adapter.gdn_glue)
-    setattr(model, _STATE_ATTR, state)
-    # functools.wraps keeps the original signatures visible (generate validates kwargs against forward's)
-    model.generate = _bind(_generate, model, state.original_generate)
-    model.forward = _bind(_forward, model, state.original_forward)
-    return model
-
-
-def _bind(fn, model, original):
-    """`fn` bound to `model`, showing `original`'s signature (transformers validates kwargs against it)."""
-
-    @functools.wraps(original)
-    def bound(*args, **kwargs):
-        return fn(model, *args, **kwargs)
-
-    return bound
+    return install(model, _generate, _forward, force=force)
 
 
 def _generation_config(model, kwargs: dict):
@@ -126,17 +98,12 @@ def _validate(model, input_ids, kwargs: dict, gen_config) -> None:
         raise ValueError("generate(raincheck_config=...): use_cache=False is not supported")
 
 
-def _generate(model, *args, raincheck_config: RaincheckConfig | None = None, **kwargs):
+def _generate(model, *args, raincheck_config: RaincheckConfig | None = config_source.UNSET, **kwargs):
     state = raincheck_state(model, "generate")
     past = kwargs.get("past_key_values")
-    if raincheck_config is None and not isinstance(past, DeferredPrefillCache):
-        return state.original_generate(*args, **kwargs)
+    raincheck_config = config_source.resolve(model, raincheck_config, kwargs.get("generation_config"), past)
     if raincheck_config is None:
-        raincheck_config = past.config
-    if not isinstance(raincheck_config, RaincheckConfig):
-        raise ValueError(
-            f"generate: raincheck_config must be a RaincheckConfig, got {type(raincheck_config).__name__}"
-        )
+        return state.original_generate(*args, **kwargs)
     if args:
         if "input_ids" in kwargs or "inputs" in kwargs:
             raise ValueError("generate: input_ids given twice")
@@ -163,6 +130,7 @@ def _generate(model, *args, raincheck_config: RaincheckConfig | None = None, **k
         )
     kwargs["past_key_values"] = past
     past.bind_model(model)
+    state.register_cache(past)  # disable_raincheck stops its background worker
     # a background worker still completing the previous turn gives way (within one chunk); what it left pending
     # is folded into this call's prefill. An error it hit is raised now, once.
     past.stop_completion()
@@ -210,21 +178,20 @@ def _generate(model, *args, raincheck_config: RaincheckConfig | None = None, **k
 
 def _static_step(model, state: RaincheckState, gen_config, device: torch.device) -> StaticStep | None:
     """The compiled step for a static cache, as transformers decides for its own static caches: unless
-    ``disable_compile``, on accelerators (or any device when ``compile_config._compile_all_devices``), with
-    ``compile_config`` (default: transformers' `CompileConfig`), for Qwen3-VL and Qwen3.5 alike."""
-    from transformers.generation.configuration_utils import CompileConfig
-
+    ``disable_compile``, on accelerators (or any device when the compile config says so,
+    `hf_raincheck.transformers_coupling.compiles_on_all_devices`), with ``compile_config`` (default: transformers'
+    `CompileConfig`), for Qwen3-VL and Qwen3.5 alike."""
     if gen_config.disable_compile:
         return None
-    compile_config = gen_config.compile_config or CompileConfig()
-    if device.type not in ("cuda", "xpu") and not compile_config._compile_all_devices:
+    compile_config = hf.compile_config_or_default(gen_config.compile_config)
+    if device.type not in ("cuda", "xpu") and not hf.compiles_on_all_devices(compile_config):
         return None
     devices = state.adapter.decoder_devices()
     if len(devices) > 1:
         # a model split over devices (accelerate device_map): Inductor failed to lower the fused step's cache
-        # writes through accelerate's hooks, and CUDA graphs cannot span devices (torch skips them: the compiled
-        # decode-only step of a split Qwen3-VL-8B ran 136 ms/step on two H200s, slower than eager). Steps run
-        # eagerly on the static cache, with the same results.
+        # writes through accelerate's hooks, and CUDA graphs cannot span devices (torch skips them, and the
+        # compiled step of a split model was slower than eager: benchmarks page). Steps run eagerly on the static
+        # cache, with the same results.
         if not state.warned_multi_device:
             state.warned_multi_device = True
             warnings.warn(

@@ -22,6 +22,12 @@ def get_adapter(model) -> ModelAdapter:
             f"enable_raincheck: model type {model_type!r} ({type(model).__name__}) has no Raincheck adapter; "
             f"supported: {supported_model_types()}"
         )
+    if not hasattr(model, "lm_head") or not hasattr(model, "model"):
+        raise ValueError(
+            f"enable_raincheck: pass the {model_type!r} model with its LM head (the ...ForConditionalGeneration "
+            "model, e.g. from AutoModelForImageTextToText.from_pretrained), not its inner model (model.model): "
+            f"got {type(model).__name__}"
+        )
     return adapter(model)
 
 

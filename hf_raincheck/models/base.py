@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import transformers_coupling as hf
+
 
 def execution_device(module: torch.nn.Module) -> torch.device:
     """The device `module` computes on.
@@ -14,9 +16,8 @@ def execution_device(module: torch.nn.Module) -> torch.device:
     devices) runs each mapped module on its hook's ``execution_device`` (its weights may be elsewhere, e.g. offloaded
     to the CPU); otherwise a module computes where its first parameter (or buffer) lives.
     """
-    hook = getattr(module, "_hf_hook", None)
-    for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):  # SequentialHook or one hook
-        device = getattr(h, "execution_device", None)
+    for hook in hf.accelerate_hooks(module):  # one hook, or those of a SequentialHook
+        device = getattr(hook, "execution_device", None)
         if device is not None:
             return torch.device(device)  # an int is an accelerator index, as accelerate writes CUDA devices
     for tensor in module.parameters():
@@ -134,26 +135,11 @@ class ModelAdapter:
         """Runs the decoder over rows ``embeds [1, q, H]`` and returns final hidden states ``[1, q, H]``.
 
         transformers' text-model loop (rotary embeddings, decoder layers, final norm) without its mask creation
-        and with DeepStack added densely: ``deepstack[k]`` ``[q, H]`` (zeros on non-visual rows) is added to the
-        output of layer k, which equals transformers' boolean-indexed add without its data-dependent shapes
-        (no host sync, one graph for torch.compile). Keep in step with the pinned transformers' text models.
+        and with DeepStack added densely: `hf_raincheck.transformers_coupling.text_decoder_forward`.
         """
-        text = self.text
-        hidden = embeds
-        position_embeddings = text.rotary_emb(hidden, positions)
-        for i, layer in enumerate(text.layers[: text.config.num_hidden_layers]):
-            hidden = layer(
-                hidden,
-                attention_mask=self.layer_mask(i, mask),
-                position_ids=None,
-                past_key_values=cache,
-                position_embeddings=position_embeddings,
-                use_cache=True,
-                raincheck_backend=backend,
-            )
-            if deepstack is not None and i < len(deepstack):
-                hidden = hidden + deepstack[i].to(hidden.device, hidden.dtype)[None]
-        return text.norm(hidden)
+        return hf.text_decoder_forward(
+            self.text, embeds, positions, lambda i: self.layer_mask(i, mask), cache, deepstack, backend
+        )
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import transformers_coupling as hf
 from .base import VisionFeatures
 from .qwen3_vl import Qwen3VLAdapter
 
@@ -71,14 +72,7 @@ class WindowOrder:
 
 def window_order(vision_config, grid_thw: torch.Tensor) -> WindowOrder:
     """The tower's window order for `grid_thw` (``[n_media, 3]`` in patches), computed as the tower computes it."""
-    from transformers.vision_utils import get_vision_window_index
-
-    window_index, cu_window_seqlens = get_vision_window_index(
-        grid_thw,
-        spatial_merge_size=vision_config.spatial_merge_size,
-        window_size=vision_config.window_size,
-        patch_size=vision_config.patch_size,
-    )
+    window_index, cu_window_seqlens = hf.vision_window_index(vision_config, grid_thw)
     return WindowOrder(
         window_index=window_index,
         reverse_index=torch.argsort(window_index),

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
+from .. import transformers_coupling as hf
 from ..pruning.base import VISION_ATTENTION, VISION_HIDDEN
 from ..pruning.vision import BlockAttentionHooks, pool_merged
 from .base import ModelAdapter, VisionFeatures, execution_device
@@ -15,19 +14,12 @@ def qwen_vision_attn_qk(attn, args, kwargs):
     """q, k ``[P, heads, head_dim]`` (rotary applied, as the block computes them), ``cu_seqlens`` and the softmax
     scale of a Qwen-VL vision block, from the forward inputs of its attention module ``block.attn`` (for
     `BlockAttentionHooks` on the attention modules; the module's input is the block's ``norm1(hidden_states)``).
+    transformers' code: `hf_raincheck.transformers_coupling.vision_attention_qk`.
 
     Hooking the attention module rather than the block matters under an accelerate ``device_map``: a block's forward
     pre-hooks run before accelerate moves a dispatched block's inputs to its device (and loads offloaded weights);
     inside the block's forward everything is already in place."""
-    apply_rotary_pos_emb_vision = sys.modules[type(attn).__module__].apply_rotary_pos_emb_vision  # the family's own
-
-    x = args[0] if args else kwargs["hidden_states"]
-    cu_seqlens = args[1] if len(args) > 1 else kwargs["cu_seqlens"]
-    n = x.shape[0]
-    q, k, _ = attn.qkv(x).reshape(n, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
-    cos, sin = kwargs["position_embeddings"]
-    q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
-    return q, k, cu_seqlens, attn.scaling
+    return hf.vision_attention_qk(attn, args, kwargs)
 
 
 def qwen_vision_attn_sdpa_input(attn, args, kwargs):
@@ -36,13 +28,11 @@ def qwen_vision_attn_sdpa_input(attn, args, kwargs):
     segment of ``cu_seqlens``, in order, with q, k ``[1, heads, n, head_dim]`` (rotary applied, the values
     `qwen_vision_attn_qk` gives), else None: the ``sdpa_input`` of `BlockAttentionHooks`.
 
-    That is the forward of transformers 5.23's ``Qwen3VLVisionAttention`` (and Qwen2.5-VL's, Qwen3.5's: the same
+    That is the forward of the pinned transformers' ``Qwen3VLVisionAttention`` (and Qwen2.5-VL's, Qwen3.5's: the same
     code) with ``attn_implementation="sdpa"``; the other implementations (eager, flash_attention_2, ...) never call
-    SDPA (None: the hooks recompute q, k). Keep in step with that forward when the pin moves (the hooks check the
-    calls cover the ``P`` rows, and fall back to `qwen_vision_attn_qk` otherwise)."""
-    if getattr(attn.config, "_attn_implementation", None) != "sdpa":
-        return None
-    return args[0] if args else kwargs["hidden_states"]
+    SDPA (None: the hooks recompute q, k). The hooks check the calls cover the ``P`` rows, and fall back to
+    `qwen_vision_attn_qk` otherwise; see `hf_raincheck.transformers_coupling.vision_attention_sdpa_input`."""
+    return hf.vision_attention_sdpa_input(attn, args, kwargs)
 
 
 def qwen_vision_block_qk(block, args, kwargs):

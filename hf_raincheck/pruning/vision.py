@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
 
+from ..transformers_coupling import fused_sdp_choice
 from .triton_support import triton_enabled
 
 #: at most this many attention probabilities in memory at once ([heads, query block, keys] fp32: 256 MiB)
@@ -133,7 +134,7 @@ def flash_attention_with_lse(call: SDPACall) -> tuple[torch.Tensor, torch.Tensor
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return None
     try:
-        choice = torch._fused_sdp_choice(q, k, v, None, 0.0, False, scale=call.scale, enable_gqa=False)
+        choice = fused_sdp_choice(q, k, v, call.scale)
     except RuntimeError:  # no backend fits: SDPA itself will say why
         return None
     if choice == int(SDPBackend.CUDNN_ATTENTION) and q.device.type == "cuda":

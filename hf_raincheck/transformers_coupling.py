@@ -1,0 +1,340 @@
+"""Every place where hf_raincheck depends on transformers internals (and the few torch / accelerate private names
+it reaches on the way): the copied pieces of transformers code and the private names, in one module.
+
+The rest of the package imports from here; nothing else reaches a private transformers name or mirrors a
+transformers forward. Follows **transformers 5.23** (`SUPPORTED_TRANSFORMERS`, the pin of pyproject.toml;
+`check_transformers_version` enforces it at `enable_raincheck`). On a version bump, re-read each item below in the
+new transformers, adapt this module, then move the pin (here and in pyproject.toml; a test checks they agree).
+
+Copied code (keep in step with the named transformers source):
+
+1. `text_decoder_forward`: the text model's loop of ``Qwen3VLTextModel.forward`` / ``Qwen3_5TextModel.forward`` /
+   ``Qwen2_5_VLTextModel.forward`` (rotary embeddings, decoder layers, final norm), without its mask creation and
+   with DeepStack added densely (``Qwen3VLTextModel._deepstack_process``). Check: the layer call's keyword
+   names (``attention_mask``, ``position_ids``, ``past_key_values``, ``position_embeddings``, ``use_cache``), that
+   layers return a tensor, and ``rotary_emb(hidden, position_ids)``.
+2. `vision_attention_qk`: the q, k of ``Qwen3VLVisionAttention.forward`` (also Qwen2.5-VL's and Qwen3.5's vision
+   attention): ``qkv`` reshaped to ``[P, 3, heads, -1]``, ``apply_rotary_pos_emb_vision`` (the family module's
+   own function), ``scaling``. `vision_attention_sdpa_input` relies on that forward calling
+   ``F.scaled_dot_product_attention`` once per ``cu_seqlens`` segment under ``_attn_implementation == "sdpa"``.
+   Check: the forward's argument names (``hidden_states``, ``cu_seqlens``, ``position_embeddings``) and its SDPA
+   call pattern (tests/test_vision_attention_lse.py fails if they drift).
+3. `gdn_project`, `gdn_causal_conv`, `gdn_conv_update`, `gdn_factors`, `gdn_output`, `gdn_dims`:
+   ``Qwen3_5GatedDeltaNet.forward`` piece by piece (projections ``in_proj_qkv``/``in_proj_z``/``in_proj_b``/
+   ``in_proj_a``, the short causal conv through the modeling module's ``causal_conv1d_fn`` /
+   ``causal_conv1d_update``, the gates ``-A_log.exp() * softplus(a + dt_bias)`` and ``b.sigmoid()``, the gated
+   RMSNorm ``norm(core, z)``, ``out_proj``). Check every attribute name and the gate formulas.
+
+Private or internal names reached:
+
+4. ``sys.modules[type(module).__module__]`` (`modeling_module`): the family's modeling module, for
+   ``eager_attention_forward``, ``apply_rotary_pos_emb_vision``, ``causal_conv1d_fn``, ``causal_conv1d_update``
+   (module-level helpers, not exported API; hub kernels may replace the conv helpers there).
+5. ``PretrainedConfig._attn_implementation`` / ``_attn_implementation_internal`` (`attention_implementation`,
+   `config_with_attention`): the attention dispatch of a text attention module reads
+   ``self.config._attn_implementation``; Raincheck gives each module a private config copy naming its
+   registered function. ``AttentionInterface.register`` and ``ALL_ATTENTION_FUNCTIONS`` (public) hold the
+   functions. Check: the attention modules still look their function up through ``self.config``.
+6. ``modeling_qwen3_5.torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule`` and their
+   ``__wrapped__`` (`torch_gated_delta_rule_functions`): transformers' torch GDN kernels (decorated so that they
+   may resolve to hub kernels). Check the names, the keyword arguments and the state layout ``[B, H_v, K, V]``.
+7. ``CompileConfig._compile_all_devices`` and ``CompileConfig()`` defaults (`compile_config_or_default`,
+   `compiles_on_all_devices`): when transformers compiles a static-cache decode step, mirrored for Raincheck's
+   own compiled steps. Check ``GenerationMixin._valid_auto_compile_criteria``.
+8. ``transformers.vision_utils.get_vision_window_index`` (`vision_window_index`): Qwen2.5-VL's window order.
+9. ``Pipeline._sanitize_parameters`` (`guard_pipeline_kwargs`): where a pipeline call's keyword arguments are
+   split into processor, generate and postprocess arguments (``ImageTextToTextPipeline`` hands unknown ones to
+   the processor, which drops them with a log line).
+10. Public but load-bearing: ``GenerationMixin.generate`` validates model kwargs against ``forward``'s signature
+    (Raincheck's bound ``generate`` / ``forward`` show the originals' signatures), forwards ``disable_compile``,
+    ``past_key_values`` and ``attention_mask``; ``DynamicCache`` / ``DynamicLayer`` (subclassed by
+    ``hf_raincheck.cache``: ``layers``, ``lazy_initialization``, ``is_initialized``, ``get_mask_sizes``);
+    ``GenerationConfig`` keeps unknown attributes (``raincheck_config``) and serialises dataclass values through
+    their ``to_dict``; ``get_rope_index``, ``get_image_features`` / ``get_video_features`` (``pooler_output``,
+    ``deepstack_features``).
+
+torch and accelerate private names (not transformers, but the same kind of coupling):
+
+11. ``torch._fused_sdp_choice`` (`fused_sdp_choice`): the backend SDPA would pick for a call (torch 2.6+).
+12. accelerate's ``module._hf_hook`` (its ``execution_device``, ``SequentialHook.hooks``) and
+    ``module._old_forward`` (`accelerate_hooks`, `hooked_forward_name`): where a ``device_map``-dispatched module
+    computes and where its own forward sits under the hook.
+
+Off the inference path, kept where they are (tests/test_transformers_coupling.py lists them as the only exceptions):
+
+13. ``hf_raincheck.testing.torchvision_free`` (tests and ``--tiny-random``): torch-only subclasses of the Qwen video
+    processors and ``VideoProcessorMixin`` exposed where ``ProcessorMixin`` looks for it (transformers 5.23 cannot
+    build a Qwen-VL processor without torchvision).
+14. ``hf_raincheck.gridqa.batching.batched_vision_attention`` (GridQA training only): a batched copy of the Qwen
+    vision attention forward (the same q, k, v as item 2) with the family's ``apply_rotary_pos_emb_vision``.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+#: the transformers versions hf_raincheck follows (the pin of pyproject.toml's dependencies: a test checks they agree)
+SUPPORTED_TRANSFORMERS = ">=5.23,<5.24"
+
+
+# --------------------------------------------------------------------------------------------------- version check
+def installed_transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def transformers_version_supported(version: str | None = None) -> bool:
+    """Whether `version` (default: the installed transformers) is within `SUPPORTED_TRANSFORMERS`."""
+    from packaging.specifiers import SpecifierSet
+
+    version = installed_transformers_version() if version is None else version
+    return SpecifierSet(SUPPORTED_TRANSFORMERS).contains(version, prereleases=True)
+
+
+def check_transformers_version(force: bool = False, caller: str = "enable_raincheck") -> None:
+    """Raises `RuntimeError` when the installed transformers is outside `SUPPORTED_TRANSFORMERS`; with `force`, warns
+    (`UserWarning`) instead."""
+    version = installed_transformers_version()
+    if transformers_version_supported(version):
+        return
+    message = (
+        f"{caller}: hf_raincheck supports transformers {SUPPORTED_TRANSFORMERS}, found {version}. Raincheck follows "
+        "that version's internals (listed in hf_raincheck/transformers_coupling.py); install a supported version "
+        "(pip install 'transformers" + SUPPORTED_TRANSFORMERS + "')"
+    )
+    if force:
+        warnings.warn(message + "; force=True: going on anyway, results are unchecked", UserWarning, stacklevel=3)
+        return
+    raise RuntimeError(message + ", or pass force=True to try anyway (a warning then)")
+
+
+# ------------------------------------------------------------------------------------------ family modeling modules
+def modeling_module(module: torch.nn.Module):
+    """The transformers modeling module that defines `module`'s class (e.g. ``modeling_qwen3_vl``)."""
+    return sys.modules[type(module).__module__]
+
+
+# ------------------------------------------------------------------------------------------------ attention dispatch
+def register_attention_function(name: str, function) -> None:
+    """Registers `function` under `name` in transformers' `AttentionInterface` (additive, process-wide)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, function)
+
+
+def attention_implementation(config) -> str | None:
+    """The attention implementation a module with this config dispatches to."""
+    return getattr(config, "_attn_implementation", None)
+
+
+def attention_function(module: torch.nn.Module, implementation: str | None):
+    """The attention function `module` calls under `implementation` (eager: its modeling module's own)."""
+    if implementation in (None, "eager"):
+        return modeling_module(module).eager_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[implementation]
+
+
+def config_with_attention(config, implementation: str):
+    """A shallow copy of `config` whose attention implementation is `implementation` (the original untouched)."""
+    private = copy.copy(config)
+    private._attn_implementation_internal = implementation
+    return private
+
+
+# ----------------------------------------------------------------------------------------------- text decoder loop
+def text_decoder_forward(text, embeds, positions, layer_mask, cache, deepstack, backend):
+    """The text model's decoder loop over rows ``embeds [1, q, H]`` -> final hidden states ``[1, q, H]``.
+
+    ``text``: the family's text model (``rotary_emb``, ``layers``, ``norm``, ``config.num_hidden_layers``);
+    ``layer_mask(i)``: the attention mask of decoder layer i; ``deepstack[k]`` ``[q, H]`` (zeros on non-visual
+    rows) is added to the output of layer k, which equals transformers' boolean-indexed add without its
+    data-dependent shapes (no host sync, one graph for torch.compile). ``raincheck_backend`` reaches the
+    attention function (`hf_raincheck.attention.dispatch`) through the layers' ``**kwargs``.
+    """
+    hidden = embeds
+    position_embeddings = text.rotary_emb(hidden, positions)
+    for i, layer in enumerate(text.layers[: text.config.num_hidden_layers]):
+        hidden = layer(
+            hidden,
+            attention_mask=layer_mask(i),
+            position_ids=None,
+            past_key_values=cache,
+            position_embeddings=position_embeddings,
+            use_cache=True,
+            raincheck_backend=backend,
+        )
+        if deepstack is not None and i < len(deepstack):
+            hidden = hidden + deepstack[i].to(hidden.device, hidden.dtype)[None]
+    return text.norm(hidden)
+
+
+# ------------------------------------------------------------------------------------------- Qwen-VL vision blocks
+def vision_attention_qk(attn, args, kwargs):
+    """q, k ``[P, heads, head_dim]`` (rotary applied, as the vision attention computes them), ``cu_seqlens`` and the
+    softmax scale, from the forward inputs of a Qwen-VL vision attention module (``block.attn``)."""
+    apply_rotary_pos_emb_vision = modeling_module(attn).apply_rotary_pos_emb_vision  # the family's own
+    x = args[0] if args else kwargs["hidden_states"]
+    cu_seqlens = args[1] if len(args) > 1 else kwargs["cu_seqlens"]
+    n = x.shape[0]
+    q, k, _ = attn.qkv(x).reshape(n, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    cos, sin = kwargs["position_embeddings"]
+    q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
+    return q, k, cu_seqlens, attn.scaling
+
+
+def vision_attention_sdpa_input(attn, args, kwargs):
+    """The input hidden states ``[P, hidden]`` of a Qwen-VL vision attention module whose forward runs one
+    ``F.scaled_dot_product_attention(q, k, v, attn_mask=None, scale=attn.scaling)`` per ``cu_seqlens`` segment,
+    in order (``attn_implementation="sdpa"``), else None (the other implementations never call SDPA)."""
+    if attention_implementation(attn.config) != "sdpa":
+        return None
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def vision_window_index(vision_config, grid_thw: torch.Tensor):
+    """Qwen2.5-VL's ``(window_index, cu_window_seqlens)`` for `grid_thw`, computed as its vision tower does."""
+    from transformers.vision_utils import get_vision_window_index
+
+    return get_vision_window_index(
+        grid_thw,
+        spatial_merge_size=vision_config.spatial_merge_size,
+        window_size=vision_config.window_size,
+        patch_size=vision_config.patch_size,
+    )
+
+
+# ------------------------------------------------------------------------------------ Qwen3.5 Gated DeltaNet pieces
+def gdn_project(module, hidden):
+    """-> ``mixed_qkv [B, C, T]`` (pre-conv), ``z [B, T, H_v, V]``, ``b``, ``a``."""
+    batch, seq_len, _ = hidden.shape
+    mixed_qkv = module.in_proj_qkv(hidden).transpose(1, 2)
+    z = module.in_proj_z(hidden).reshape(batch, seq_len, -1, module.head_v_dim)
+    return mixed_qkv, z, module.in_proj_b(hidden), module.in_proj_a(hidden)
+
+
+def gdn_conv_update(module, mixed_qkv, window):
+    """transformers' ``causal_conv1d_update`` on one row ``[B, C, 1]`` (`window` ``[B, C, kernel]`` updated in
+    place) -> ``[B, C, 1]``."""
+    return modeling_module(module).causal_conv1d_update(
+        mixed_qkv, window, module.conv1d.weight.squeeze(1), module.conv1d.bias, module.activation
+    )
+
+
+def gdn_causal_conv(module, full):
+    """transformers' ``causal_conv1d_fn`` over ``full [B, C, L]`` (zero left padding) -> ``[B, C, L]``."""
+    return modeling_module(module).causal_conv1d_fn(
+        full, module.conv1d.weight.squeeze(1), module.conv1d.bias, activation=module.activation
+    )
+
+
+def gdn_factors(module, conv_out, a, b):
+    """-> q, k ``[B, T, H_k, K]``, v ``[B, T, H_v, V]``, g (fp32), beta."""
+    batch, seq_len, _ = conv_out.shape
+    query, key, value = torch.split(conv_out, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    query = query.reshape(batch, seq_len, -1, module.head_k_dim)
+    key = key.reshape(batch, seq_len, -1, module.head_k_dim)
+    value = value.reshape(batch, seq_len, -1, module.head_v_dim)
+    beta = b.sigmoid()
+    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+    return query, key, value, g, beta
+
+
+def gdn_output(module, core_out, z):
+    """The gated RMSNorm and output projection -> ``[B, T, hidden]``."""
+    batch, seq_len = core_out.shape[:2]
+    core = module.norm(core_out.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    return module.out_proj(core.reshape(batch, seq_len, -1))
+
+
+def gdn_dims(module):
+    """-> ``(num_v_heads, head_k_dim, head_v_dim, conv_dim, conv_kernel_size)``."""
+    return module.num_v_heads, module.head_k_dim, module.head_v_dim, module.conv_dim, module.conv_kernel_size
+
+
+def torch_gated_delta_rule_functions():
+    """``(chunk, recurrent)``: transformers' torch gated delta rule kernels (``__wrapped__`` when decorated: the
+    decorated names may resolve to hub kernels, e.g. fla, when installed)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    chunk = getattr(m.torch_chunk_gated_delta_rule, "__wrapped__", m.torch_chunk_gated_delta_rule)
+    recurrent = getattr(m.torch_recurrent_gated_delta_rule, "__wrapped__", m.torch_recurrent_gated_delta_rule)
+    return chunk, recurrent
+
+
+# --------------------------------------------------------------------------------------------------- compiled steps
+def compile_config_or_default(compile_config):
+    """`compile_config`, or transformers' default `CompileConfig()` when None."""
+    if compile_config is not None:
+        return compile_config
+    from transformers.generation.configuration_utils import CompileConfig
+
+    return CompileConfig()
+
+
+def compiles_on_all_devices(compile_config) -> bool:
+    """Whether transformers would compile a static-cache step on any device (not only CUDA / XPU)."""
+    return bool(getattr(compile_config, "_compile_all_devices", None))
+
+
+# -------------------------------------------------------------------------------------------------------- pipelines
+def guard_pipeline_kwargs(pipe, check) -> None:
+    """Runs ``check(kwargs)`` on the keyword arguments of each call of this pipeline instance (and on those it was
+    built with) before transformers splits them into processor, generate and postprocess arguments."""
+    if getattr(vars(pipe).get("_sanitize_parameters"), "raincheck_guard", False):
+        return  # guarded already
+    original = pipe._sanitize_parameters  # the class's method, or an instance-level one (kept behind the check)
+
+    def sanitize(**kwargs):
+        check(kwargs)
+        return original(**kwargs)
+
+    sanitize.raincheck_guard = True
+    sanitize.original = original
+    pipe._sanitize_parameters = sanitize
+
+
+def unguard_pipeline_kwargs(pipe) -> None:
+    """Removes `guard_pipeline_kwargs`'s check from this pipeline instance (what was there before comes back)."""
+    guard = vars(pipe).get("_sanitize_parameters")
+    if not getattr(guard, "raincheck_guard", False):
+        return
+    if getattr(guard.original, "__self__", None) is pipe and guard.original.__func__ is getattr(
+        type(pipe), "_sanitize_parameters", None
+    ):
+        del pipe._sanitize_parameters  # the class's method again
+    else:
+        pipe._sanitize_parameters = guard.original
+
+
+def pipeline_preprocess_params(pipe) -> dict:
+    """The processor arguments a pipeline was built with (``pipeline(..., **kwargs)``)."""
+    return dict(getattr(pipe, "_preprocess_params", None) or {})
+
+
+# --------------------------------------------------------------------------------------------------------- torch SDPA
+def fused_sdp_choice(q, k, v, scale) -> int:
+    """The `SDPBackend` (as an int) that ``F.scaled_dot_product_attention(q, k, v, scale=scale)`` would run
+    (``torch._fused_sdp_choice``; RuntimeError when no backend fits)."""
+    return torch._fused_sdp_choice(q, k, v, None, 0.0, False, scale=scale, enable_gqa=False)
+
+
+# -------------------------------------------------------------------------------------------------- accelerate hooks
+def accelerate_hooks(module: torch.nn.Module) -> list:
+    """The accelerate hooks on `module` (``_hf_hook``: one hook, or the hooks of a ``SequentialHook``)."""
+    hook = getattr(module, "_hf_hook", None)
+    if hook is None:
+        return []
+    return list(getattr(hook, "hooks", None) or [hook])
+
+
+def hooked_forward_name(module: torch.nn.Module) -> str:
+    """The attribute holding `module`'s own forward: ``_old_forward`` under an accelerate hook, else ``forward``."""
+    return "_old_forward" if hasattr(module, "_old_forward") else "forward"

@@ -1,0 +1,156 @@
+"""`hf_raincheck.transformers_coupling` holds every private transformers name and every copied piece of transformers
+code: the pin agrees with pyproject.toml, no other module reaches those names, and the copied pieces still
+reassemble transformers' own forwards."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+
+import pytest
+import torch
+
+import hf_raincheck
+from hf_raincheck import transformers_coupling as hf
+from hf_raincheck.testing import load_tiny_qwen3_5
+
+PACKAGE = os.path.dirname(hf_raincheck.__file__)
+ROOT = os.path.dirname(PACKAGE)
+
+# names that only transformers_coupling.py may reach (attributes, getattr/hasattr strings, imported names)
+COUPLED_NAMES = {
+    "_attn_implementation", "_attn_implementation_internal", "_fused_sdp_choice", "_compile_all_devices",
+    "_hf_hook", "_old_forward", "_sanitize_parameters", "_preprocess_params", "eager_attention_forward",
+    "apply_rotary_pos_emb_vision", "causal_conv1d_fn", "causal_conv1d_update", "torch_chunk_gated_delta_rule",
+    "torch_recurrent_gated_delta_rule", "get_vision_window_index", "AttentionInterface", "ALL_ATTENTION_FUNCTIONS",
+    "CompileConfig",
+}
+# test scaffolding and training code, not on the inference path (listed in transformers_coupling's docstring)
+EXEMPT = {
+    os.path.join("testing", "torchvision_free.py"),
+    os.path.join("gridqa", "batching.py"),
+}
+
+
+def _names_used(tree: ast.AST) -> set[str]:
+    used = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            used.add(node.attr)
+        elif isinstance(node, ast.Name):
+            used.add(node.id)
+        elif isinstance(node, ast.alias):
+            used.add(node.name.rsplit(".", 1)[-1])
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr"):
+            if len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+                used.add(node.args[1].value)
+        elif isinstance(node, ast.Subscript) and ast.unparse(node.value) == "sys.modules":
+            used.add("sys.modules[...]")
+    return used
+
+
+def test_only_the_coupling_module_reaches_transformers_internals():
+    offenders = {}
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            rel = os.path.relpath(path, PACKAGE)
+            if rel == "transformers_coupling.py" or rel in EXEMPT:
+                continue
+            with open(path) as f:
+                used = _names_used(ast.parse(f.read()))
+            hits = used & (COUPLED_NAMES | {"sys.modules[...]"})
+            if hits:
+                offenders[rel] = sorted(hits)
+    assert offenders == {}
+
+
+def test_the_scan_sees_what_it_looks_for():
+    tree = ast.parse("import sys\nx = sys.modules[type(m).__module__].eager_attention_forward\n"
+                     "getattr(c, '_attn_implementation')\nfrom transformers import AttentionInterface\n")
+    assert {"sys.modules[...]", "eager_attention_forward", "_attn_implementation", "AttentionInterface"} <= _names_used(tree)
+
+
+def test_pin_agrees_with_pyproject():
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        text = f.read()
+    pins = re.findall(r'"transformers([<>=!~][^"]*)"', text)
+    assert pins == [hf.SUPPORTED_TRANSFORMERS]
+
+
+def test_documented_coupling_points_exist():
+    """Each function the module docstring lists is defined (the list is the upgrade checklist)."""
+    for name in re.findall(r"(?<!`)`([a-z_]+)`(?!`)", hf.__doc__):
+        if name in ("raincheck_config",) or hasattr(hf_raincheck, name):
+            continue
+        assert callable(getattr(hf, name, None)) or name.isupper(), name
+
+
+def test_attention_lookup():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.qwen3_vl import modeling_qwen3_vl
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLTextConfig
+
+    module = modeling_qwen3_vl.Qwen3VLTextAttention(Qwen3VLTextConfig(hidden_size=32, num_attention_heads=2,
+                                                                      num_key_value_heads=1, head_dim=16), 0)
+    assert hf.attention_function(module, "eager") is modeling_qwen3_vl.eager_attention_forward
+    assert hf.attention_function(module, None) is modeling_qwen3_vl.eager_attention_forward
+    assert hf.attention_function(module, "sdpa") is ALL_ATTENTION_FUNCTIONS["sdpa"]
+    config = module.config
+    before = hf.attention_implementation(config)
+    private = hf.config_with_attention(config, "raincheck")
+    assert hf.attention_implementation(private) == "raincheck"
+    assert hf.attention_implementation(config) == before and private is not config
+
+
+def test_compile_config_reading():
+    from transformers.generation.configuration_utils import CompileConfig
+
+    default = hf.compile_config_or_default(None)
+    assert isinstance(default, CompileConfig) and not hf.compiles_on_all_devices(default)
+    mine = CompileConfig(mode="default")
+    assert hf.compile_config_or_default(mine) is mine
+    mine._compile_all_devices = True
+    assert hf.compiles_on_all_devices(mine)
+    assert "_compile_all_devices" not in mine.to_dict()  # StaticStep passes to_dict() to torch.compile
+
+
+def test_fused_sdp_choice_names_an_sdpa_backend():
+    from torch.nn.attention import SDPBackend
+
+    q = torch.randn(1, 2, 8, 16)
+    backends = {SDPBackend.MATH, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION}
+    assert hf.fused_sdp_choice(q, q, q, None) in {int(b) for b in backends}
+
+
+def test_gdn_pieces_reassemble_the_layer_forward(tiny_qwen3_5_path):
+    """project -> causal conv -> factors -> transformers' chunked kernel -> output == the layer's own forward."""
+    model, _ = load_tiny_qwen3_5(tiny_qwen3_5_path)
+    layer = next(layer.linear_attn for layer in model.model.language_model.layers if hasattr(layer, "linear_attn"))
+    torch.manual_seed(0)
+    hidden = torch.randn(1, 7, model.config.text_config.hidden_size)
+    with torch.no_grad():
+        expected = layer(hidden)
+        mixed_qkv, z, b, a = hf.gdn_project(layer, hidden)
+        conv_out = hf.gdn_causal_conv(layer, mixed_qkv).transpose(1, 2)
+        q, k, v, g, beta = hf.gdn_factors(layer, conv_out, a, b)
+        core, _ = hf.modeling_module(layer).torch_chunk_gated_delta_rule(
+            q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
+        got = hf.gdn_output(layer, core, z)
+        # one row at a time through the conv update gives the same conv output as the full conv
+        window = torch.zeros(1, hf.gdn_dims(layer)[3], hf.gdn_dims(layer)[4])
+        stepped = torch.cat([hf.gdn_conv_update(layer, mixed_qkv[..., t:t + 1], window)
+                             for t in range(mixed_qkv.shape[-1])], dim=-1)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(stepped.transpose(1, 2), conv_out)
+
+
+def test_torch_gated_delta_rule_functions_are_transformers_torch_code():
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    chunk, recurrent = hf.torch_gated_delta_rule_functions()
+    assert chunk.__module__ == m.__name__ and recurrent.__module__ == m.__name__
+    assert chunk.__name__ == "torch_chunk_gated_delta_rule"
