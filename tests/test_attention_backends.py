@@ -90,25 +90,6 @@ def test_grouped_takes_an_expanded_mask():
                                naive_attention(query, key, value, expanded, 0.3), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("block", [4, 8, 25])
-def test_blocked_softmax_grouped_path_equals_naive(monkeypatch, block):
-    """The two-level softmax option of the grouped path (HF_RAINCHECK_GROUPED_SOFTMAX_BLOCK): equal to the
-    reference, rows that see nothing included; key counts that are not a multiple keep the one-level softmax."""
-    monkeypatch.setattr(sdpa, "GROUPED_SOFTMAX_BLOCK", block)
-    blocked = []
-    original = sdpa.blocked_softmax
-    monkeypatch.setattr(sdpa, "blocked_softmax", lambda *a: blocked.append(1) or original(*a))
-    for keys in (200, 203):
-        query, key, value, visible = _inputs(6, keys, 8, 2, seed=keys)
-        visible[0, 0, 1] = False
-        out = sdpa.grouped_attention(query, key, value, visible, 0.3)
-        torch.testing.assert_close(out, naive_attention(query, key, value, visible, 0.3), atol=1e-5, rtol=1e-5)
-        assert torch.equal(out[0, 1], torch.zeros_like(out[0, 1]))
-    assert len(blocked) == (1 if 200 % block == 0 else 0) + (1 if 203 % block == 0 else 0)
-    scores = torch.randn(3, 2, 50).masked_fill(torch.rand(3, 2, 50) < 0.3, float("-inf"))
-    torch.testing.assert_close(original(scores, 10), torch.softmax(scores, dim=-1))
-
-
 def test_short_eager_forwards_on_cuda_leave_cudnn_out():
     """`eager_sdpa_backends`: on CUDA, forwards of a few rows run SDPA without cuDNN (a plan built per new key
     length); the other backends keep their flags; nested or concurrent forwards keep it off until the last leaves,

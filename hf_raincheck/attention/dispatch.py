@@ -37,9 +37,8 @@ CAUSAL_LOWER_RIGHT = _CausalLowerRight()
 
 
 def resolve_backend(name: str) -> str:
-    """``auto`` -> SDPA, the fastest measured (through this backend on the H200, 4352 keys, 1 / 32 rows: flash-attn 4
-    71-110 us per layer against 16-32 us for SDPA with the grouped path; `benchmarks/results/flash_backend_h200.md`);
-    ``flash`` needs the flash_attn package (a ValueError says what to install)."""
+    """``auto`` -> SDPA, the faster at decode and fused-step shapes (flash-attn's kernels through the flash
+    backend were slower than SDPA with its grouped path; see the benchmarks page); ``flash`` needs the flash_attn package (a ValueError says what to install)."""
     if name == "auto":
         return "sdpa"
     if name == "flash":

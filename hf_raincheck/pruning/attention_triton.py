@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_support import interpreted
+from ..triton_support import interpreted
 
 #: (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages) per pass and input kind. 16-bit: the fastest measured on an
 #: H200 (16384 patches, 16 heads of 72, bf16, one segment: pass 1 2.9 ms, pass 2 3.5 ms); fp32 inputs (ieee dots on

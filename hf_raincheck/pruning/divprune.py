@@ -24,7 +24,7 @@ import torch
 
 from .base import SelectionContext, assemble, register_selector, span_groups
 from .greedy import run_greedy
-from .triton_support import triton_enabled
+from ..triton_support import triton_enabled
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:

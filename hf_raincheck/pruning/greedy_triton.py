@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_support import sm_count
+from ..triton_support import sm_count
 
 #: the largest register-resident vector a program keeps (DivPrune's ``nearest`` over N tokens, MMTok's ``best`` over
 #: R = m + n rows, as the next power of two): sizes above run the torch loops. 8192 is the largest shape run on the

@@ -68,7 +68,7 @@ import torch
 from .base import VISION_HIDDEN, SelectionContext, assemble, check_float, register_selector, span_groups
 from .divprune import l2_normalize
 from .greedy import CHUNK, Checked, run_greedy
-from .triton_support import triton_enabled
+from ..triton_support import triton_enabled
 
 DEFAULTS = {"alpha": 0.5, "tau_tv": 0.01, "tau_vv": 0.2}
 CHECKS = {

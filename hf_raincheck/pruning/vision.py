@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
 
-from .triton_support import triton_enabled
+from ..triton_support import triton_enabled
 
 #: at most this many attention probabilities in memory at once ([heads, query block, keys] fp32: 256 MiB)
 MAX_ATTENTION_ELEMENTS = 1 << 26
