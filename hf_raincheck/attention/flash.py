@@ -22,7 +22,8 @@ reference of the kernel contract; the CPU tests run this module on it.
 
 At a fused step's shapes (a few rows over a whole cache) flash-attn's kernels were slower than SDPA with its
 grouped path, and the key gather adds a copy of the keys per layer (the benchmarks page has the numbers), so
-``attn_backend="auto"`` stays SDPA. The real kernels equal SDPA there (`tests/test_flash_backend.py::test_real_flash_kernels_equal_sdpa_on_cuda`).
+``attn_backend="auto"`` stays SDPA. The real kernels equal SDPA there
+(`tests/test_flash_backend.py::test_real_flash_kernels_equal_sdpa_on_cuda`).
 """
 
 import dataclasses

@@ -43,7 +43,8 @@ def _(q, k, v, g, beta, state, backend):
 
 
 def advance(backend: str, q, k, v, g, beta, state, carry: int = 0, opaque: bool = False):
-    """`kernels.gated_delta` on a state whose last `carry` columns hold a transition map ``P`` (advanced with ``v = 0``).
+    """`kernels.gated_delta` on a state whose last `carry` columns hold a transition map ``P`` (advanced with
+    ``v = 0``).
 
     `state` ``[1, H_v, K, V + carry]`` (``None``: zeros, only with ``carry = 0``). Returns ``(o [1, T, H_v, V],
     final state [1, H_v, K, V + carry])``: the first V columns are the new state, the last `carry` are

@@ -137,7 +137,7 @@ def flash_attention_with_lse(call: SDPACall) -> tuple[torch.Tensor, torch.Tensor
     except RuntimeError:  # no backend fits: SDPA itself will say why
         return None
     if choice == int(SDPBackend.CUDNN_ATTENTION) and q.device.type == "cuda":
-        # cuDNN (what SDPA picks for the Qwen vision towers on the H200): its op with the statistics output on
+        # cuDNN (what SDPA picks for the Qwen vision towers on Hopper GPUs): its op with the statistics output on
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, False, False, scale=call.scale)[:2]
         return out, lse.reshape(*q.shape[:3])
