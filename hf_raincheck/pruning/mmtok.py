@@ -144,8 +144,8 @@ def coverage_matrix(x, x_c, z, alpha: float, tau_tv: float, tau_vv: float) -> to
 # ----------------------------------------------------------------------------------------------- lazy greedy
 LAZY_K = 64  # candidates evaluated per lazy step
 # spans of at least this many tokens use the lazy greedy; smaller ones the dense step (one image, retention 0.3,
-# CUDA graphs: at 4096 tokens the lazy greedy was the faster, at 1024 the dense step, by more; the crossover between
-# them was not measured)
+# CUDA graphs: at 4096 tokens the lazy greedy was faster, at 1024 the dense step was, by a wider margin; the crossover
+# between them was not measured)
 LAZY_MIN_TOKENS = 2048
 TAKEN = 1 << 62  # rank of a chosen column: after every unchosen one, before the padding
 
