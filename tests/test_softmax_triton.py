@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from helpers import TRITON_MARKS  # noqa: E402
 
-from hf_raincheck.attention import naive_attention, sdpa  # noqa: E402
+from hf_raincheck.attention import naive_attention, naive_masked_softmax, sdpa  # noqa: E402
 
 pytestmark = TRITON_MARKS
 
@@ -56,6 +56,8 @@ def test_masked_softmax_equals_torch(device, k, dtype):
             assert got.shape == want.shape == (b, 2, 3 * 4, k) and got.dtype == out_dtype
             tol = dict(atol=2e-6, rtol=2e-5) if out_dtype == torch.float32 else {}
             torch.testing.assert_close(got, want, **tol)
+            if k <= 256:  # the plain reference (row by row): slow for long rows
+                torch.testing.assert_close(got, naive_masked_softmax(scores, visible, out_dtype), **tol)
             rows = got.view(b, 2, 3, 4, k)
             assert torch.equal(rows[0, :, :, 0], torch.zeros_like(rows[0, :, :, 0]))  # sees nothing: zeros
 
