@@ -1,6 +1,6 @@
 """Per-call time of Raincheck's attention paths at fused-step shapes: few query rows over a whole cache.
 
-    python benchmarks/attention_speed.py --device cuda --save     # the H200 run, ~20 s
+    python benchmarks/attention_speed.py --device cuda --save     # the GPU run
     python benchmarks/attention_speed.py --quick                  # small shapes on the CPU, seconds
 
 For the Qwen3-VL-8B (32 query heads, 8 KV heads, head dim 128) and Qwen3.5-9B (16 / 4 / 256) attention layers, bf16
@@ -12,20 +12,14 @@ warm-up, CUDA events):
 * ``grouped``: `hf_raincheck.attention.sdpa.grouped_attention` (query heads of a KV head stacked as rows; scores
   in the inputs' dtype, fp32 softmax: transformers' eager precision), what fused steps run;
 * ``grouped_fp32``: the same with fp32 scores, for reference;
-* ``grouped_blocked``: the grouped path with its two-level softmax over blocks of 256 keys
-  (``HF_RAINCHECK_GROUPED_SOFTMAX_BLOCK=256``);
 * ``grouped_torch_softmax``: the grouped path with its torch softmax instead of the Triton kernel
   (`hf_raincheck.attention.softmax_triton`; the same as ``grouped`` where Triton does not run);
 * ``flash`` (when flash_attn is installed): the flash backend's kernel over the k keys (``attn_backend="flash"``
   calls it per row block after gathering the keys: ``flash_gathered`` adds that gather).
 
-* ``softmax:<config>`` (``--softmax-configs "block=1024,warps=4;block=512"``, with ``--graphs``): the grouped path
-  with its softmax kernel tiled so (`hf_raincheck.attention.softmax_triton.SoftmaxConfig`;
-  ``HF_RAINCHECK_SOFTMAX_CONFIG`` sets it for fused steps).
-
-* ``kernel:<config>`` (``--kernel-configs "block_r=64,block_n=64;block_r=128"``, CUDA with Triton): the grouped
-  attention as one split-key Triton kernel pair (`hf_raincheck.attention.grouped_triton`) with those tile sizes
-  (``HF_RAINCHECK_GROUPED_KERNEL=triton`` and ``HF_RAINCHECK_GROUPED_KERNEL_CONFIG`` make fused steps use it).
+* ``softmax:<config>`` (``--softmax-configs "block=1024,warps=4;block=512"``, CUDA with Triton): the grouped path
+  with its softmax kernel tiled so (`hf_raincheck.attention.softmax_triton.launch_masked_softmax`'s `block` and
+  `warps`; the package always runs the default tiling).
 
 Eager calls at these sizes are launch-bound (the GPU idles between a path's kernels); ``--graphs`` times a CUDA
 graph of 20 calls replayed (what a compiled static step runs), ``--compile`` lets Inductor fuse each path first.
@@ -60,7 +54,7 @@ def sdpa_masked(query, key, value, visible, scaling):
 
 
 def grouped_fp32(query, key, value, visible, scaling):
-    """The grouped path with fp32 scores (its first version; measured slower at the Qwen3-VL-8B shape)."""
+    """The grouped path with fp32 scores (its first version; twice the bytes of scores to write and read)."""
     b, hq, q, d = query.shape
     hkv, k = key.shape[1], key.shape[2]
     g = hq // hkv
@@ -68,10 +62,6 @@ def grouped_fp32(query, key, value, visible, scaling):
     scores = scores.view(b, hkv, g, q, k).masked_fill(~visible.unsqueeze(2), float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(value.dtype).view(b, hkv, g * q, k)
     return torch.matmul(probs, value).view(b, hq, q, d).transpose(1, 2).contiguous()
-
-
-def grouped_blocked(query, key, value, visible, scaling):
-    return grouped_attention(query, key, value, visible, scaling, softmax_block=256)
 
 
 def flash_contiguous(query, key, value, visible, scaling):
@@ -87,7 +77,8 @@ def flash_gathered(query, key, value, visible, scaling):
 
 
 def grouped_torch_softmax(query, key, value, visible, scaling):
-    """The grouped path with its torch softmax (what it ran before the Triton kernel; ``HF_RAINCHECK_TRITON=0``)."""
+    """The grouped path with its torch softmax (what it ran before the Triton kernel; what ``HF_RAINCHECK_TRITON=0``
+    and eager steps run)."""
     b, hq, q, d = query.shape
     hkv, k = key.shape[1], key.shape[2]
     g = hq // hkv
@@ -97,20 +88,33 @@ def grouped_torch_softmax(query, key, value, visible, scaling):
 
 
 PATHS = {"sdpa": sdpa_masked, "grouped": grouped_attention, "grouped_fp32": grouped_fp32,
-         "grouped_blocked": grouped_blocked, "grouped_torch_softmax": grouped_torch_softmax}
+         "grouped_torch_softmax": grouped_torch_softmax}
 if flash.available():
     PATHS.update(flash=flash_contiguous, flash_gathered=flash_gathered)
 
 
-def grouped_with_softmax(config, query, key, value, visible, scaling):
-    """The grouped path with the softmax kernel's tiling set to `config` for this call."""
-    from hf_raincheck.attention import softmax_triton
+def parse_tiling(text: str) -> dict:
+    """``"block=1024,warps=4"`` (either may be left out) -> keyword arguments of `launch_masked_softmax`."""
+    tiling = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        if name not in ("block", "warps") or not value.isdigit():
+            raise SystemExit(f"--softmax-configs: expected 'block=<int>,warps=<int>' (either may be left out), "
+                             f"got {text!r}")
+        tiling[name] = int(value)
+    return tiling
 
-    saved, softmax_triton.CONFIG = softmax_triton.CONFIG, config
-    try:
-        return grouped_attention(query, key, value, visible, scaling)
-    finally:
-        softmax_triton.CONFIG = saved
+
+def grouped_with_softmax(tiling: dict, query, key, value, visible, scaling):
+    """The grouped path (as `grouped_attention` where the kernel runs) with the softmax kernel tiled by `tiling`."""
+    from hf_raincheck.attention.softmax_triton import launch_masked_softmax
+
+    b, hq, q, d = query.shape
+    hkv, k = key.shape[1], key.shape[2]
+    g = hq // hkv
+    scores = torch.matmul(query.reshape(b, hkv, g * q, d) * scaling, key.transpose(-1, -2)).view(b, hkv, g, q, k)
+    probs = launch_masked_softmax(scores, visible, value.dtype, **tiling)
+    return torch.matmul(probs, value).view(b, hq, q, d).transpose(1, 2).contiguous()
 
 
 def time_graphed_us(fn, args, repeats: int, calls: int = 20) -> float:
@@ -172,11 +176,9 @@ def main(argv=None) -> int:
                              "compiled step) instead of eager calls")
     parser.add_argument("--compile", action="store_true", help="torch.compile each path first (with --graphs)")
     parser.add_argument("--paths", default=None, help=f"comma list of paths to time (default: all of {list(PATHS)})")
-    parser.add_argument("--kernel-configs", default="",
-                        help="';'-separated grouped_triton KernelConfig strings, each timed as a path kernel:<config>")
     parser.add_argument("--softmax-configs", default="",
                         help="';'-separated softmax_triton tilings ('block=1024,warps=4'), each timed as the grouped "
-                             "path with that softmax tiling: path softmax:<config> (HF_RAINCHECK_SOFTMAX_CONFIG)")
+                             "path with that softmax tiling: path softmax:<config>")
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
@@ -186,22 +188,10 @@ def main(argv=None) -> int:
         if unknown:
             parser.error(f"--paths: unknown {unknown}; choose from {list(PATHS)}")
         chosen = {p: PATHS[p] for p in args.paths.split(",")}
-    if args.kernel_configs:
-        from hf_raincheck.attention.grouped_triton import KernelConfig, grouped_attention_kernel
-
-        for text in filter(None, args.kernel_configs.split(";")):
-            config = KernelConfig.parse(text)
-            chosen[f"kernel:{text}"] = lambda *a, c=config: grouped_attention_kernel(*a, config=c)
     for text in filter(None, args.softmax_configs.split(";")):
-        from hf_raincheck.attention import softmax_triton
-
-        chosen[f"softmax:{text}"] = lambda *a, c=softmax_triton.parse_config(text, "--softmax-configs"): \
-            grouped_with_softmax(c, *a)
+        chosen[f"softmax:{text}"] = lambda *a, t=parse_tiling(text): grouped_with_softmax(t, *a)
     device = args.device or ("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
     cuda = device.startswith("cuda")
-    if args.softmax_configs and args.compile:
-        parser.error("--softmax-configs: time them with --graphs, without --compile (a traced step reads the "
-                     "tiling once)")
     if (args.graphs or args.compile) and not cuda:
         parser.error("--graphs / --compile need --device cuda")
     paths = {name: torch.compile(fn, dynamic=False) if args.compile else fn for name, fn in chosen.items()}
@@ -214,7 +204,7 @@ def main(argv=None) -> int:
     mode = ("compiled, " if args.compile else "") + ("CUDA graph replay" if args.graphs else "eager calls")
     print(f"per-call time, {mode}")
     print("| layer | keys | rows | " + " | ".join(f"{p} us" for p in paths) + " | max abs diff grouped vs sdpa |"
-          " max abs diff kernels vs grouped |")
+          " max abs diff softmax tilings vs grouped |")
     print("| " + " | ".join(["---"] * (5 + len(paths))) + " |")
     for name, (hq, hkv, d) in layers.items():
         for k in keys:
@@ -236,7 +226,7 @@ def main(argv=None) -> int:
                 reference = grouped_attention(*call).float()
                 diff = (reference - sdpa_masked(*call).float()).abs().max().item()
                 kernel_diff = max([(paths[p](*call).float() - reference).abs().max().item()
-                                   for p in paths if p.startswith(("kernel:", "softmax:")) and times[p] == times[p]],
+                                   for p in paths if p.startswith("softmax:") and times[p] == times[p]],
                                   default=None)
                 records.append(dict(layer=name, heads=hq, kv_heads=hkv, head_dim=d, keys=k, rows=q,
                                     **{f"{p}_us": round(t, 2) if t == t else None for p, t in times.items()}, max_abs_diff=diff,

@@ -1,7 +1,7 @@
 """Completion between turns (the paper's Table 27 setup in transformers): blocking vs background, and the next turn.
 
     python benchmarks/completion.py --shape tiny --device cpu                      # smoke run, well under a minute
-    python benchmarks/completion.py --shape qwen3-vl-8b --device cuda --save       # H200: JSON to benchmarks/results/
+    python benchmarks/completion.py --shape qwen3-vl-8b --device cuda --save       # GPU: JSON to benchmarks/results/
 
 Each request is a first turn about one image whose answer ends with deferred tokens still pending (answer
 lengths are drawn between the guard and the length at which the fused decode steps would have restored

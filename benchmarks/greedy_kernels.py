@@ -1,6 +1,6 @@
 """The Triton greedy kernels alone (`hf_raincheck.pruning.greedy_triton`), at Qwen3-VL-8B selection shapes.
 
-    python benchmarks/greedy_kernels.py --device cuda                 # the H200 run, ~1 min
+    python benchmarks/greedy_kernels.py --device cuda                 # the GPU run
     TRITON_INTERPRET=1 python benchmarks/greedy_kernels.py --small    # CPU smoke run under Triton's interpreter
 
 `selector_speed.py` times whole selectors; this times the greedy loop only, to see where a step's time goes:
@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_raincheck.pruning import divprune  # noqa: E402
-from hf_raincheck.pruning.triton_support import sm_count  # noqa: E402
+from hf_raincheck.triton_support import sm_count  # noqa: E402
 from hf_raincheck.pruning.mmtok import coverage_matrix, fixed_point, fixed_point_scales  # noqa: E402
 
 CASES = {"image1024": (1, 1024), "image4096": (1, 4096), "video16": (16, 256)}

@@ -1,6 +1,6 @@
 """Latency of plain generate, Full, Hard and Raincheck side by side (issue 5): TTFT, TPOT, restoration steps, E2E, memory.
 
-    python benchmarks/latency.py --device cuda --save --profile     # the H200 run: <= 8 min (--budget-s 400)
+    python benchmarks/latency.py --device cuda --save --profile     # the GPU run (--budget-s 400)
     python benchmarks/latency.py --device cuda --save --merge --workloads video16,image1024   # what it skipped
     python benchmarks/latency.py --quick                             # tiny shapes on the CPU, seconds (CI smoke run)
     python benchmarks/latency.py --device cuda --gpus 1,2 --save     # each model on one GPU, then split over two
@@ -41,7 +41,7 @@ Measurements (each after a warm-up call of the same shapes, which also absorbs c
 * ``--interleave``: per workload and cache, every policy warms up first, then their ``--repeats`` answer runs
   alternate round by round (the order rotating), so a drift over the call moves them alike; records add
   ``rounds``, ``tpot_ms_rounds`` and ``tpot_vs_full_paired`` (the median over rounds of TPOT / Full's TPOT of
-  the same round), and the targets a paired TPOT check (run to run, Full's TPOT moved by up to 10% on the H200);
+  the same round), and the targets a paired TPOT check (run to run, Full's TPOT moved more than the targets allow);
 * medians over ``--repeats`` answer runs, ratios against Full on the same cache kind, and the issue's targets
   (Raincheck TTFT <= 1.03 x Hard and <= 0.80 x Full on image4096; TPOT <= 1.03 x Full; restoration step <= 1.15 x a
   decode-only step on the dynamic cache, <= 1.25 x on the static one).
@@ -103,7 +103,7 @@ RECORD_KEYS = ("model", "workload", "policy", "chunk_size", "fused", "ttft_ms", 
 TEXT_BEFORE, QUESTION = 10, 30  # ~40 text tokens around the media
 TARGET_WORKLOAD = "image4096"  # where the TTFT targets are checked
 # a first run of a kind has no measured estimate: assume this much (s) when deciding whether it fits the budget
-# (H200, 2026-12-01: compiled warm-ups of 42-81 s per policy and workload, 256-token answers of 2-3 s)
+# (compiled warm-ups take about a minute or more per policy and workload on a GPU, answers a few seconds)
 FIRST_RUN_GUESS_S = {"eager": 20.0, "compiled": 90.0}
 
 
@@ -410,7 +410,8 @@ def make_record(bench: Bench, workload: str, policy: Policy, cache: str, ttfts: 
 
 def one_off_steps(step_ms: list[float] | None) -> list[list] | None:
     """``[decode step, ms]`` of the steps that took over 3x the median step: one-offs such as a CUDA graph recorded
-    again (a new conversation's buffers at new addresses used to cost ~35 ms on its first decode and fused steps)."""
+    again (a new conversation's buffers at new addresses used to re-record the graphs of its first decode and fused
+    steps)."""
     if not step_ms:
         return None
     limit = 3 * statistics.median(step_ms)
@@ -808,7 +809,7 @@ class Budget:
     def record(self, kind: tuple, seconds: float, warmup_s: float) -> None:
         """The next run of this kind: as long; an eager warm-up capped at 10 s (nothing to compile again), a
         compiled one kept whole (the next run of a kind is another workload or chunk size, whose new shapes
-        compiled again in 42-67 s on the H200)."""
+        compile again, about as long as the first)."""
         warm = warmup_s if kind[-1] == "compiled" else min(warmup_s, 10.0)
         self.estimates[kind] = 1.1 * (seconds - warmup_s) + warm + 2.0
 

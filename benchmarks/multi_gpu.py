@@ -1,6 +1,6 @@
 """Raincheck on a model split over several GPUs with an accelerate device_map (issue 10): same results as one GPU.
 
-    python benchmarks/multi_gpu.py --device cuda --save        # the H200 x2 run: both 8B-class shapes, ~3 min
+    python benchmarks/multi_gpu.py --device cuda --save        # two GPUs: both 8B-class shapes
     python benchmarks/multi_gpu.py --quick                     # tiny shapes on the CPU ("cpu" repeated), seconds
 
 Policies: ``plain`` (transformers' own generate), then Full, Hard and Raincheck. Per model shape (random weights, bf16 on CUDA), two copies with the same weights (same seed; checked): one on

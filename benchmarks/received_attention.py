@@ -16,8 +16,7 @@ wall time), and the max relative error ``max |a - b| / max |b|`` of its result a
 round. The grid (``--resident`` tile x ``--loop`` tile x ``--warps`` x ``--stages``, only tiles ``resident *
 loop`` of at most ``--max-tile`` elements and at least ``--min-per-warp`` per warp: 36 configs per pass by default)
 is the same for both passes, read in their roles; the default config is always timed. Configs that fail (compile:
-shared memory, registers; launch) are recorded with their error. Each config costs a compile (about a second on
-the H200): ``--budget-s`` stops starting new ones after that many seconds (the rest are recorded as skipped); the
+shared memory, registers; launch) are recorded with their error. Each config costs a compile: ``--budget-s`` stops starting new ones after that many seconds (the rest are recorded as skipped); the
 passes' configs are interleaved so both get covered.
 
 Then whole calls, default configs and the best found: `received_attention_triton` (both passes: the path that

@@ -4,11 +4,12 @@
     python benchmarks/selector_speed.py --device cuda --ttft             # + Full TTFT of a random-weight Qwen3-VL-8B
     python benchmarks/selector_speed.py --small --device cpu             # CPU smoke run with small sizes (seconds)
     python benchmarks/selector_speed.py --device cuda --paths triton,torch   # the Triton kernels next to the torch loops
+    python benchmarks/selector_speed.py --device cuda --selectors mmtok --options '{"mmtok": {"late_stage": "off"}}'
 
 What is timed, per case and selector (median of ``--repeats`` after one warm-up, CUDA-synchronised):
 
 - ``first_call_ms``: the first ``select_kept`` of a shape (on CUDA it captures the greedy loop's CUDA graph, see
-  `hf_raincheck.pruning.greedy`; ``HF_RAINCHECK_GREEDY_GRAPHS=0`` times the eager loop instead);
+  `hf_raincheck.pruning.greedy`; mmtok's ``cuda_graphs: false`` option times the eager loop instead);
 - ``select_ms``: ``select_kept(name, ctx)`` on a context like the one `generate` builds: placeholder embeddings
   ``[N, hidden]`` (bf16 on CUDA), a question of ``--query-tokens`` tokens, and the vision extras the selector
   declares (random; selection time does not depend on values: the greedy selectors always run ``b`` steps);
@@ -48,7 +49,7 @@ import torch  # noqa: E402
 from hf_raincheck import RaincheckConfig  # noqa: E402
 from hf_raincheck.pruning import SelectionContext, select_kept, selector_requirements  # noqa: E402
 from hf_raincheck.pruning.base import VISION_ATTENTION, VISION_DEPTH, VISION_HIDDEN  # noqa: E402
-from hf_raincheck.pruning.triton_support import triton_enabled  # noqa: E402
+from hf_raincheck.triton_support import triton_enabled  # noqa: E402
 from hf_raincheck.pruning.vision import pool_merged, received_attention  # noqa: E402
 
 SELECTORS = ["mmtok", "hiprune", "divprune", "visionzip", "uniform", "random"]
@@ -231,6 +232,9 @@ def main(argv=None):
     parser.add_argument("--paths", default="auto",
                         help="comma list of kernel paths to time side by side: triton, torch (HF_RAINCHECK_TRITON=1/0), "
                              "or auto (this environment's)")
+    parser.add_argument("--options", default="{}",
+                        help="JSON object of pruning_options per selector, e.g. '{\"mmtok\": {\"late_stage\": [128, 8], "
+                             "\"cuda_graphs\": false}}' (each selector's module docstring lists its options)")
     parser.add_argument("--profile", action="store_true",
                         help="also print a torch.profiler table (GPU time by kernel) of one select_kept call per case "
                              "and selector, to see where selection time goes")
@@ -242,6 +246,14 @@ def main(argv=None):
     bad = [p for p in paths if p not in ("auto", "triton", "torch")]
     if bad or not paths:
         parser.error(f"--paths: comma list of auto, triton, torch; got {args.paths!r}")
+    try:
+        options = json.loads(args.options)
+    except json.JSONDecodeError as err:
+        parser.error(f"--options: not JSON ({err}): {args.options!r}")
+    if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
+        parser.error(f"--options: a JSON object of {{selector: {{option: value}}}}, got {args.options!r}")
+    for name, given in options.items():
+        RaincheckConfig(pruning=name, pruning_options=given)  # unknown selectors, options or values: ValueError
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     shape = SHAPES["small" if args.small else "qwen3-vl-8b"]
     cases = SMALL_CASES if args.small else CASES
@@ -266,6 +278,7 @@ def main(argv=None):
         for name, path in [(name, path) for name in args.selectors for path in paths]:
             if path != "auto":
                 os.environ["HF_RAINCHECK_TRITON"] = "1" if path == "triton" else "0"
+            ctx.options = dict(options.get(name, {}))
             sync(device)
             t0 = time.perf_counter()
             select_kept(name, ctx)  # first call of this shape: includes capturing the greedy loop's CUDA graph
@@ -279,6 +292,7 @@ def main(argv=None):
                 case=case,
                 selector=name,
                 path="triton" if triton_enabled(device) else "torch",  # what ran (no Triton: torch either way)
+                options=ctx.options,
                 tokens=sum(h * w for h, w in grids),
                 spans=len(grids),
                 kept=sum(ctx.budgets),
@@ -300,6 +314,7 @@ def main(argv=None):
         retention=args.retention,
         query_tokens=args.query_tokens,
         repeats=args.repeats,
+        options=options,
         command=" ".join(sys.argv),
     )
     with open(args.out, "w") as f:

@@ -33,7 +33,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def triton_device() -> torch.device:
     """Where the Triton kernel tests run: CUDA, or the CPU under Triton's interpreter (``TRITON_INTERPRET=1``)."""
-    from hf_raincheck.pruning.triton_support import interpreted, triton_importable
+    from hf_raincheck.triton_support import interpreted, triton_importable
 
     if not triton_importable():
         pytest.skip("needs Triton")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_raincheck.attention import naive_attention, sdpa, sdpa_attention
+from hf_raincheck.attention import naive_attention, naive_masked_softmax, sdpa, sdpa_attention
 
 
 def _inputs(q, k, hq, hkv, d=16, batch=1, seed=0, dtype=torch.float32):
@@ -90,23 +90,23 @@ def test_grouped_takes_an_expanded_mask():
                                naive_attention(query, key, value, expanded, 0.3), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("block", [4, 8, 25])
-def test_blocked_softmax_grouped_path_equals_naive(monkeypatch, block):
-    """The two-level softmax option of the grouped path (HF_RAINCHECK_GROUPED_SOFTMAX_BLOCK): equal to the
-    reference, rows that see nothing included; key counts that are not a multiple keep the one-level softmax."""
-    monkeypatch.setattr(sdpa, "GROUPED_SOFTMAX_BLOCK", block)
-    blocked = []
-    original = sdpa.blocked_softmax
-    monkeypatch.setattr(sdpa, "blocked_softmax", lambda *a: blocked.append(1) or original(*a))
-    for keys in (200, 203):
-        query, key, value, visible = _inputs(6, keys, 8, 2, seed=keys)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_torch_softmax_equals_the_plain_reference(dtype):
+    """The grouped path's torch softmax (the reference of the Triton kernel) against the row-by-row float64
+    reference: masked keys at 0, a row that sees nothing all zeros, one mask shared by a KV head's query heads and
+    broadcast over the batch."""
+    gen = torch.Generator().manual_seed(7)
+    scores = (4 * torch.randn(2, 2, 3, 4, 37, generator=gen)).to(dtype)
+    for mask_batch in (1, 2):
+        visible = torch.rand(mask_batch, 1, 4, 37, generator=gen) < 0.6
         visible[0, 0, 1] = False
-        out = sdpa.grouped_attention(query, key, value, visible, 0.3)
-        torch.testing.assert_close(out, naive_attention(query, key, value, visible, 0.3), atol=1e-5, rtol=1e-5)
-        assert torch.equal(out[0, 1], torch.zeros_like(out[0, 1]))
-    assert len(blocked) == (1 if 200 % block == 0 else 0) + (1 if 203 % block == 0 else 0)
-    scores = torch.randn(3, 2, 50).masked_fill(torch.rand(3, 2, 50) < 0.3, float("-inf"))
-    torch.testing.assert_close(original(scores, 10), torch.softmax(scores, dim=-1))
+        for out_dtype in (torch.float32, torch.bfloat16):
+            got = sdpa.grouped_softmax_torch(scores, visible, out_dtype)
+            want = naive_masked_softmax(scores, visible, out_dtype)
+            assert got.dtype == want.dtype == out_dtype and got.shape == (2, 2, 12, 37)
+            tol = dict(atol=1e-6, rtol=1e-5) if out_dtype == torch.float32 else {}
+            torch.testing.assert_close(got, want, **tol)
+            assert not got.view(2, 2, 3, 4, 37)[0, :, :, 1].any()
 
 
 def test_short_eager_forwards_on_cuda_leave_cudnn_out():

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from helpers import TRITON_MARKS  # noqa: E402
 from hf_raincheck.pruning.hiprune import ranking  # noqa: E402
-from hf_raincheck.pruning.triton_support import triton_enabled  # noqa: E402
+from hf_raincheck.triton_support import triton_enabled  # noqa: E402
 from hf_raincheck.pruning.vision import pool_merged, received_attention, received_attention_torch  # noqa: E402
 
 pytestmark = TRITON_MARKS

@@ -122,6 +122,7 @@ def test_eager_fla_calls_take_the_recurrent_kernel_up_to_their_own_limit(monkeyp
     """Eager `advance` calls (prefill tails, eager fused steps: host-bound) route fla rows from a state by
     `FLA_EAGER_RECURRENT_MAX_ROWS`; calls through the custom op (compiled steps) by `FLA_RECURRENT_MAX_ROWS`."""
     import hf_raincheck.gdn_state.kernels as kernels
+    import hf_raincheck.gdn_state.ops as ops
 
     calls = []
 
@@ -138,26 +139,7 @@ def test_eager_fla_calls_take_the_recurrent_kernel_up_to_their_own_limit(monkeyp
     for opaque in (False, True):
         for rows in (1, 31, 41):
             x = torch.zeros(1, rows, 2, 4)
-            kernels.advance("fla", x, x, x, x[..., 0], x[..., 0], state, opaque=opaque)
+            ops.advance("fla", x, x, x, x[..., 0], x[..., 0], state, opaque=opaque)
     op_31 = "recurrent" if compiled_most >= 31 else "chunk"
     op_41 = "recurrent" if compiled_most >= 41 else "chunk"
     assert calls == ["recurrent", "recurrent", "chunk", "recurrent", op_31, op_41]
-
-
-def test_restore_kernel_setting_is_opt_in_and_named_when_wrong(monkeypatch):
-    """``HF_RAINCHECK_GDN_RESTORE_KERNEL``: unset -> off, ``triton`` -> on, anything else a ValueError naming it;
-    off (or where Triton does not run: the CPU without the interpreter), compiled steps keep the kernels + join."""
-    import hf_raincheck.gdn_state.kernels as kernels
-
-    monkeypatch.delenv("HF_RAINCHECK_GDN_RESTORE_KERNEL", raising=False)
-    assert kernels._restore_kernel_setting() is False
-    monkeypatch.setenv("HF_RAINCHECK_GDN_RESTORE_KERNEL", "triton")
-    assert kernels._restore_kernel_setting() is True
-    monkeypatch.setenv("HF_RAINCHECK_GDN_RESTORE_KERNEL", "fla")
-    with pytest.raises(ValueError, match="HF_RAINCHECK_GDN_RESTORE_KERNEL"):
-        kernels._restore_kernel_setting()
-    monkeypatch.setattr(kernels, "RESTORE_KERNEL", False)
-    assert not kernels.restore_kernel_runs(torch.device("cpu"), 128, 128)
-    monkeypatch.setattr(kernels, "RESTORE_KERNEL", True)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert not kernels.restore_kernel_runs(torch.device("cpu"), 128, 128)

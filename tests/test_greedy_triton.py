@@ -132,33 +132,32 @@ def test_coverage_stages(device):
             coverage_stages(256, 16, 77, device, late=(5, 64))  # 16 x 64 programs cannot all be resident
 
 
-def test_late_stage_from_the_environment(device, monkeypatch):
-    """``HF_RAINCHECK_MMTOK_LATE`` sets the default late stage of a whole selection (GPU sweeps): the picks stay the
-    torch path's, a malformed value is refused naming the variable, and a forced split count ignores it."""
-    from hf_raincheck.pruning import greedy_triton
+def test_late_stage_option_sets_the_late_stage_of_a_selection(device, monkeypatch):
+    """mmtok's ``late_stage`` option (`mmtok.late_stage_tuple`, passed by `greedy_coverage_order`) sets the kernel's
+    late stage for a whole greedy (GPU sweeps): the picks stay the torch path's, ``"auto"`` leaves the default,
+    a malformed value is refused naming the option, and a forced split count ignores it."""
+    from hf_raincheck.pruning import greedy_triton, mmtok, resolve_options
 
     cover = _cover(2, 96, 5, device, seed=9)
     budget, width = 40, 96
     _torch_path(monkeypatch)
     want = greedy_coverage_order(cover, budget, lazy=False)
+    _triton_path(monkeypatch)
     cover32, scales = _cover_and_scales(cover, width)
     seen = []
     stages = greedy_triton.coverage_stages
     monkeypatch.setattr(greedy_triton, "coverage_stages", lambda *a, **k: seen.append(a[4:] + (k,)) or stages(*a, **k))
-    for text, late in (("7:1", (7, 1)), ("7:1:2:2", (7, 1, 2, 2)), ("none", (1 << 62, 1))):
-        monkeypatch.setenv("HF_RAINCHECK_MMTOK_LATE", text)
-        assert greedy_triton.late_from_env() == late
-        got = coverage_order_triton(cover32, scales, budget, width + 1)
-        assert torch.equal(got.cpu(), want.cpu()), text
-        assert seen[-1] == (None, late, {}), text
+    for option, late in (([7, 1], (7, 1)), ([7, 1, 2, 2], (7, 1, 2, 2)), ("off", (1 << 62, 1)), ("auto", None)):
+        resolved = resolve_options("mmtok", {"late_stage": option})["late_stage"]
+        assert mmtok.late_stage_tuple(resolved) == late
+        got = greedy_coverage_order(cover, budget, late=mmtok.late_stage_tuple(resolved))
+        assert torch.equal(got.cpu(), want.cpu()), option
+        assert seen[-1] == (None, late, {}), option
     got = coverage_order_triton(cover32, scales, budget, width + 1, splits=1)
     assert seen[-1] == (1, None, {}) and torch.equal(got.cpu(), want.cpu())
-    for bad in ("7", "a:b", "7:1:2"):
-        monkeypatch.setenv("HF_RAINCHECK_MMTOK_LATE", bad)
-        with pytest.raises(ValueError, match="HF_RAINCHECK_MMTOK_LATE"):
-            greedy_triton.late_from_env()
-    monkeypatch.delenv("HF_RAINCHECK_MMTOK_LATE")
-    assert greedy_triton.late_from_env() is None
+    for bad in ("7", [7], [7, 1, 2], "none"):
+        with pytest.raises(ValueError, match="'late_stage'"):
+            resolve_options("mmtok", {"late_stage": bad})
 
 
 def test_mmtok_kernel_phases(device, monkeypatch):

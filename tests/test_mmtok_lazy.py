@@ -121,7 +121,7 @@ def test_selection_order_is_greedy_on_a_hand_made_cover():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graphs_match_cpu(monkeypatch):
+def test_cuda_graphs_match_cpu():
     # fixed-point gains: the same picks on every device and in every path (graphed, eager, full, CPU)
     for seed, (batch, m, n, budget) in enumerate([(1, 24, 1024, 307), (4, 10, 256, 77), (1, 0, 500, 150)]):
         cover = random_cover(seed, batch, m, n, duplicates=n // 10)
@@ -132,6 +132,9 @@ def test_cuda_graphs_match_cpu(monkeypatch):
         assert lazy(on_gpu, budget) == expected  # the cached graph
         assert lazy(on_gpu, budget, 2) == expected  # many fallbacks through the graphs
         assert full(on_gpu, budget) == expected
-        monkeypatch.setenv("HF_RAINCHECK_GREEDY_GRAPHS", "0")
-        assert lazy(on_gpu, budget) == expected
-        monkeypatch.delenv("HF_RAINCHECK_GREEDY_GRAPHS")
+        # the eager loops on CUDA (mmtok's ``cuda_graphs=False``): no graph captured, the same picks
+        dense = dense_greedy_coverage_order(on_gpu, budget).tolist()  # graphed
+        captured = list(greedy._CACHE)
+        assert greedy_coverage_order(on_gpu, budget, lazy=False, graphs=False).tolist() == expected
+        assert dense_greedy_coverage_order(on_gpu, budget, graphs=False).tolist() == dense
+        assert list(greedy._CACHE) == captured

@@ -21,6 +21,7 @@ from hf_raincheck.pruning import (  # noqa: E402
     select_kept,
     selector_requirements,
 )
+from hf_raincheck.pruning import mmtok  # noqa: E402
 from hf_raincheck.pruning.base import VISION_ATTENTION, VISION_DEPTH, VISION_HIDDEN  # noqa: E402
 from hf_raincheck.pruning.naive import NAIVE  # noqa: E402
 from hf_raincheck.pruning.query import question_positions  # noqa: E402
@@ -89,7 +90,8 @@ def make_ctx(
 VIDEO = ((1, 4, 4),) * 4  # four frames of equal size and budget: the batched path
 
 OPTION_CASES = {
-    "mmtok": [{}, {"alpha": 0.0}, {"alpha": 2.0, "tau_tv": 0.1, "tau_vv": 0.05}],
+    "mmtok": [{}, {"alpha": 0.0}, {"alpha": 2.0, "tau_tv": 0.1, "tau_vv": 0.05},
+              {"late_stage": "off", "cuda_graphs": False}, {"late_stage": [3, 1]}],
     "hiprune": [{}, {"alpha": 1.0}, {"alpha": 2.5, "object_layer": 1, "register_layer": 2}],
     "divprune": [{}],
     "visionzip": [{}, {"layer": 1}],
@@ -97,7 +99,12 @@ OPTION_CASES = {
 
 
 def run_naive(name: str, ctx: SelectionContext) -> torch.Tensor:
-    return NAIVE[name](ctx, **resolve_options(name, ctx.options))
+    """The reference of `name` with the context's options, less those that only choose how the fast path runs
+    (`mmtok.EXECUTION_OPTIONS`: they never change the picks)."""
+    options = resolve_options(name, ctx.options)
+    if name == "mmtok":
+        options = {k: v for k, v in options.items() if k not in mmtok.EXECUTION_OPTIONS}
+    return NAIVE[name](ctx, **options)
 
 
 # ------------------------------------------------------------------------------------------ fast == naive
@@ -234,6 +241,16 @@ def test_unknown_option_names_the_option_and_the_allowed_ones(name):
         ("mmtok", {"alpha": -1}, "'alpha'"),
         ("mmtok", {"tau_tv": 0}, "'tau_tv'"),
         ("mmtok", {"tau_vv": "hot"}, "'tau_vv'"),
+        ("mmtok", {"late_stage": "never"}, "'late_stage'"),
+        ("mmtok", {"late_stage": [64]}, "'late_stage'"),
+        ("mmtok", {"late_stage": [64, 0]}, "'late_stage'"),
+        ("mmtok", {"late_stage": [-1, 8]}, "'late_stage'"),
+        ("mmtok", {"late_stage": [64, 8, 3, 4]}, "'late_stage'"),
+        ("mmtok", {"late_stage": [64, 8, 4, 3]}, "'late_stage'"),
+        ("mmtok", {"late_stage": [64, 8.0]}, "'late_stage'"),
+        ("mmtok", {"late_stage": (64, True)}, "'late_stage'"),
+        ("mmtok", {"cuda_graphs": 0}, "'cuda_graphs'"),
+        ("mmtok", {"cuda_graphs": "no"}, "'cuda_graphs'"),
         ("hiprune", {"alpha": 6}, "'alpha'"),
         ("hiprune", {"object_layer": 1.5}, "'object_layer'"),
         ("visionzip", {"layer": "last"}, "'layer'"),
@@ -244,9 +261,34 @@ def test_bad_option_values_raise(name, options, match):
         RaincheckConfig(pruning=name, pruning_options=options)
 
 
+def test_mmtok_execution_options_reach_the_greedy_and_keep_the_picks(monkeypatch):
+    """``cuda_graphs`` and ``late_stage`` reach the greedy loops (torch path here: Triton off) and leave the picks
+    the reference's; a bad value given straight to the selector is refused naming the option."""
+    monkeypatch.setenv("HF_RAINCHECK_TRITON", "0")
+    monkeypatch.setattr(mmtok, "LAZY_MIN_TOKENS", 1)  # every span takes the lazy greedy
+    loops, orders = [], []
+    run_greedy, order = mmtok.run_greedy, mmtok.greedy_coverage_order
+    monkeypatch.setattr(mmtok, "run_greedy", lambda *a, **k: loops.append(k["graphs"]) or run_greedy(*a, **k))
+    monkeypatch.setattr(mmtok, "greedy_coverage_order", lambda *a, **k: orders.append(k) or order(*a, **k))
+    cases = (({}, True, None), ({"cuda_graphs": False, "late_stage": "off"}, False, mmtok.ONE_LAUNCH),
+             ({"late_stage": [5, 2, 4, 8]}, True, (5, 2, 4, 8)))
+    for options, graphs, late in cases:
+        loops.clear(), orders.clear()
+        ctx = make_ctx(0, retention=0.4, options=options)
+        assert select_kept("mmtok", ctx).tolist() == run_naive("mmtok", ctx).tolist(), options
+        assert loops and set(loops) == {graphs}, options
+        assert orders and all(k["late"] == late and k["graphs"] == graphs for k in orders), options
+    for bad, name in (({"late_stage": [5]}, "late_stage"), ({"cuda_graphs": 1}, "cuda_graphs")):
+        with pytest.raises(ValueError, match=f"pruning option '{name}' of 'mmtok'"):
+            select_kept("mmtok", make_ctx(0, options=bad))
+
+
 def test_defaults_and_requirements():
     assert RaincheckConfig().pruning == "mmtok"
-    assert resolve_options("mmtok", {}) == {"alpha": 0.5, "tau_tv": 0.01, "tau_vv": 0.2}
+    assert resolve_options("mmtok", {}) == {"alpha": 0.5, "tau_tv": 0.01, "tau_vv": 0.2, "late_stage": "auto",
+                                            "cuda_graphs": True}
+    assert resolve_options("mmtok", {"late_stage": [64, 8, 4, 16]})["late_stage"] == (64, 8, 4, 16)
+    assert resolve_options("mmtok", {"late_stage": "off", "cuda_graphs": False})["cuda_graphs"] is False
     assert resolve_options("hiprune", {})["alpha"] == 0.1
     # hiprune's object layer: the middle block (Qwen2.5-VL, 32 blocks: 15 as the official code; Qwen3-VL, 27: 13)
     assert selector_requirements("hiprune", {}, 32)[VISION_ATTENTION] == (15, 31)

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from helpers import TRITON_MARKS  # noqa: E402
 
-from hf_raincheck.attention import naive_attention, sdpa  # noqa: E402
+from hf_raincheck.attention import naive_attention, naive_masked_softmax, sdpa  # noqa: E402
 
 pytestmark = TRITON_MARKS
 
@@ -56,6 +56,8 @@ def test_masked_softmax_equals_torch(device, k, dtype):
             assert got.shape == want.shape == (b, 2, 3 * 4, k) and got.dtype == out_dtype
             tol = dict(atol=2e-6, rtol=2e-5) if out_dtype == torch.float32 else {}
             torch.testing.assert_close(got, want, **tol)
+            if k <= 256:  # the plain reference (row by row): slow for long rows
+                torch.testing.assert_close(got, naive_masked_softmax(scores, visible, out_dtype), **tol)
             rows = got.view(b, 2, 3, 4, k)
             assert torch.equal(rows[0, :, :, 0], torch.zeros_like(rows[0, :, :, 0]))  # sees nothing: zeros
 
@@ -106,26 +108,24 @@ def test_masked_softmax_compiles_into_a_cuda_graph(device):
     torch.testing.assert_close(got, masked_softmax(scores, visible, torch.bfloat16), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("config", ["block=32,warps=1", "block=64", "warps=2", "block=256,warps=8"])
-def test_configured_tiling_equals_torch(device, monkeypatch, config):
-    """`HF_RAINCHECK_SOFTMAX_CONFIG`'s tilings (one pass where the row fits the block, else two passes): the same
-    values as the torch reference."""
-    from hf_raincheck.attention import softmax_triton
+@pytest.mark.parametrize("block, warps", [(32, 1), (64, 0), (0, 2), (256, 8)])
+def test_other_tilings_equal_torch(device, block, warps):
+    """`launch_masked_softmax`'s tilings (benchmarks sweep them; one pass where the row fits the block, else two
+    passes): the same values as the torch reference."""
+    from hf_raincheck.attention.softmax_triton import launch_masked_softmax
 
-    monkeypatch.setattr(softmax_triton, "CONFIG", softmax_triton.parse_config(config))
     scores, visible = _case(2, 2, 2, 3, 200, device, torch.bfloat16, 2, seed=2)
     visible[1, 0, 2, :96] = False
     for out_dtype in (torch.float32, torch.bfloat16):
-        got = masked_softmax(scores, visible, out_dtype)
+        got = launch_masked_softmax(scores, visible, out_dtype, block=block, warps=warps)
         tol = dict(atol=2e-6, rtol=2e-5) if out_dtype == torch.float32 else {}
         torch.testing.assert_close(got, sdpa.grouped_softmax_torch(scores, visible, out_dtype), **tol)
 
 
-def test_softmax_config_parses_and_names_bad_values():
-    from hf_raincheck.attention.softmax_triton import SoftmaxConfig, parse_config
+def test_bad_tilings_are_refused_naming_the_argument(device):
+    from hf_raincheck.attention.softmax_triton import launch_masked_softmax
 
-    assert parse_config("") == SoftmaxConfig()
-    assert parse_config("block=1024, warps=4") == SoftmaxConfig(1024, 4)
-    for bad in ("block=100", "block=8", "warps=3", "rows=2", "block=x"):
-        with pytest.raises(ValueError, match="HF_RAINCHECK_SOFTMAX_CONFIG"):
-            parse_config(bad)
+    scores, visible = _case(1, 1, 1, 2, 8, device, torch.float32, 1, seed=4)
+    for tiling, name in ((dict(block=100), "block"), (dict(block=8), "block"), (dict(warps=3), "warps")):
+        with pytest.raises(ValueError, match=f"^{name} must be"):
+            launch_masked_softmax(scores, visible, torch.float32, **tiling)

@@ -4,7 +4,8 @@ Triton's own compiler down to PTX, then the ptxas that ships with Triton, with r
 The interpreter tests (``TRITON_INTERPRET=1``) prove what the kernels compute; this proves the real compiler takes
 them (a kernel the interpreter runs can still fail to lower), so a kernel changed on a machine without a GPU is
 known to build before a GPU session spends time on it. Marked ``gpu`` + ``triton`` like the other kernel tests
-(CI has no Triton); runs on the CPU with ``python -m pytest -m triton tests/`` (README Notes), and on the GPU.
+(CI runs them under the interpreter, where this one compiles in a subprocess without it); runs on the CPU with
+``python -m pytest -m triton tests/`` (README Notes), and on the GPU.
 """
 
 from __future__ import annotations
@@ -32,8 +33,6 @@ ATTENTION_ARGS = {"Q": "*bf16", "K": "*bf16", "SEG_START": "*i32", "SEG_STOP": "
 PREPARE_ARGS = {"cover_ptr": "*fp32", "scales_ptr": "*fp32", "cover_t_ptr": "*fp32", "gain_ptr": "*i64"}
 SOFTMAX_ARGS = {"scores_ptr": "*bf16", "visible_ptr": "*i1", "out_ptr": "*bf16"}
 DIVPRUNE_ARGS = {"sim_ptr": "*fp32", "nearest_ptr": "*fp32", "order_ptr": "*i64"}
-RESTORE_ARGS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*bf16",
-                "prefix_ptr": "*fp32", "live_ptr": "*fp32", "o_ptr": "*bf16", "scale": "fp32"}
 #: MMTok at 4096 tokens (`coverage_plan`: 64 programs of 64 columns, 8 warps; 24 question rows -> 32)
 MMTOK_4096 = dict(SPLITS=64, SPLITS_P2=64, BLOCK_C=64, BLOCK_M=32, BLOCK_N=4096, TILE_R=64, SPIN=1 << 22,
                   PHASES=False)
@@ -69,7 +68,6 @@ def ptxas_report(compiled, tmp_path) -> str:
 
 def kernels():
     from hf_raincheck.attention import softmax_triton
-    from hf_raincheck.gdn_state import restore_triton
     from hf_raincheck.pruning import attention_triton, greedy_triton
 
     cases = {
@@ -87,9 +85,6 @@ def kernels():
                                  dict(BLOCK_K=8192, ONE_PASS=True), 16),
         "grouped-softmax-long": (softmax_triton._masked_softmax_kernel, SOFTMAX_ARGS,
                                  dict(BLOCK_K=2048, ONE_PASS=False), 4),
-        # a compiled Qwen3.5-9B fused step's GDN restoration (16 key / 32 value heads of 128)
-        "gdn-restore-qwen3.5": (restore_triton._restore_chunk_kernel, RESTORE_ARGS,
-                                dict(GROUP=2, K=128, V=128, LIVE_W=256, BV=32), 8),
     }
     for kind in ("lse", "received"):
         block_m, block_n, warps, stages = attention_triton.CONFIGS[(kind, "16bit")]
@@ -110,7 +105,7 @@ def compile_case(case: str, tmp_path) -> str:
 @pytest.mark.parametrize("case", ["mmtok-4096", "mmtok-4096-phases", "mmtok-video", "mmtok-late-one-program",
                                   "mmtok-prepare",
                                   "divprune-4096", "grouped-softmax-4352",
-                                  "grouped-softmax-long", "gdn-restore-qwen3.5", "attention-lse",
+                                  "grouped-softmax-long", "attention-lse",
                                   "attention-received"])
 def test_kernel_compiles_for_hopper(case, tmp_path):
     if os.environ.get("TRITON_INTERPRET") == "1":  # the kernels are interpreted functions here: compile elsewhere

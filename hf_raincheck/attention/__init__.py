@@ -2,8 +2,8 @@
 
 from .dispatch import BACKENDS, install, resolve_backend, uninstall
 from .flash import flash_attention
-from .naive import naive_attention, naive_flash_kernel
+from .naive import naive_attention, naive_flash_kernel, naive_masked_softmax
 from .sdpa import sdpa_attention
 
-__all__ = ["BACKENDS", "install", "uninstall", "resolve_backend", "naive_attention", "naive_flash_kernel",
+__all__ = ["BACKENDS", "install", "uninstall", "resolve_backend", "naive_attention", "naive_flash_kernel", "naive_masked_softmax",
            "sdpa_attention", "flash_attention"]

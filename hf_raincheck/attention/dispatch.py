@@ -31,8 +31,9 @@ CAUSAL_LOWER_RIGHT = _CausalLowerRight()
 
 
 def resolve_backend(name: str) -> str:
-    """``auto`` -> SDPA, the fastest of the three in the measurements of the benchmarks page (`benchmarks/`);
-    ``flash`` needs the flash_attn package (a ValueError says what to install)."""
+    """``auto`` -> SDPA, the faster at decode and fused-step shapes (flash-attn's kernels through the flash
+    backend were slower than SDPA with its grouped path; see the benchmarks page); ``flash`` needs the flash_attn
+    package (a ValueError says what to install)."""
     if name == "auto":
         return "sdpa"
     if name == "flash":

@@ -20,10 +20,10 @@ used key length), flash-attn 4 ``flash_attn.cute.flash_attn_varlen_func`` (``seq
 ``torch.library`` custom op, so compiled steps keep it as one opaque node. `naive.naive_flash_kernel` is the
 reference of the kernel contract; the CPU tests run this module on it.
 
-Measured on the H200 before this backend existed (FA4, decode shapes): 95-133 us per call against 52-58 us for
-SDPA; through this backend (2026-12-01, 4352 keys, 1 / 32 rows; `benchmarks/results/flash_backend_h200.md`): 71-110
-us per layer, 112-150 with the key gather, against 16-32 us for SDPA's grouped path. So ``attn_backend="auto"``
-stays SDPA. The real kernels equal SDPA there (`tests/test_flash_backend.py::test_real_flash_kernels_equal_sdpa_on_cuda`).
+At a fused step's shapes (a few rows over a whole cache) flash-attn's kernels were slower than SDPA with its
+grouped path, and the key gather adds a copy of the keys per layer (the benchmarks page has the numbers), so
+``attn_backend="auto"`` stays SDPA. The real kernels equal SDPA there
+(`tests/test_flash_backend.py::test_real_flash_kernels_equal_sdpa_on_cuda`).
 """
 
 import dataclasses

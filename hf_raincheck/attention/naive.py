@@ -41,3 +41,24 @@ def naive_flash_kernel(q, k, v, used, scaling: float) -> torch.Tensor:
     last = (lengths[:, None] - q_len + torch.arange(q_len, device=q.device)[None, :])[:, :, None]
     visible = (keys <= last) & (keys < lengths[:, None, None])  # [B, Q, N]
     return naive_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), visible[:, None], scaling)
+
+
+def naive_masked_softmax(scores: torch.Tensor, visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reference of the grouped path's masked softmax (`sdpa.grouped_softmax_torch`, `softmax_triton`), row by row
+    in float64: ``scores [B, H, G, Q, K]``, ``visible`` broadcasting to ``[B, H, Q, K]`` (shared by the G query
+    heads of a KV head) -> the softmax over each row's visible keys, 0 elsewhere and in a row that sees nothing,
+    cast to `dtype`, ``[B, H, G * Q, K]``."""
+    b, h, g, q, k = scores.shape
+    seen = visible.expand(b, h, q, k).cpu()
+    rows = scores.detach().cpu().double()
+    out = torch.zeros(b, h, g, q, k, dtype=torch.float64)
+    for bi in range(b):
+        for hi in range(h):
+            for gi in range(g):
+                for qi in range(q):
+                    keys = seen[bi, hi, qi]
+                    if keys.any():
+                        x = rows[bi, hi, gi, qi][keys]
+                        e = torch.exp(x - x.max())
+                        out[bi, hi, gi, qi, keys] = e / e.sum()
+    return out.to(device=scores.device, dtype=dtype).view(b, h, g * q, k)

@@ -2,11 +2,13 @@
 
 - `state.py`: per-layer live state and the pending plan's `PrefixCheckpoint`.
 - `layer.py`: one GDN layer over the rows of a Raincheck forward.
-- `kernels.py`: transformers' torch kernels or fla-core's, one interface (`advance`).
+- `kernels.py`: transformers' torch kernels or fla-core's, one interface (`gated_delta`).
+- `ops.py`: `advance`, the call GDN layers make (eager, or through the custom op of compiled steps).
 - `naive.py`: plain per-token reference of all of it (tests compare against it).
 """
 
-from .kernels import BACKENDS, advance, fla_available, gated_delta, resolve
+from .kernels import BACKENDS, fla_available, gated_delta, resolve
+from .ops import advance
 from .layer import GDNGlue, GDNGraphStep, GDNStep, gdn_rows_forward, gdn_rows_forward_graph
 from .state import GDNLayerState, PrefixCheckpoint
 

@@ -1,15 +1,12 @@
-"""Gated delta rule kernels behind one interface: transformers' torch path, or fla-core's Triton kernels.
-
-``advance(...)`` runs rows from a state and can carry a transition map ``P`` along in the same call: a gated
-delta rule run with ``v = 0`` from state ``P`` returns ``A_T ... A_1 P``, and the rule acts on ``(v, S)`` column
-by column, so a state ``[S | P]`` with values ``[v | 0]`` gives the new state and the new map at once.
+"""Gated delta rule kernels behind one interface (`gated_delta`): transformers' torch path, or fla-core's Triton
+kernels. `ops.py` wraps the call as a custom op for compiled steps and holds `advance`, the call GDN layers make;
+`naive.py` is the per-token reference both are tested against.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import os
 
 import torch
 
@@ -61,46 +58,16 @@ def functions(backend: str) -> tuple:
     return fns
 
 
-# fla-core only: rows from a state up to this many take the fused recurrent kernel instead of the chunked one. In the
-# H200 profile of an eager Qwen3.5-9B fused step (32 rows), fla's chunked function cost 1.76 ms of host time per
-# layer call against 0.31 ms for the recurrent one on a decode row (GPU time is small for both). Default 1 (as
-# transformers): compiled (CUDA graphs, no host time per call), HF_RAINCHECK_FLA_RECURRENT_ROWS=64 made a fused step's
-# GPU time longer on the H200 (8.15 vs 7.81 ms: the recurrent kernel takes 24 us per layer on 32 rows; README).
-FLA_RECURRENT_MAX_ROWS = int(os.environ.get("HF_RAINCHECK_FLA_RECURRENT_ROWS", "1"))
-# fla-core, eager forwards: rows from a state up to this many take the recurrent kernel. Eager forwards are
-# host-bound on a GPU, and the chunked function's host time (~1.05-1.76 ms per call on the H200, several Triton
-# launches and checks) is what a Raincheck forward adds per GDN layer: the tail after a new plan's boundary in a
-# prefill (~40 rows), the chunk of an eager fused step. The recurrent kernel is one launch (~0.3 ms of host); its
-# GPU time (~24 us for 32 rows) hides under that.
-FLA_EAGER_RECURRENT_MAX_ROWS = int(os.environ.get("HF_RAINCHECK_FLA_EAGER_RECURRENT_ROWS", "64"))
-
-
-def _restore_kernel_setting() -> bool:
-    value = os.environ.get("HF_RAINCHECK_GDN_RESTORE_KERNEL", "")
-    if value not in ("", "triton"):
-        raise ValueError(f"HF_RAINCHECK_GDN_RESTORE_KERNEL must be 'triton' (the fused restoration kernel) or unset, "
-                         f"got {value!r}")
-    return value == "triton"
-
-
-#: compiled fused steps restore their chunk and join P_tail in one Triton kernel (`restore_triton`): opt-in
-#: (``HF_RAINCHECK_GDN_RESTORE_KERNEL=triton``); on the H200 it was slower than fla's kernels (1.27 vs 0.84 ms a step)
-RESTORE_KERNEL = _restore_kernel_setting()
-
-
-def restore_kernel_runs(device: torch.device, key_dim: int, value_dim: int) -> bool:
-    """Whether compiled fused steps on `device` take the fused restoration kernel (`RESTORE_KERNEL` on, Triton runs
-    there: CUDA, or the CPU under Triton's interpreter, and the head sizes fit); imports it (registering its op)
-    when they do. Decided outside the traced step."""
-    if not RESTORE_KERNEL:
-        return False
-    from ..pruning.triton_support import triton_enabled
-
-    if not triton_enabled(device):
-        return False
-    from . import restore_triton
-
-    return restore_triton.supported(key_dim, value_dim)
+#: fla-core, compiled steps (calls through the custom op): rows from a state up to this many take the fused recurrent
+#: kernel instead of the chunked one. 1, as transformers: inside CUDA graphs the chunked function's host time is
+#: gone, and on a fused step's chunk the recurrent kernel (rows one after another) made the step's GPU time longer.
+FLA_RECURRENT_MAX_ROWS = 1
+#: fla-core, eager forwards: rows from a state up to this many take the recurrent kernel. Eager forwards are
+#: host-bound on a GPU, and the chunked function's host time (several Triton launches and checks) is what a
+#: Raincheck forward adds per GDN layer: the tail after a new plan's boundary in a prefill (a few dozen rows), the
+#: chunk of an eager fused step. The recurrent kernel is one launch; its GPU time for such rows hides under the
+#: host time saved.
+FLA_EAGER_RECURRENT_MAX_ROWS = 64
 
 
 def gated_delta(backend: str, q, k, v, g, beta, state, recurrent_rows: int | None = None):
@@ -116,27 +83,3 @@ def gated_delta(backend: str, q, k, v, g, beta, state, recurrent_rows: int | Non
         q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
     )
     return out, final.float()
-
-
-def advance(backend: str, q, k, v, g, beta, state, carry: int = 0, opaque: bool = False):
-    """`gated_delta` on a state whose last `carry` columns hold a transition map ``P`` (advanced with ``v = 0``).
-
-    `state` ``[1, H_v, K, V + carry]`` (``None``: zeros, only with ``carry = 0``). Returns ``(o [1, T, H_v, V],
-    final state [1, H_v, K, V + carry])``: the first V columns are the new state, the last `carry` are
-    ``A_T ... A_1 P``. Keeping ``[S | P]`` in one buffer costs one kernel call per row block for both.
-
-    `opaque`: call the kernels through the ``hf_raincheck::gated_delta`` custom op (`ops.py`), one node in a traced
-    graph (compiled steps, `gdn_rows_forward_graph`; `functions(backend)` must have run before tracing). Eager
-    calls (not `opaque`) take fla's recurrent kernel up to `FLA_EAGER_RECURRENT_MAX_ROWS` rows from a state.
-    """
-    if carry:
-        v = torch.cat([v, v.new_zeros(*v.shape[:-1], carry)], dim=-1)
-    if opaque:
-        out, final = torch.ops.hf_raincheck.gated_delta(q, k, v, g, beta, state, backend)
-    else:
-        out, final = gated_delta(backend, q, k, v, g, beta, state, FLA_EAGER_RECURRENT_MAX_ROWS)
-    return (out[..., : out.shape[-1] - carry] if carry else out), final
-
-
-# registers hf_raincheck::gated_delta (ops.py calls `gated_delta` above, through this module)
-from . import ops as _ops  # noqa: E402,F401

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .kernels import advance
+from .ops import advance
 from .state import GDNLayerState
 
 
@@ -151,14 +151,12 @@ class GDNGraphStep:
         count: 0-d long tensor: how many are (the conv window after the chunk ends at the last real row).
         live: whether a decode row follows (False: the chunk alone, the unfused control).
         backend: ``"torch"`` or ``"fla"``.
-        restore_kernel: the chunk and the join run as one Triton kernel (`restore_triton`; `kernels.RESTORE_KERNEL`).
     """
 
     valid: torch.Tensor | None
     count: torch.Tensor | None
     live: bool
     backend: str
-    restore_kernel: bool = False
 
 
 def gdn_rows_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, layer: GDNLayerState, step: GDNGraphStep):
@@ -187,13 +185,10 @@ def gdn_rows_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, layer: G
         valid = step.valid[None, :, None]
         g = torch.where(valid, g, torch.zeros_like(g))
         beta = torch.where(valid, beta, torch.zeros_like(beta))
-        if step.restore_kernel:  # the rows, the new prefix state and the join in one kernel, in place
-            out = torch.ops.hf_raincheck.gdn_restore_chunk(q, k, v, g, beta, prefix.recurrent, layer.state)
-        else:
-            out, new_prefix = advance(step.backend, q, k, v, g, beta, prefix.recurrent, opaque=True)
-            update = torch.matmul(layer.state[..., value_dim:], new_prefix - prefix.recurrent)
-            layer.state[..., :value_dim] += update
-            prefix.recurrent.copy_(new_prefix)
+        out, new_prefix = advance(step.backend, q, k, v, g, beta, prefix.recurrent, opaque=True)
+        update = torch.matmul(layer.state[..., value_dim:], new_prefix - prefix.recurrent)
+        layer.state[..., :value_dim] += update
+        prefix.recurrent.copy_(new_prefix)
         prefix.conv.copy_(new_window)
         outs.append(out)
     if step.live:

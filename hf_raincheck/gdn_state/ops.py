@@ -1,11 +1,16 @@
-"""``hf_raincheck::gated_delta``: the kernel call of `kernels.gated_delta` as a ``torch.library`` custom op.
+"""The kernel calls of GDN layers: `advance`, eagerly or through ``hf_raincheck::gated_delta``, the call of
+`kernels.gated_delta` as a ``torch.library`` custom op.
 
-Compiled static steps (`generation.decode.StaticStep`) call the GDN kernels through this op, so dynamo keeps each
+Compiled static steps (`generation.decode.StaticStep`) call the GDN kernels through the op, so dynamo keeps each
 call as one opaque node and the kernel runs as it does eagerly. Traced into, transformers' torch kernels are Python
-loops over rows and chunks, unrolled in every GDN layer (a compiled Qwen3.5-9B shape, 24 GDN layers, had not
-finished compiling after 285 s on the H200), and fla-core's Triton launchers traced by dynamo did not finish
-compiling either. Eager forwards call `kernels.gated_delta` directly. Importing this module needs no fla-core:
-`kernels.functions` imports a backend's kernels on first use, outside any trace.
+loops over rows and chunks, unrolled in every GDN layer (a compiled Qwen3.5-9B shape, 24 GDN layers, did not finish
+compiling in minutes), and fla-core's Triton launchers traced by dynamo did not finish compiling either. Eager
+forwards call `kernels.gated_delta` directly. Importing this module needs no fla-core: `kernels.functions` imports a
+backend's kernels on first use, outside any trace.
+
+``advance(...)`` runs rows from a state and can carry a transition map ``P`` along in the same call: a gated
+delta rule run with ``v = 0`` from state ``P`` returns ``A_T ... A_1 P``, and the rule acts on ``(v, S)`` column
+by column, so a state ``[S | P]`` with values ``[v | 0]`` gives the new state and the new map at once.
 """
 
 import torch
@@ -35,3 +40,24 @@ def gated_delta_op(
 def _(q, k, v, g, beta, state, backend):
     batch, _, heads, value_dim = v.shape
     return v.new_empty(v.shape, dtype=q.dtype), v.new_empty(batch, heads, k.shape[-1], value_dim, dtype=torch.float32)
+
+
+def advance(backend: str, q, k, v, g, beta, state, carry: int = 0, opaque: bool = False):
+    """`kernels.gated_delta` on a state whose last `carry` columns hold a transition map ``P`` (advanced with
+    ``v = 0``).
+
+    `state` ``[1, H_v, K, V + carry]`` (``None``: zeros, only with ``carry = 0``). Returns ``(o [1, T, H_v, V],
+    final state [1, H_v, K, V + carry])``: the first V columns are the new state, the last `carry` are
+    ``A_T ... A_1 P``. Keeping ``[S | P]`` in one buffer costs one kernel call per row block for both.
+
+    `opaque`: call the kernels through the ``hf_raincheck::gated_delta`` custom op, one node in a traced graph
+    (compiled steps, `gdn_rows_forward_graph`; `kernels.functions(backend)` must have run before tracing). Eager
+    calls (not `opaque`) take fla's recurrent kernel up to `kernels.FLA_EAGER_RECURRENT_MAX_ROWS` rows from a state.
+    """
+    if carry:
+        v = torch.cat([v, v.new_zeros(*v.shape[:-1], carry)], dim=-1)
+    if opaque:
+        out, final = torch.ops.hf_raincheck.gated_delta(q, k, v, g, beta, state, backend)
+    else:
+        out, final = kernels.gated_delta(backend, q, k, v, g, beta, state, kernels.FLA_EAGER_RECURRENT_MAX_ROWS)
+    return (out[..., : out.shape[-1] - carry] if carry else out), final

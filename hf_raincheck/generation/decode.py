@@ -25,7 +25,6 @@ from ..cache import DeferralPlan, DeferredPrefillCache
 from ..gdn_state import GDNGraphStep
 from ..gdn_state import resolve as resolve_gdn_backend
 from ..gdn_state.kernels import functions as gdn_functions
-from ..gdn_state.kernels import restore_kernel_runs as gdn_restore_kernel_runs
 from .rows import Rows, concat_rows, deferred_rows, run_rows
 from .schedule import carried_tokens
 from .visibility import visible
@@ -145,7 +144,6 @@ class StaticStep:
     def __init__(self, adapter, compile_options: dict):
         self.adapter = adapter
         self.compiled = torch.compile(_step_graph, **compile_options)
-        self._restore = None  # whether fused steps take the fused GDN restoration kernel (decided once)
 
     @staticmethod
     def prepare(cache: DeferredPrefillCache, plan: DeferralPlan | None, chunk_size: int) -> None:
@@ -201,12 +199,6 @@ class StaticStep:
             buffers["boundary"], buffers["deferred_slots"],
         ))
 
-    def _restore_kernel(self, device: torch.device) -> bool:
-        if self._restore is None:
-            _, key_dim, value_dim, _, _ = self.adapter.gdn_glue.dims(next(iter(self.adapter.gdn_modules().values())))
-            self._restore = gdn_restore_kernel_runs(device, key_dim, value_dim)
-        return self._restore
-
     def _run(self, cache, turn, count: int, token, slot: int, chunk):
         if self.adapter.gdn_glue is not None:  # GDN layers read how the rows split (tensors only)
             backend = compiled_gdn_backend(turn.config.gdn_backend, cache._filled.device)
@@ -214,7 +206,6 @@ class StaticStep:
             # `valid` is set inside the graph, from the gathered window
             cache._gdn_step = GDNGraphStep(
                 valid=None, count=chunk[-1] if chunk is not None else None, live=token is not None, backend=backend,
-                restore_kernel=chunk is not None and self._restore_kernel(cache._filled.device),
             )
         try:
             return self.compiled(

@@ -30,11 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_support import interpreted
+from ..triton_support import interpreted
 
-#: (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages) per pass and input kind. 16-bit: the fastest measured on an
-#: H200 (16384 patches, 16 heads of 72, bf16, one segment: pass 1 2.9 ms, pass 2 3.5 ms); fp32 inputs (ieee dots on
-#: the CUDA cores) are for tests and the interpreter, so they take small tiles. Callers may pass others (``configs=`` /
+#: (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages) per pass and input kind. 16-bit: the fastest of the tuning
+#: sweep at a Qwen3-VL ViT's shape (16384 patches, 16 heads of 72, bf16, one segment); fp32 inputs (ieee dots on the
+#: CUDA cores) are for tests and the interpreter, so they take small tiles. Callers may pass others (``configs=`` /
 #: ``config=``), e.g. the tuning sweep ``benchmarks/received_attention.py``
 CONFIGS = {
     ("lse", "16bit"): (256, 64, 8, 3),

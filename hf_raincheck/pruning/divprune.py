@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from ..triton_support import triton_enabled
 from .base import SelectionContext, assemble, register_selector, span_groups
 from .greedy import run_greedy
-from .triton_support import triton_enabled
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Sequential greedy loops (DivPrune, MMTok) without per-step launch overhead on CUDA.
 
-A greedy selector runs ``b`` dependent steps of a few small kernels each; eager PyTorch spends ~10 us of CPU
-time per kernel launch, so a 300-step loop costs tens of milliseconds even when the GPU work is tiny. On CUDA the
+A greedy selector runs ``b`` dependent steps of a few small kernels each; eager PyTorch spends CPU time on every
+kernel launch, so a loop of hundreds of steps is bound by launches even when the GPU work is tiny. On CUDA the
 loop body is therefore captured once as a CUDA graph of ``CHUNK`` steps and replayed ``ceil(b / CHUNK)`` times.
 The graph runs exactly the kernels of the eager loop (same results, bit for bit); it depends only on the tensor
 shapes (not on the budget), and is cached per shape (LRU of ``CACHE_SIZE``). Steps past the budget in the last
@@ -18,12 +18,11 @@ chunk) and ``check.refresh(state)``, and the next chunk starts at that step. ``r
 the first step; it must leave a state in which the next step certifies (so every chunk makes progress). On CUDA
 ``refresh`` is captured as a graph of its own (cached with the loop's).
 
-Set ``HF_RAINCHECK_GREEDY_GRAPHS=0`` to run the eager loop everywhere.
+``run_greedy(..., graphs=False)`` runs the eager loop everywhere (mmtok's ``cuda_graphs`` option).
 """
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
@@ -60,12 +59,9 @@ class Checked:
 STATS = {"chunks": 0, "rewinds": 0}
 
 
-def graphs_enabled(device: torch.device) -> bool:
-    return (
-        device.type == "cuda"
-        and os.environ.get("HF_RAINCHECK_GREEDY_GRAPHS", "1") != "0"
-        and not torch.cuda.is_current_stream_capturing()
-    )
+def graphs_enabled(device: torch.device, graphs: bool = True) -> bool:
+    """Whether a loop on `device` runs as CUDA graphs: on CUDA, unless `graphs` is False or a capture is under way."""
+    return graphs and device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
 
 
 class _Loop:
@@ -161,17 +157,19 @@ def run_greedy(
     start: int,
     budget: int,
     check: Checked | None = None,
+    graphs: bool = True,
 ) -> None:
     """Runs steps ``start .. budget - 1`` of a greedy loop, writing each step's picks ``[B]`` to ``order[:, i]``.
 
     ``step(state, picks, s)`` must update `state` in place and write its pick to ``picks[:, s]``, with no host
     synchronisation. `state` is copied into the cached graph's static tensors (and left untouched) where the loop
-    is graphed, and updated in place where it runs eagerly. With `check`, see `Checked` and the module docstring."""
+    is graphed, and updated in place where it runs eagerly. With `check`, see `Checked` and the module docstring.
+    `graphs=False`: the eager loop on CUDA too (the same picks)."""
     steps = budget - start
     device = order.device
     if steps <= 0:
         return
-    if steps < MIN_STEPS or not graphs_enabled(device):
+    if steps < MIN_STEPS or not graphs_enabled(device, graphs):
         _run_eager(state, step, order, start, budget, check)
         return
     with torch.cuda.device(device):  # graphs capture and replay on the current device's streams

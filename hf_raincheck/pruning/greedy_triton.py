@@ -1,9 +1,9 @@
 """Triton kernels for the greedy selectors: each runs a span's whole greedy loop in one launch.
 
-The torch loops (`hf_raincheck.pruning.greedy`) replay a few small kernels per step from a CUDA graph; at 1229
-steps (4096 tokens, retention 0.3) that is ~15 us (DivPrune) and ~110 us (MMTok, lazy) per step on an H200, mostly
-launch gaps and, for MMTok, re-reading coverage columns. Here a step costs a few us: the loop runs inside the
-kernel, the state stays in registers.
+The torch loops (`hf_raincheck.pruning.greedy`) replay a few small kernels per step from a CUDA graph; a greedy of
+1229 steps (4096 tokens, retention 0.3) then spends its time in launch gaps and, for MMTok, in re-reading coverage
+columns. Here the loop runs inside the kernel and the state stays in registers, so a step is a few dependent
+loads and reductions.
 
 - `divprune_order_triton`: one program per span. ``nearest`` (running max cosine to the chosen set) lives in
   registers; a step is an argmin (lowest index on ties) and one row of the similarity matrix. Same arithmetic as
@@ -23,32 +23,29 @@ kernel, the state stays in registers.
   SM count). A program that waits too long (``SPIN_LIMIT`` polls: programs not co-resident, or Triton's
   interpreter, which runs programs one after another) raises the span's failure flag and stops; the host then runs
   the torch path for the batch. Long greedies run in two launches (`coverage_stages`): the first steps, which change
-  many rows, on many programs, the rest on fewer; the state goes through memory between them (9.13 against 9.76 ms
-  at 4096 tokens on the H200).
-  Tried and removed: several picks per barrier round (each program proposing its K + 1 smallest ranks,
-  later picks certified against the round's bounds without another barrier; 2.6x fewer barriers at 4096 tokens).
-  On the H200 it saved 4% at 4096 tokens (9.28 vs 9.68 ms, K = 3) and cost 10% at 1024: the barrier is not what a
-  step waits on most. ``phases=`` (benchmarks) records where a step's time goes: on the H200 at 4096 tokens and 64
-  programs, of ~7 us per step, 0.14 us go to the proposal, 1.8 to the barrier, 2.8 to taking the column (its load,
-  the compare with ``best`` and the compaction of the changed rows) and 2.0 to the gain update (the compacted rows
-  read back, their cover entries gathered). Also tried: an L2 prefetch of each program's candidate column and row
-  before the barrier (no gain: 9.42 vs 9.25 ms), so the column load is not what the take waits on.
+  many rows, on many programs, the rest on fewer; the state goes through memory between them.
+  Tried and removed: several picks per barrier round (each program proposing its K + 1 smallest ranks, later
+  picks certified against the round's bounds without another barrier): a small gain at 4096 tokens, a loss at
+  1024, because the barrier is not what a step waits on most. ``phases=`` (benchmarks) records where a step's time
+  goes: taking the column (its load, the compare with ``best`` and the compaction of the changed rows) and the gain
+  update (the compacted rows read back, their cover entries gathered) take most of it, the barrier less and the
+  proposal little. Also tried: an L2 prefetch of each program's candidate column and row before the barrier (no
+  gain), so the column load is not what the take waits on. The benchmarks page has the numbers.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .triton_support import sm_count
+from ..triton_support import sm_count
 
 #: the largest register-resident vector a program keeps (DivPrune's ``nearest`` over N tokens, MMTok's ``best`` over
-#: R = m + n rows, as the next power of two): sizes above run the torch loops. 8192 is the largest shape run on the
-#: H200 (4096 tokens: R = 4120); beyond, the registers would spill
+#: R = m + n rows, as the next power of two): sizes above run the torch loops. 8192 is the largest shape run on a
+#: GPU (4096 tokens: R = 4120); beyond, the registers would spill
 MAX_BLOCK = 8192
 SPIN_LIMIT = 1 << 22  # polls of the barrier's slots before a program gives up (far beyond any real wait)
 INT64_MAX = (1 << 63) - 1
@@ -311,39 +308,19 @@ def _gain_terms(x, old, new):
     return t_new - t_old
 
 
-#: the most programs a span's columns are split over (H200, 4096 tokens: 7.6 us per step at 64, 9.1 at 32, 7.7 at
-#: 128; 1024 tokens: 4.2 us at 64; `benchmarks/greedy_kernels.py`)
+#: the most programs a span's columns are split over (the per-step time was flat from 64 to 128 programs and longer
+#: at 32; `benchmarks/greedy_kernels.py`)
 MAX_SPLITS = 64
 #: the late stage (`coverage_stages`): from step `LATE_STEP` on, a span's greedy goes on with `LATE_SPLITS`
-#: programs, where at least `LATE_STEP` steps remain. Early steps change many rows of ``best`` (4096 tokens: 4120 at
-#: step 0, then 2083, 1364, 992, ..., ~200 by step 20, a median of 5 later), and their gain updates want many
-#: programs; later steps are bound by the per-step chain (barrier, column, compaction), which fewer programs run
-#: a little faster (a median step of 6.1 us at 8 programs against 7.1 at 64). H200, 4096 tokens, median of 7:
-#: 64 programs throughout 9.76 ms; then 8 from step 16 / 32 / 64 / 128 / 256: 11.20 / 10.55 / 9.93 / 9.44 / 9.13;
-#: 4 or 16 or 32 from step 64: 10.11 / 10.09 / 10.23 (`benchmarks/greedy_kernels.py --device cuda --splits 64
-#: --late ...`, `benchmarks/results/greedy_kernels_late.json`). At 1024 tokens (307 steps) a late stage did not pay
-#: (1.55 ms in one launch, 1.60 from step 256), hence the "steps remaining" condition
+#: programs, where at least `LATE_STEP` steps remain. Early steps change many rows of ``best`` (4096 tokens: all of
+#: them at step 0, then half, a third, ..., a few hundred by step 20, a median of 5 later), and their gain updates
+#: want many programs; later steps are bound by the per-step chain (barrier, column, compaction), which fewer
+#: programs run a little faster. Of the switch steps and late split counts swept at 4096 tokens
+#: (`benchmarks/greedy_kernels.py --late`), step 256 with 8 programs was the fastest and beat one launch; switching
+#: before step 128 was slower than one launch. At 1024 tokens (307 steps) a late stage did not pay, hence the "steps
+#: remaining" condition. mmtok's ``late_stage`` option (`hf_raincheck.pruning.mmtok`) overrides it.
 LATE_STEP = 256
 LATE_SPLITS = 8
-#: an override of the default late stage, for GPU sweeps of whole selections (`benchmarks/selector_speed.py`):
-#: ``step:splits`` or ``step:splits:warps:tile_r`` as `coverage_stages`' `late`, or ``none`` (one launch)
-LATE_ENV = "HF_RAINCHECK_MMTOK_LATE"
-
-
-def late_from_env() -> tuple[int, ...] | None:
-    """`LATE_ENV` as a `late` tuple (``none``: a step no greedy reaches, so one launch), or None when unset."""
-    text = os.environ.get(LATE_ENV, "").strip()
-    if not text:
-        return None
-    if text == "none":
-        return (1 << 62, 1)
-    try:
-        late = tuple(int(part) for part in text.split(":"))
-    except ValueError:
-        late = ()
-    if len(late) not in (2, 4):
-        raise ValueError(f"{LATE_ENV} must be 'step:splits', 'step:splits:warps:tile_r' or 'none', got {text!r}")
-    return late
 
 
 def coverage_plan(n: int, batch: int, device: torch.device, splits: int | None = None) -> tuple[int, int]:
@@ -378,9 +355,10 @@ def coverage_stages(n: int, batch: int, budget: int, device: torch.device, split
     elif (len(late) not in (2, 4) or late[0] < 0 or late[1] < 1
           or (device.type == "cuda" and late[1] > 1 and late[1] * batch > sm_count(device))
           or (len(late) == 4 and (late[2] not in (1, 2, 4, 8, 16, 32) or late[3] < 1 or late[3] & (late[3] - 1)))):
-        raise ValueError(f"late must be (step >= 0, splits >= 1) or (step, splits, warps in 1/2/4/8/16/32, tile_r a "
-                         f"power of two), with splits x spans ({batch}) within the SM count (the programs of a launch "
-                         f"must be resident together), got {late}")
+        raise ValueError(f"late stage (mmtok's pruning option 'late_stage') must be (step >= 0, splits >= 1) or "
+                         f"(step, splits, warps in 1/2/4/8/16/32, tile_r a power of two), with splits x spans "
+                         f"({batch}) within the SM count (the programs of a launch must be resident together), "
+                         f"got {late}")
     step, late_splits = late[:2]
     late_splits, late_block = coverage_plan(n, batch, device, late_splits)
     if step < budget:
@@ -427,8 +405,6 @@ def coverage_order_triton(cover: torch.Tensor, scales: torch.Tensor, budget: int
         return order
     if phases is not None and (splits is None or late is not None):
         raise ValueError("phases needs one launch: pass splits, and no late stage")
-    if late is None and splits is None:
-        late = late_from_env()
     stages = coverage_stages(n, batch, budget, device, splits, late)
     m = rows_n - n  # question rows first, then the span's rows (`mmtok.coverage_matrix`)
     block_m = max(16, triton.next_power_of_2(max(m, 1)))

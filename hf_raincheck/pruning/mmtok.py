@@ -18,7 +18,16 @@ Per span (an image or a video frame) of ``n`` tokens with budget ``b``, all vect
 
 Options (``RaincheckConfig.pruning_options``), with the Qwen defaults of the official code:
 ``alpha`` 0.5 (weight of vision-vision coverage, >= 0), ``tau_tv`` 0.01 (text-vision temperature, > 0),
-``tau_vv`` 0.2 (vision-vision temperature, > 0).
+``tau_vv`` 0.2 (vision-vision temperature, > 0). Two more choose how the greedy runs, never what it picks
+(`EXECUTION_OPTIONS`; for benchmarks and debugging):
+
+- ``late_stage`` (Triton kernel only): ``"auto"`` (default: the late stage of
+  `hf_raincheck.pruning.greedy_triton.coverage_stages`, from step ``LATE_STEP`` with ``LATE_SPLITS`` programs
+  where it applies), ``"off"`` (the whole greedy in one launch), or a list ``[step, splits]`` /
+  ``[step, splits, warps, tile_r]``: from `step` on, the greedy goes on in a second launch with `splits` programs
+  per span (and that launch's warps per program and changed-row tile);
+- ``cuda_graphs`` (torch loops on CUDA): True (default) replays the greedy loop as CUDA graphs
+  (`hf_raincheck.pruning.greedy`), False runs it eagerly.
 
 Differences from the official code: the question is embedded from the conversation's own tokens (no
 ``"Question: "`` prefix and no re-tokenisation: Raincheck sees token ids, not text); an empty question
@@ -41,7 +50,7 @@ synchronisation inside a step; on CUDA the chunk (and the refresh) are CUDA grap
 (`kernel_runs`: CUDA), the whole full greedy is one kernel instead, after one preparation pass over the matrix
 (`hf_raincheck.pruning.greedy_triton`: the scaled transpose and the initial gains; then gains kept incrementally
 over the rows each pick changes, the same fixed-point arithmetic, so the same picks), for spans of every size.
-``k = 64``: the measured fallbacks on covers of this shape were a few per span (1 at n = 1024, ~2-7 at n = 4096,
+``k = 64``: the fallbacks counted on covers of this shape were a few per span (1 at n = 1024, ~2-7 at n = 4096,
 b = 0.3 n; smaller k costs more fallbacks, larger k more work per step).
 
 Exactness of the gains: floating-point sums depend on the reduction order, which PyTorch chooses by shape (on CPU
@@ -63,19 +72,56 @@ plus ``O(R n)`` per refresh (once at the start, once per fallback).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from ..triton_support import triton_enabled
 from .base import VISION_HIDDEN, SelectionContext, assemble, check_float, register_selector, span_groups
 from .divprune import l2_normalize
 from .greedy import CHUNK, Checked, run_greedy
-from .triton_support import triton_enabled
 
-DEFAULTS = {"alpha": 0.5, "tau_tv": 0.01, "tau_vv": 0.2}
+DEFAULTS = {"alpha": 0.5, "tau_tv": 0.01, "tau_vv": 0.2, "late_stage": "auto", "cuda_graphs": True}
+#: the options that choose how the greedy runs, not which tokens it picks (references ignore them)
+EXECUTION_OPTIONS = ("late_stage", "cuda_graphs")
+_WARPS = (1, 2, 4, 8, 16, 32)
+
+
+def _check_late_stage(selector: str, value: Any):
+    """``"auto"``, ``"off"``, or ``[step >= 0, splits >= 1]`` / ``[step, splits, warps, tile_r]`` (a tuple)."""
+    if value in ("auto", "off"):
+        return value
+    ints = isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    if (ints and len(value) in (2, 4) and value[0] >= 0 and value[1] >= 1
+            and (len(value) == 2 or (value[2] in _WARPS and value[3] >= 1 and not value[3] & (value[3] - 1)))):
+        return tuple(value)
+    raise ValueError(f"pruning option 'late_stage' of {selector!r} must be 'auto', 'off', [step, splits] or "
+                     f"[step, splits, warps, tile_r] (step >= 0, splits >= 1, warps in {list(_WARPS)}, tile_r a "
+                     f"power of two), got {value!r}")
+
+
+def _check_cuda_graphs(selector: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"pruning option 'cuda_graphs' of {selector!r} must be True or False, got {value!r}")
+    return value
+
+
 CHECKS = {
     "alpha": check_float("alpha", 0.0),
     "tau_tv": check_float("tau_tv", 0.0, low_open=True),
     "tau_vv": check_float("tau_vv", 0.0, low_open=True),
+    "late_stage": _check_late_stage,
+    "cuda_graphs": _check_cuda_graphs,
 }
+#: ``late_stage="off"`` as a `greedy_triton.coverage_stages` late stage: a step no greedy reaches (one launch)
+ONE_LAUNCH = (1 << 62, 1)
+
+
+def late_stage_tuple(option) -> tuple[int, ...] | None:
+    """The ``late_stage`` option as `greedy_triton.coverage_order_triton`'s `late` (None: its default)."""
+    if option == "auto":
+        return None
+    return ONE_LAUNCH if option == "off" else tuple(option)
 
 
 def coverage_matrix(x, x_c, z, alpha: float, tau_tv: float, tau_vv: float) -> torch.Tensor:
@@ -97,9 +143,9 @@ def coverage_matrix(x, x_c, z, alpha: float, tau_tv: float, tau_vv: float) -> to
 
 # ----------------------------------------------------------------------------------------------- lazy greedy
 LAZY_K = 64  # candidates evaluated per lazy step
-# spans of at least this many tokens use the lazy greedy; smaller ones the dense step (measured on the H200, one
-# image, retention 0.3, CUDA graphs: 4096 tokens lazy 134 ms vs dense 161 ms; 1024 tokens lazy 26 ms vs dense 9.7 ms;
-# the crossover between them was not measured)
+# spans of at least this many tokens use the lazy greedy; smaller ones the dense step (one image, retention 0.3,
+# CUDA graphs: at 4096 tokens the lazy greedy was faster, at 1024 the dense step was, by a wider margin; the crossover
+# between them was not measured)
 LAZY_MIN_TOKENS = 2048
 TAKEN = 1 << 62  # rank of a chosen column: after every unchosen one, before the padding
 
@@ -136,12 +182,14 @@ def initial_gains(scaled: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def greedy_coverage_order(
-    cover: torch.Tensor, budget: int, lazy: bool = True, k: int | None = None
+    cover: torch.Tensor, budget: int, lazy: bool = True, k: int | None = None, graphs: bool = True,
+    late: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Greedy maximum coverage on ``cover [B, R, n]`` -> ``[B, budget]`` column offsets in selection order.
 
     ``lazy=False`` runs the full greedy (every step evaluates every column, with the same arithmetic: the same
-    picks, slower); `k` overrides `LAZY_K`."""
+    picks, slower); `k` overrides `LAZY_K`. Where the Triton kernel runs, `late` is its late stage
+    (`late_stage_tuple`); elsewhere ``graphs=False`` runs the torch loop eagerly on CUDA too (`run_greedy`)."""
     batch, rows_n, n = cover.shape
     device = cover.device
     k = LAZY_K if k is None else k
@@ -152,7 +200,7 @@ def greedy_coverage_order(
     cover = cover.float()
     scales = fixed_point_scales(cover, width)
     if lazy and kernel_runs(device, rows_n):  # one kernel pair, same gains and picks
-        picked = _kernels().coverage_order_triton(cover, scales, budget, width + 1)
+        picked = _kernels().coverage_order_triton(cover, scales, budget, width + 1, late=late)
         if picked is not None:
             return picked
     scaled = fixed_point(cover, width, scales)
@@ -172,9 +220,9 @@ def greedy_coverage_order(
     }
     if lazy:
         check = Checked(flag="fail", mutable=("best", "rank"), rewind=_rewind, refresh=_refresh)
-        run_greedy("mmtok", state, _lazy_step, order, 0, budget, check=check)
+        run_greedy("mmtok", state, _lazy_step, order, 0, budget, check=check, graphs=graphs)
     else:
-        run_greedy("mmtok-full", state, _full_step, order, 0, budget)
+        run_greedy("mmtok-full", state, _full_step, order, 0, budget, graphs=graphs)
     return order
 
 
@@ -264,7 +312,7 @@ def _full_step(state: dict, picks: torch.Tensor, s: int) -> None:
 
 # ----------------------------------------------------------------------------------------------- dense greedy
 @torch.no_grad()
-def dense_greedy_coverage_order(cover: torch.Tensor, budget: int) -> torch.Tensor:
+def dense_greedy_coverage_order(cover: torch.Tensor, budget: int, graphs: bool = True) -> torch.Tensor:
     """The previous implementation, for tests and benchmarks: every step reduces the whole ``[B, R, n]`` matrix
     (``sum(dim=1)`` over all columns at once). Its gains can differ from `greedy_coverage_order`'s in the last
     bit (another reduction order), so the two agree except where two gains are that close."""
@@ -279,7 +327,7 @@ def dense_greedy_coverage_order(cover: torch.Tensor, budget: int) -> torch.Tenso
         "gain": torch.empty(batch, n, dtype=cover.dtype, device=device),
         "rows": torch.arange(batch, device=device),
     }
-    run_greedy("mmtok-dense", state, _coverage_step, order, 0, budget)
+    run_greedy("mmtok-dense", state, _coverage_step, order, 0, budget, graphs=graphs)
     return order
 
 
@@ -299,6 +347,7 @@ def _coverage_step(state: dict, picks: torch.Tensor, s: int) -> None:
 @register_selector("mmtok", options=DEFAULTS, checks=CHECKS, requires={VISION_HIDDEN: True})
 def select_mmtok(ctx: SelectionContext) -> torch.Tensor:
     opts = select_mmtok.options.resolve(ctx.options)
+    late = late_stage_tuple(opts["late_stage"])
     z = ctx.query_embeds
     chosen = {}
     for (n, budget), members in span_groups(ctx).items():
@@ -306,6 +355,9 @@ def select_mmtok(ctx: SelectionContext) -> torch.Tensor:
         x_c = torch.stack([ctx.span_vision_hidden(m, "mmtok") for m in members]).to(x.device)
         cover = coverage_matrix(x, x_c, z.to(x.device), opts["alpha"], opts["tau_tv"], opts["tau_vv"])
         exact = n >= LAZY_MIN_TOKENS or kernel_runs(cover.device, cover.shape[1])
-        order = greedy_coverage_order(cover, budget) if exact else dense_greedy_coverage_order(cover, budget)
+        if exact:
+            order = greedy_coverage_order(cover, budget, graphs=opts["cuda_graphs"], late=late)
+        else:
+            order = dense_greedy_coverage_order(cover, budget, graphs=opts["cuda_graphs"])
         chosen.update({m: order[i] for i, m in enumerate(members)})
     return assemble(ctx, chosen)

@@ -29,7 +29,7 @@ from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
 
 from ..transformers_coupling import fused_sdp_choice
-from .triton_support import triton_enabled
+from ..triton_support import triton_enabled
 
 #: at most this many attention probabilities in memory at once ([heads, query block, keys] fp32: 256 MiB)
 MAX_ATTENTION_ELEMENTS = 1 << 26
@@ -138,7 +138,7 @@ def flash_attention_with_lse(call: SDPACall) -> tuple[torch.Tensor, torch.Tensor
     except RuntimeError:  # no backend fits: SDPA itself will say why
         return None
     if choice == int(SDPBackend.CUDNN_ATTENTION) and q.device.type == "cuda":
-        # cuDNN (what SDPA picks for the Qwen vision towers on the H200): its op with the statistics output on
+        # cuDNN (what SDPA picks for the Qwen vision towers on Hopper GPUs): its op with the statistics output on
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, False, False, scale=call.scale)[:2]
         return out, lse.reshape(*q.shape[:3])

@@ -1,9 +1,10 @@
-"""When the pruning code may run its Triton kernels.
+"""When the package may run its Triton kernels.
 
-The kernels (`hf_raincheck.pruning.greedy_triton`, `hf_raincheck.pruning.attention_triton`) run on CUDA tensors
-when Triton imports (it ships with CUDA builds of torch). ``HF_RAINCHECK_TRITON=0`` turns them off (the torch
-paths run instead: the same results). For tests on a machine without a GPU, Triton's interpreter
-(``TRITON_INTERPRET=1``) runs them on CPU tensors too.
+The kernels (`hf_raincheck.attention.softmax_triton`, `hf_raincheck.pruning.greedy_triton`,
+`hf_raincheck.pruning.attention_triton`) run on CUDA tensors when Triton imports (it ships with CUDA builds of
+torch). ``HF_RAINCHECK_TRITON=0``, the package's one environment switch, turns them off (the torch paths run
+instead: the same results; the attention's softmax reads it at import, the pruning kernels at each call). For tests
+on a machine without a GPU, Triton's interpreter (``TRITON_INTERPRET=1``) runs them on CPU tensors too.
 """
 
 from __future__ import annotations
