@@ -134,8 +134,8 @@ class RaincheckChatHandler(ChatCompletionHandler):
                                            "code": error.status}}, status_code=error.status)
 
     async def _handle(self, body: dict, request_id: str):
-        self._validate_request(body)  # unknown fields: 422
         check_parameters(body)
+        self._validate_request(body)  # unknown fields: 422
         if not self.scheduler.running:
             raise HTTPException(status_code=503, detail="the model's scheduler has stopped")
         model_id, model, processor = self._resolve_model(body)  # another model than the pinned one: 400

@@ -154,6 +154,11 @@ class ConversationPool:
                 "misses": self.misses,
                 "evictions": self.evictions,
                 "pending": sum(c.cache.pending for c in self._conversations.values()),
+                # over the pooled conversations' whole lives: deferred = restored (prefill + decode + after) + pending
+                "deferred": sum(sum(t.deferred for t in c.cache.turn_stats) for c in self._conversations.values()),
+                "restored_in_prefill": sum(c.cache.stats.during_prefill for c in self._conversations.values()),
+                "restored_during_decode": sum(c.cache.stats.during_decode for c in self._conversations.values()),
+                "restored_after_answer": sum(c.cache.stats.after_answer for c in self._conversations.values()),
             }
 
     def _remove(self, conv: Conversation) -> None:
