@@ -77,7 +77,11 @@ def main(argv: list[str] | None = None, prog: str = "hf-raincheck serve") -> int
         port=args.port, device=args.device, dtype=args.dtype, attn_implementation=args.attn_implementation,
         trust_remote_code=args.trust_remote_code, log_level=args.log_level)
     print(f"hf-raincheck serve: {server.model_name} on {server.base_url} (POST /chat/completions)", flush=True)
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C / SIGINT after its graceful shutdown
+        pass
+    print("hf-raincheck serve: stopped", flush=True)
     return 0
 
 
