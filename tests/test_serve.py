@@ -282,3 +282,21 @@ def test_other_endpoints_and_stats(server):
     with urllib.request.urlopen(server.base_url + "/raincheck/stats", timeout=10) as response:
         stats = json.loads(response.read())
     assert {"conversations", "bytes", "budget_bytes", "hits", "misses", "evictions", "pending"} <= set(stats)
+
+
+def test_command_line(capsys):
+    from hf_raincheck.serve.cli import build_parser, console_main, raincheck_config_from_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        console_main(["serve", "--help"])
+    assert exit_info.value.code == 0 and "--retention" in capsys.readouterr().out
+    assert console_main(["bogus"]) == 2 and "unknown command 'bogus'" in capsys.readouterr().err
+    args = build_parser().parse_args(["some/model", "--retention", "0.5", "--pruning", "divprune",
+                                      "--raincheck-config", '{"chunk_size": 15}'])
+    config = raincheck_config_from_args(args)
+    assert (args.model, config.retention, config.pruning, config.chunk_size) == ("some/model", 0.5, "divprune", 15)
+    with pytest.raises(SystemExit):
+        from hf_raincheck.serve.cli import main
+
+        main(["--retention", "2"])  # an invalid config value: argparse error naming the field
+    assert "retention" in capsys.readouterr().err
