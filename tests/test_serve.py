@@ -300,3 +300,33 @@ def test_command_line(capsys):
 
         main(["--retention", "2"])  # an invalid config value: argparse error naming the field
     assert "retention" in capsys.readouterr().err
+
+
+def test_sampling_parameters_stop_and_max_tokens(server, client):
+    messages = [user("list row C.", data_url(make_dialogue(10).image()))]
+    sampled = [ask(client, messages, temperature=1.0, top_p=0.9, seed=7, max_tokens=12)[0] for _ in range(2)]
+    assert sampled[0] == sampled[1]  # the seed is applied on the model's thread, right before the request's generate
+    response = client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=3, temperature=0)
+    assert response.choices[0].finish_reason == "length" and response.usage.completion_tokens == 3
+    full, _ = ask(client, messages, max_tokens=MAX_TOKENS)
+    word = full.split()[1]
+    stopped, _ = ask(client, messages, max_tokens=MAX_TOKENS, stop=[word])
+    assert stopped.endswith(word) and len(stopped) < len(full) and full.startswith(stopped)
+
+
+def test_a_client_that_goes_away_mid_stream_cancels_only_its_request(server, client):
+    import httpx
+
+    before = server.pool.snapshot()["conversations"]
+    body = _body([_image(data_url(make_dialogue(11).image())), _text("list row D.")], max_tokens=200, stream=True,
+                 temperature=0)
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", server.base_url + "/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if '"content"' in line:
+                    break  # the first piece of the answer: hang up
+    assert server.scheduler.wait_idle(60)
+    assert server.pool.snapshot()["conversations"] == before  # the cancelled conversation was not kept
+    answer, usage = ask(client, [user("hello again")])
+    assert usage.completion_tokens > 0
