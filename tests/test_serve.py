@@ -276,12 +276,13 @@ def test_a_failing_generation_is_reported_and_the_server_goes_on(server, client)
     assert usage.completion_tokens > 0
 
 
-def test_other_endpoints_and_stats(server):
+def test_other_endpoints_and_stats(server, client):
     status, text = _post(server, {"model": DEFAULT_MODEL, "prompt": "hi"}, path="/v1/completions")
     assert status == 404 and "/v1/chat/completions" in text
     with urllib.request.urlopen(server.base_url + "/raincheck/stats", timeout=10) as response:
         stats = json.loads(response.read())
     assert {"conversations", "bytes", "budget_bytes", "hits", "misses", "evictions", "pending"} <= set(stats)
+    assert [m.id for m in client.models.list()] == [DEFAULT_MODEL]
 
 
 def test_command_line(capsys):
@@ -330,3 +331,17 @@ def test_a_client_that_goes_away_mid_stream_cancels_only_its_request(server, cli
     assert server.pool.snapshot()["conversations"] == before  # the cancelled conversation was not kept
     answer, usage = ask(client, [user("hello again")])
     assert usage.completion_tokens > 0
+
+
+def test_example_client(server, reference, capsys):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import serve_client
+
+    answers = serve_client.main(["--base-url", server.base_url, "--max-tokens", str(MAX_TOKENS)])
+    dialogue = make_dialogue(0)
+    model, processor = reference
+    expected = chat_reference(model, processor, CONFIG,
+                              [(turn.question, dialogue.image() if i == 0 else None)
+                               for i, turn in enumerate(dialogue.turns)], MAX_TOKENS)
+    assert answers == expected
+    assert "from the conversation's cache (reused)" in capsys.readouterr().out

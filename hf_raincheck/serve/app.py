@@ -87,7 +87,14 @@ class RaincheckServer:
     def _add_routes(self) -> None:
         from fastapi.responses import JSONResponse
 
-        pool, scheduler = self.pool, self.scheduler
+        pool, scheduler, name = self.pool, self.scheduler, self.model_name
+        # /v1/models lists the one model this server serves (transformers' lists the Hub cache's models)
+        self.app.router.routes[:] = [r for r in self.app.router.routes if getattr(r, "path", None) != "/v1/models"]
+
+        @self.app.get("/v1/models")
+        def list_models():
+            return JSONResponse({"object": "list", "data": [
+                {"id": name, "object": "model", "created": 0, "owned_by": "hf_raincheck"}]})
 
         @self.app.get("/v1/raincheck/stats")
         def raincheck_stats():
