@@ -97,6 +97,11 @@ def check_parameters(body: dict) -> None:
                            "cached tokens must render the same way in every request)")
 
 
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 class _Refused:
     """The endpoints of `transformers serve` this server does not run (they would bypass the model's scheduler)."""
 
@@ -168,8 +173,6 @@ class RaincheckChatHandler(ChatCompletionHandler):
             return StreamingResponse(self._sse(job, request_id, model_id), media_type="text/event-stream")
         try:
             result = await job.done
-        except RequestError:
-            raise
         except Exception as error:  # noqa: BLE001 - this request failed; the server and other conversations go on
             return JSONResponse({"error": {"message": f"generation failed: {type(error).__name__}: {error}",
                                            "type": "server_error"}}, status_code=500)
@@ -195,6 +198,7 @@ class RaincheckChatHandler(ChatCompletionHandler):
                 if item is None:
                     break
                 if isinstance(item, _StreamError):
+                    job.done.add_done_callback(_retrieve)  # the error is reported here, in the stream
                     yield f"data: {json.dumps({'error': {'message': item.msg, 'type': 'server_error'}})}\n\n"
                     return
                 yield self._build_chunk_sse(request_id, model=model_id, content=item)

@@ -81,7 +81,7 @@ def _message(index: int, message, loader: ImageLoader) -> ParsedMessage:
             processor_parts.append({"type": "image", "image": image})
         else:
             raise RequestError(f"{part_where}.type {kind!r} is not supported; allowed: {list(CONTENT_TYPES)}")
-    if not any(kind == "text" and value.strip() for kind, value in parts) and role != "assistant":
-        if not any(kind == "image" for kind, _ in parts):
-            raise RequestError(f"{where}: the message is empty")
+    has_text = any(kind == "text" and value.strip() for kind, value in parts)
+    if role != "assistant" and not has_text and not any(kind == "image" for kind, _ in parts):
+        raise RequestError(f"{where}: the message is empty (no text, no image)")
     return ParsedMessage(key=(role, tuple(parts)), message={"role": role, "content": processor_parts})

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-def raincheck_usage(*, reused: bool, cached_tokens: int, record, previous_record, cache) -> dict:
+def raincheck_usage(*, reused: bool, cached_tokens: int, record, previous_record) -> dict:
     """Raincheck's accounting of one request.
 
     Keys:

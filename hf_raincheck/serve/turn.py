@@ -61,7 +61,9 @@ class TurnJob:
         def settle():
             if future.done():
                 return
-            if error is not None:
+            if isinstance(error, asyncio.CancelledError):
+                future.cancel()
+            elif error is not None:
                 future.set_exception(error)
             else:
                 future.set_result(value)
@@ -168,7 +170,7 @@ def run_turn(job: TurnJob, pool: ConversationPool) -> None:
     finish_reason = "length" if not ended and completion_tokens >= job.generation_config.max_new_tokens else "stop"
     record = cache.turn_stats[-1] if cache.turn_stats else None
     usage = raincheck_usage(reused=conv is not None, cached_tokens=cached_tokens, record=record,
-                            previous_record=previous, cache=cache)
+                            previous_record=previous)
     new_key = key + (assistant_message(answer).key,)
     sequences = out.sequences.detach().to("cpu")
     if conv is None:
