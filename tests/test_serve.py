@@ -345,3 +345,11 @@ def test_example_client(server, reference, capsys):
                                for i, turn in enumerate(dialogue.turns)], MAX_TOKENS)
     assert answers == expected
     assert "from the conversation's cache (reused)" in capsys.readouterr().out
+
+
+def test_command_line_refuses_a_model_without_raincheck_support(tmp_path, capsys):
+    from hf_raincheck.serve.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "no-such-model"), "--port", "0"])
+    assert exit_info.value.code == 2 and "cannot serve" in capsys.readouterr().err

@@ -30,7 +30,8 @@ class RaincheckServer:
     """An OpenAI-compatible chat server with Raincheck and conversation cache reuse.
 
     Args:
-        model: the model to serve (Hub id or path; ``DEFAULT_MODEL``: the shipped GridQA checkpoint on the CPU).
+        model: the model to serve (Hub id or path; None or ``DEFAULT_MODEL``: the shipped GridQA checkpoint, on
+            the CPU unless ``device`` names another).
         raincheck_config: the `RaincheckConfig` of every request (``completion`` is set to ``"next_turn"``:
             pending deferred tokens are restored by the scheduler between requests, or folded into the next one).
         cache_budget_mb: memory of the conversation caches kept between requests (LRU eviction beyond it).
@@ -58,7 +59,7 @@ class RaincheckServer:
         self.model_name = model or DEFAULT_MODEL
         self.raincheck_config = dataclasses.replace(config, completion="next_turn")
         self.model_manager = RaincheckModelManager(
-            force_model=self.model_name, device="cpu" if self.model_name == DEFAULT_MODEL else device, dtype=dtype,
+            force_model=self.model_name, device=device, dtype=dtype,
             attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
         self.pool = ConversationPool(int(cache_budget_mb * 1024 * 1024))
         self.scheduler = SerialScheduler(self.pool, restore_between_requests=restore_between_requests)

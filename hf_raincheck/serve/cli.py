@@ -42,8 +42,10 @@ def build_parser(prog: str = "hf-raincheck serve") -> argparse.ArgumentParser:
                           f"({DEFAULT_CACHE_BUDGET_MB})")
     srv.add_argument("--image-dir", action="append", default=[],
                      help="a folder image_url local paths may point into (repeatable; none: local paths refused)")
-    srv.add_argument("--device", default="auto", help="device_map of a non-default model (auto, cuda, cpu, ...)")
-    srv.add_argument("--dtype", default="auto", help="dtype of a non-default model (auto, bfloat16, float16, ...)")
+    srv.add_argument("--device", default="auto",
+                     help="device_map of the model (auto, cuda, cpu, ...; the default model: cpu unless given)")
+    srv.add_argument("--dtype", default="auto",
+                     help="dtype of the model (auto, bfloat16, float16, ...; the default model: float32 unless given)")
     srv.add_argument("--attn-implementation", default=None, help="transformers attention implementation")
     srv.add_argument("--trust-remote-code", action="store_true")
     srv.add_argument("--log-level", default="info")
@@ -71,11 +73,15 @@ def main(argv: list[str] | None = None, prog: str = "hf-raincheck serve") -> int
         parser.error(str(error))
     from .app import RaincheckServer
 
-    server = RaincheckServer(
-        args.model, config, cache_budget_mb=args.cache_budget_mb,
-        restore_between_requests=not args.no_restore_between_requests, image_dirs=args.image_dir, host=args.host,
-        port=args.port, device=args.device, dtype=args.dtype, attn_implementation=args.attn_implementation,
-        trust_remote_code=args.trust_remote_code, log_level=args.log_level)
+    try:
+        server = RaincheckServer(
+            args.model, config, cache_budget_mb=args.cache_budget_mb,
+            restore_between_requests=not args.no_restore_between_requests, image_dirs=args.image_dir,
+            host=args.host, port=args.port, device=args.device, dtype=args.dtype,
+            attn_implementation=args.attn_implementation, trust_remote_code=args.trust_remote_code,
+            log_level=args.log_level)
+    except (ValueError, OSError) as error:  # a model without a Raincheck adapter, a missing checkpoint, ...
+        parser.exit(2, f"{parser.prog}: cannot serve {args.model or DEFAULT_MODEL}: {error}\n")
     print(f"hf-raincheck serve: {server.model_name} on {server.base_url} (POST /chat/completions)", flush=True)
     try:
         server.run()

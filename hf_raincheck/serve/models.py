@@ -14,7 +14,8 @@ DEFAULT_MODEL = "hf-raincheck/gridqa-qwen3-vl"
 class RaincheckModelManager(ModelManager):
     """Loads ``force_model`` (the one model of the server) like `transformers serve`, then `enable_raincheck`.
 
-    ``DEFAULT_MODEL`` is loaded with `hf_raincheck.gridqa.load_default` (fp32, CPU); any other name goes through
+    ``DEFAULT_MODEL`` is loaded with `hf_raincheck.gridqa.load_default` (fp32 on the CPU unless ``device`` /
+    ``dtype`` say otherwise); any other name goes through
     transformers' own loading (Hub id or local path, ``--device`` / ``--dtype``). A model without a Raincheck
     adapter is refused when the server starts.
     """
@@ -25,9 +26,13 @@ class RaincheckModelManager(ModelManager):
 
     def _gridqa(self):
         if self._default_pair is None:
+            import torch
+
             from ..gridqa import load_default
 
-            self._default_pair = load_default()
+            device = "cpu" if self.device in ("auto", None) else self.device
+            dtype = self.dtype if isinstance(self.dtype, torch.dtype) else None
+            self._default_pair = load_default(device=device, dtype=dtype)
         return self._default_pair
 
     @staticmethod
