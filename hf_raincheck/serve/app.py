@@ -1,0 +1,141 @@
+"""`RaincheckServer`: the FastAPI app of `transformers serve` (its `build_server`) with the Raincheck chat handler,
+the conversation pool and the model's scheduler; runs in the foreground (the CLI) or in a thread (tests,
+benchmarks)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+import threading
+import time
+
+from ..config import RaincheckConfig
+from .handler import RaincheckChatHandler, _Refused
+from .images import ImageLoader
+from .models import DEFAULT_MODEL, RaincheckModelManager
+from .pool import ConversationPool
+from .scheduler import SerialScheduler
+
+DEFAULT_CACHE_BUDGET_MB = 4096
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class RaincheckServer:
+    """An OpenAI-compatible chat server with Raincheck and conversation cache reuse.
+
+    Args:
+        model: the model to serve (Hub id or path; None or ``DEFAULT_MODEL``: the shipped GridQA checkpoint, on
+            the CPU unless ``device`` names another).
+        raincheck_config: the `RaincheckConfig` of every request (``completion`` is set to ``"next_turn"``:
+            pending deferred tokens are restored by the scheduler between requests, or folded into the next one).
+        cache_budget_mb: memory of the conversation caches kept between requests (LRU eviction beyond it).
+        restore_between_requests: restore pending deferred tokens while no request is waiting.
+        image_dirs: folders that ``image_url`` local paths may point into (none: local paths refused).
+        host / port: where to listen (port 0: a free port).
+        device / dtype / attn_implementation / trust_remote_code: how a non-default model is loaded.
+        log_level: uvicorn's log level.
+    """
+
+    def __init__(self, model: str | None = None, raincheck_config: RaincheckConfig | None = None,
+                 cache_budget_mb: float = DEFAULT_CACHE_BUDGET_MB, restore_between_requests: bool = True,
+                 image_dirs=(), host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
+                 dtype: str | None = "auto", attn_implementation: str | None = None, trust_remote_code: bool = False,
+                 log_level: str = "warning"):
+        import uvicorn
+        from transformers.cli.serving.server import build_server
+        from transformers.cli.serving.utils import GenerationState
+
+        config = raincheck_config if raincheck_config is not None else RaincheckConfig()
+        if not isinstance(config, RaincheckConfig):
+            raise ValueError(f"RaincheckServer: raincheck_config must be a RaincheckConfig, got {type(config).__name__}")
+        if not isinstance(cache_budget_mb, (int, float)) or isinstance(cache_budget_mb, bool) or cache_budget_mb <= 0:
+            raise ValueError(f"RaincheckServer: cache_budget_mb must be a number > 0, got {cache_budget_mb!r}")
+        self.model_name = model or DEFAULT_MODEL
+        self.raincheck_config = dataclasses.replace(config, completion="next_turn")
+        self.model_manager = RaincheckModelManager(
+            force_model=self.model_name, device=device, dtype=dtype,
+            attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+        self.pool = ConversationPool(int(cache_budget_mb * 1024 * 1024))
+        self.scheduler = SerialScheduler(self.pool, restore_between_requests=restore_between_requests)
+        self.generation_state = GenerationState()
+        self.chat_handler = RaincheckChatHandler(self.model_manager, self.generation_state, self.raincheck_config,
+                                                 self.scheduler, ImageLoader(image_dirs))
+        self.app = build_server(
+            self.model_manager, self.chat_handler, completion_handler=_Refused("/v1/completions"),
+            response_handler=_Refused("/v1/responses"), transcription_handler=_Refused("/v1/audio/transcriptions"),
+            systemone_handler=_Refused("/v1/systemone"), generation_state=self.generation_state,
+        )
+        self._add_routes()
+        self.host = host
+        self.port = free_port(host) if port == 0 else port
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=self.port, log_level=log_level))
+        self._thread: threading.Thread | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    @property
+    def model(self):
+        return self.model_manager.load_model_and_processor(self.model_manager.process_model_name(self.model_name))[0]
+
+    def _add_routes(self) -> None:
+        from fastapi.responses import JSONResponse
+
+        pool, scheduler, name = self.pool, self.scheduler, self.model_name
+        # /v1/models lists the one model this server serves (transformers' lists the Hub cache's models)
+        self.app.router.routes[:] = [r for r in self.app.router.routes if getattr(r, "path", None) != "/v1/models"]
+
+        @self.app.get("/v1/models")
+        def list_models():
+            return JSONResponse({"object": "list", "data": [
+                {"id": name, "object": "model", "created": 0, "owned_by": "hf_raincheck"}]})
+
+        @self.app.get("/v1/raincheck/stats")
+        def raincheck_stats():
+            return JSONResponse({**pool.snapshot(), "restored_between_requests": scheduler.restored_between_requests})
+
+    # ------------------------------------------------------------------ running
+    def run(self) -> None:
+        """Serves in the foreground until interrupted (the CLI)."""
+        try:
+            self.server.run()
+        finally:
+            self.close()
+
+    def start(self, timeout: float = 60.0) -> "RaincheckServer":
+        """Serves in a background thread; returns once the server accepts connections."""
+        def serve():
+            asyncio.run(self.server.serve())
+
+        self._thread = threading.Thread(target=serve, name="raincheck-serve-uvicorn", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start on {self.host}:{self.port}")
+            time.sleep(0.05)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stops serving (waits for the thread) and releases the conversations and the model's thread."""
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.close()
+
+    def close(self) -> None:
+        self.scheduler.stop()
+        self.pool.clear()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

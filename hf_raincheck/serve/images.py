@@ -1,0 +1,100 @@
+"""Loading the images of ``image_url`` content parts: ``data:`` URLs and local files; never a remote fetch."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import os
+from urllib.parse import unquote, urlparse
+
+from PIL import Image, ImageOps
+
+from .errors import RequestError
+
+#: the largest encoded image accepted (bytes) and the most pixels a decoded image may have
+MAX_IMAGE_BYTES = 20 * 1024 * 1024
+MAX_IMAGE_PIXELS = 40_000_000
+
+
+class ImageLoader:
+    """Turns an ``image_url`` URL into an RGB ``PIL.Image`` and a content hash (the image's identity).
+
+    Args:
+        image_dirs: folders a local path (``/abs/file.png``, ``rel/file.png`` or ``file://...``) may point into;
+            a path outside them is refused (403). Empty: local paths are refused.
+    """
+
+    def __init__(self, image_dirs: list[str] | tuple[str, ...] = ()):
+        self.image_dirs = [os.path.realpath(d) for d in image_dirs]
+
+    def load(self, url, where: str) -> tuple[Image.Image, str]:
+        if not isinstance(url, str) or not url:
+            raise RequestError(f"{where}: image_url.url must be a non-empty string, got {type(url).__name__}")
+        scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+        if scheme == "data":
+            data = self._data_url(url, where)
+        elif scheme in ("http", "https", "ftp", "s3", "gs"):
+            raise RequestError(
+                f"{where}: remote image URLs ({scheme}://) are not fetched by this server; send the image as a "
+                "data: URL (data:image/png;base64,...) or a local file path"
+            )
+        elif scheme == "file" or scheme == "" or (len(scheme) == 1 and os.name == "nt"):
+            data = self._local_file(url, where)
+        else:
+            raise RequestError(f"{where}: unsupported image URL scheme {scheme!r}; use a data: URL or a local file path")
+        return self._decode(data, where)
+
+    # ------------------------------------------------------------------ sources
+    @staticmethod
+    def _data_url(url: str, where: str) -> bytes:
+        header, sep, payload = url[5:].partition(",")
+        if not sep:
+            raise RequestError(f"{where}: malformed data: URL (no ',' between the header and the data)")
+        params = header.split(";")
+        media_type = params[0].strip().lower()
+        if media_type and not media_type.startswith("image/"):
+            raise RequestError(f"{where}: data: URL media type must be image/*, got {media_type!r}")
+        if "base64" not in [p.strip().lower() for p in params[1:]]:
+            raise RequestError(f"{where}: data: URL must be base64-encoded (data:image/png;base64,...)")
+        if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+            raise RequestError(f"{where}: image larger than {MAX_IMAGE_BYTES // (1024 * 1024)} MB", status=413)
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as error:
+            raise RequestError(f"{where}: data: URL payload is not valid base64 ({error})") from None
+
+    def _local_file(self, url: str, where: str) -> bytes:
+        path = unquote(urlparse(url).path) if url.lower().startswith("file:") else url
+        real = os.path.realpath(path)
+        if not self.image_dirs:
+            raise RequestError(f"{where}: local image paths are disabled on this server (start it with --image-dir)",
+                               status=403)
+        if not any(real == d or real.startswith(d + os.sep) for d in self.image_dirs):
+            raise RequestError(f"{where}: local image path {path!r} is outside the allowed folders "
+                               f"{self.image_dirs} (--image-dir)", status=403)
+        if not os.path.isfile(real):
+            raise RequestError(f"{where}: local image file not found: {path!r}", status=404)
+        if os.path.getsize(real) > MAX_IMAGE_BYTES:
+            raise RequestError(f"{where}: image larger than {MAX_IMAGE_BYTES // (1024 * 1024)} MB", status=413)
+        with open(real, "rb") as f:
+            return f.read()
+
+    @staticmethod
+    def _decode(data: bytes, where: str) -> tuple[Image.Image, str]:
+        if not data:
+            raise RequestError(f"{where}: the image is empty (0 bytes)")
+        try:
+            with Image.open(io.BytesIO(data)) as opened:
+                if opened.width * opened.height > MAX_IMAGE_PIXELS:
+                    raise RequestError(f"{where}: image of {opened.width}x{opened.height} pixels is larger than "
+                                       f"{MAX_IMAGE_PIXELS} pixels", status=413)
+                opened.load()
+                image = ImageOps.exif_transpose(opened).convert("RGB")
+        except RequestError:
+            raise
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+            raise RequestError(f"{where}: the image cannot be decoded ({type(error).__name__}: {error})") from None
+        digest = hashlib.sha256(f"{image.mode}{image.size}".encode() + image.tobytes()).hexdigest()
+        return image, digest
