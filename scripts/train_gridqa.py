@@ -6,8 +6,8 @@
     python scripts/train_gridqa.py --eval-only hf_raincheck/assets/gridqa-qwen3-vl --device cpu   # re-evaluate
     python scripts/train_gridqa.py --arch qwen3_vl --init-from ckpt/a --curriculum-steps 0 --out ckpt/b ...  # go on
 
-Shipped (H200, torch 2.11, four runs sharing one GPU, ~440 s of training per stage; commands in each
-checkpoint's ``training_stats.json``):
+Before the alignment stage (H200, torch 2.11, four runs sharing one GPU, ~440 s of training per stage; commands in each
+the shipped checkpoints' ``training_stats.json``, under ``init_from``):
 
     python scripts/train_gridqa.py --arch qwen3_vl --device cuda --time-budget 440 --eval-dialogues 500 \
         --eval-batch 256 --workers 2 --threads 1 --structured 1.0 --loss answer --batch 128 --lr 1.5e-3 \
@@ -41,7 +41,18 @@ every cell's position and content from the visual tokens, ``benchmarks/gridqa_pr
 jump to a cell's name never formed), so the default mix asks ``search`` (one line, a yes/no per cell) instead; and
 counts write each cell's counted attribute before the tally, after which Qwen3.5 counts colours as well as shapes.
 
-Full-image inputs only: the model never sees pruning. Loss: cross-entropy on the assistant tokens (each answer and
+``--align-weight W`` adds the text-visual alignment loss (``hf_raincheck.gridqa.alignment``): each cell's merged
+visual token (the placeholder embedding a query-aware selector scores) pulled toward the input embeddings of the
+question words that name it (its cell name, row letter, column number, colour, shape), as real VLMs' alignment stage
+puts an image region's tokens near the text that describes it. The shipped checkpoints continued the ones above with
+it (H200, four runs sharing the GPU, chosen by ``--val-dialogues`` accuracy; ``training_stats.json``):
+
+    python scripts/train_gridqa.py --arch qwen3_vl --init-from PREVIOUS --batch 128 --device cuda --time-budget 320 \
+        --eval-dialogues 500 --val-dialogues 500 --eval-batch 256 --workers 2 --threads 1 --curriculum-steps 0 \
+        --structured 0 --loss answer --lr 5e-4 --warmup 100 --kind-weights count=0.30,search=0.30 --align-weight 0.1 \
+        --out OUT        # Qwen3.5: --arch qwen3_5 --batch 64
+
+Full-image inputs only: the model never sees pruning, selection or Raincheck. Loss: cross-entropy on the assistant tokens (each answer and
 the ``<|im_end|>`` that closes it) of whole 3-4 turn dialogues, one image each (``hf_raincheck.gridqa.task``,
 split ``"train"``, dialogue ``step * batch + i`` at step ``step``: the data order is fixed by the arguments).
 AdamW, linear warm-up then cosine decay to 5%, gradient clipping at 1, fixed seed.
@@ -427,6 +438,10 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
 
+    if args.align_weight < 0:
+        parser.error(f"--align-weight must be >= 0, got {args.align_weight}")
+    if args.align_tau <= 0:
+        parser.error(f"--align-tau must be > 0, got {args.align_tau}")
     torch.set_num_threads(args.threads)
     if args.eval_only:
         return eval_only(args)
@@ -463,8 +478,6 @@ def main(argv=None):
     n_params = sum(p.numel() for p in model.parameters())
     atlas = batching.PixelAtlas(device)
     encoder = batching.DialogueEncoder(tokenizer)
-    if args.align_weight < 0 or args.align_tau <= 0:
-        parser.error(f"--align-weight must be >= 0 and --align-tau > 0, got {args.align_weight}, {args.align_tau}")
     align = Alignment(tokenizer, args.align_weight, args.align_tau, device) if args.align_weight > 0 else None
     words = alignment.alignment_words(tokenizer)
     # disjoint from the final eval's 0..N
@@ -551,7 +564,7 @@ def main(argv=None):
         "loss_weighting": args.loss,
         "align_weight": args.align_weight,
         "align_tau": args.align_tau if args.align_weight > 0 else None,
-        "alignment_heldout": alignment_check(model, atlas, words, task.dialogues("test", 0, 500)),
+        "alignment_heldout": alignment_check(model, atlas, words, tf_dialogues),
         "kind_weights": weights,
         "seed": args.seed,
         "parameters": n_params,
