@@ -44,6 +44,16 @@ reference answer is longer than ``guard_tokens`` tokens (only there can tokens r
 answer). Raincheck runs also report how many tokens were restored during decoding / after the answer / in a later
 prefill. Visibility (``"boundary"``, the paper's, vs ``"causal"``) is compared at ``--causal-retentions`` x
 ``--causal-chunks`` for every selector.
+
+Turn 1 is also reported per question (``subset``): ``named_cells`` (the question names its cells: ``cell``,
+``larger``, ``colour``), ``line`` (a row or column answered cell by cell in source order: ``row``, ``column``,
+``count``, ``search``) and ``kind=<kind>``. Every answer is stored; Hard / Raincheck records carry
+``same_as_full`` (share of answers equal to Full's) and ``same_as_full_same_history`` (only turns whose earlier
+answers all equal Full's: a different turn-1 answer in the history changes what follows, whatever restoration did).
+``--completion`` picks what happens to tokens still deferred when an answer ends: ``blocking``, ``next_turn`` (the
+next question arrives at once and its prefill folds them in) or ``background`` (a worker restores them in
+``--completion-chunk-size`` chunks and the next question arrives uniformly in ``[0, --preempt-ms)`` after the answer,
+drawn from the dialogue's index, preempting it wherever it is).
 """
 
 from __future__ import annotations
