@@ -432,8 +432,8 @@ MATCH_FIELDS = ("arch", "model", "grid", "guard_tokens", "completion", "max_new_
 MERGE_FIELDS = tuple(f for f in MATCH_FIELDS if f != "grid")
 # the arguments a merge rebuilds the grid and the summary from
 HEADER_ARGS = ("selectors", "retentions", "chunks", "causal_retentions", "causal_chunks", "policies", "guard_tokens",
-               "completion", "preempt_ms", "completion_chunk_size", "max_new_tokens", "bootstrap", "seed", "keep_answers",
-               "quick", "start", "dialogues")
+               "completion", "preempt_ms", "completion_chunk_size", "max_new_tokens", "bootstrap", "seed",
+               "keep_answers", "quick", "start", "dialogues")
 # the grid's arguments: parts of other grids (--policies, other chunks, ...) merge into the union of their grids
 GRID_ARGS = ("selectors", "retentions", "chunks", "causal_retentions", "causal_chunks", "policies")
 
