@@ -8,6 +8,13 @@
 2. Greedy accuracy on held-out two-turn dialogues of count questions (through the real processor, own answers in
    the history), split by what is counted (a colour, a shape, digits) and by the true total.
 
+3. Alignment (``--alignment N`` held-out dialogues; what a query-aware selector can use): per word group, how the
+   cosine between a question word's input embedding and the 64 merged visual tokens ranks the cells the word names
+   (``hf_raincheck.gridqa.alignment.alignment_scores``); per turn-1 question, the share of its asked cells among
+   the top-k cells by the best cosine over its words (k = asked cells); and the share of the asked cells that each
+   selector's keep set holds (``policy="hard"``, one generated token, ``cache.plan.kept``) per retention, for the
+   questions that name their cells and for the questions about a row or column.
+
 Writes ``benchmarks/results/gridqa_probe_<arch>.json``.
 """
 
@@ -103,18 +110,66 @@ def count_breakdown(model, processor, dialogues: int) -> dict:
     return {k: {"accuracy": float(np.mean(v)), "n": len(v)} for k, v in sorted(groups.items())}
 
 
+@torch.no_grad()
+def alignment_report(model, processor, dialogues: int, selectors, retentions) -> dict:
+    """Section 3 of the module docstring, on held-out dialogues ``0 .. dialogues - 1`` (their first turn)."""
+    from hf_raincheck import RaincheckConfig, enable_raincheck
+    from hf_raincheck.gridqa import alignment, batching
+
+    ds = [task.make_dialogue(i, "test") for i in range(dialogues)]
+    cells = np.stack([d.cells for d in ds])
+    atlas = batching.PixelAtlas("cpu")
+    visual = alignment.visual_tokens(model, atlas, cells)
+    words = alignment.alignment_words(processor.tokenizer)
+    report = {"dialogues": dialogues, "word_groups": alignment.alignment_scores(model, words, visual, cells)}
+    groups = {"named_cells": task.NAMED_CELL_KINDS, "line": task.LINE_KINDS}
+    ranked: dict[str, list[float]] = {}
+    kept: dict[str, list[float]] = {}
+    enable_raincheck(model)
+    for d, vis in zip(ds, visual):
+        turn = d.turns[0]
+        group = next(g for g, kinds in groups.items() if turn.kind in kinds)
+        asked = [r * task.GRID + c for r, c in turn.cells]
+        messages = [{"role": "user", "content": [{"type": "image", "image": d.image()},
+                                                 {"type": "text", "text": turn.question}]}]
+        inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                               return_dict=True, return_tensors="pt")
+        q_ids = processor.tokenizer(turn.question, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+        best = alignment.question_similarity(model, q_ids, vis).max(0).values  # [64]
+        top = set(best.argsort(descending=True)[: len(asked)].tolist())
+        ranked.setdefault(group, []).append(len(top & set(asked)) / len(asked))
+        first = int((inputs["input_ids"][0] == model.config.image_token_id).nonzero()[0])
+        for sel in selectors:
+            for ret in retentions:
+                out = model.generate(**inputs, max_new_tokens=1, do_sample=False, return_dict_in_generate=True,
+                                     raincheck_config=RaincheckConfig(policy="hard", retention=ret, pruning=sel))
+                keep = {int(k) - first for k in out.past_key_values.plan.kept}
+                kept.setdefault(f"{group} {sel} {ret}", []).append(sum(a in keep for a in asked) / len(asked))
+    report["asked_in_top_k"] = {g: {"share": float(np.mean(v)), "n": len(v)} for g, v in ranked.items()}
+    report["asked_kept"] = {k: {"share": float(np.mean(v)), "n": len(v)} for k, v in sorted(kept.items())}
+    return report
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", choices=("qwen3_vl", "qwen3_5"), default="qwen3_vl")
     parser.add_argument("--images", type=int, default=300, help="held-out images for the probe")
     parser.add_argument("--counts", type=int, default=100, help="held-out two-turn count dialogues (0: skip)")
+    parser.add_argument("--alignment", type=int, default=0, metavar="N",
+                        help="held-out dialogues for the alignment section (0: skip)")
+    parser.add_argument("--selectors", nargs="+", default=["mmtok", "uniform", "random"])
+    parser.add_argument("--retentions", nargs="+", type=float, default=[0.3, 0.5, 0.7])
+    parser.add_argument("--model", default=None, help="checkpoint path (default: the shipped one of --arch)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.images < 4:
         parser.error(f"--images must be at least 4, got {args.images}")
-    model, processor = load_default(args.arch)
+    if args.alignment < 0:
+        parser.error(f"--alignment must be >= 0, got {args.alignment}")
+    model, processor = load_default(args.arch, path=args.model)
     model = model.float().eval()
-    result = {"arch": args.arch, "command": "python benchmarks/gridqa_probe.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    result = {"arch": args.arch, "model": args.model or f"hf_raincheck/assets (load_default('{args.arch}'))",
+              "command": "python benchmarks/gridqa_probe.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "images": args.images, "probe": probe_table(model, processor, args.images)}
     print("| layer | cell (64) | row (8) | column (8) | colour (7) | content (85) |\n| --- | --- | --- | --- | --- | --- |")
     for r in result["probe"]:
@@ -124,6 +179,18 @@ def main(argv=None) -> int:
         print("\n| count questions | accuracy | n |\n| --- | --- | --- |")
         for k, v in result["counts"].items():
             print(f"| {k} | {v['accuracy']:.3f} | {v['n']} |")
+    if args.alignment:
+        result["alignment"] = alignment_report(model, processor, args.alignment, args.selectors, args.retentions)
+        a = result["alignment"]
+        print("\n| word group | top-1 named | precision@k | chance | n |\n| --- | --- | --- | --- | --- |")
+        for g, v in a["word_groups"].items():
+            print(f"| {g} | {v['top1']:.3f} | {v['precision']:.3f} | {v['chance']:.3f} | {v['n']} |")
+        print("\n| turn-1 questions | asked cells in the top-k by similarity | n |\n| --- | --- | --- |")
+        for g, v in a["asked_in_top_k"].items():
+            print(f"| {g} | {v['share']:.3f} | {v['n']} |")
+        print("\n| questions selector retention | asked cells kept | n |\n| --- | --- | --- |")
+        for k, v in a["asked_kept"].items():
+            print(f"| {k} | {v['share']:.3f} | {v['n']} |")
     out = args.out or os.path.join(ROOT, "benchmarks", "results", f"gridqa_probe_{args.arch}.json")
     with open(out, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)

@@ -44,6 +44,16 @@ reference answer is longer than ``guard_tokens`` tokens (only there can tokens r
 answer). Raincheck runs also report how many tokens were restored during decoding / after the answer / in a later
 prefill. Visibility (``"boundary"``, the paper's, vs ``"causal"``) is compared at ``--causal-retentions`` x
 ``--causal-chunks`` for every selector.
+
+Turn 1 is also reported per question (``subset``): ``named_cells`` (the question names its cells: ``cell``,
+``larger``, ``colour``), ``line`` (a row or column answered cell by cell in source order: ``row``, ``column``,
+``count``, ``search``) and ``kind=<kind>``. Every answer is stored; Hard / Raincheck records carry
+``same_as_full`` (share of answers equal to Full's) and ``same_as_full_same_history`` (only turns whose earlier
+answers all equal Full's: a different turn-1 answer in the history changes what follows, whatever restoration did).
+``--completion`` picks what happens to tokens still deferred when an answer ends: ``blocking``, ``next_turn`` (the
+next question arrives at once and its prefill folds them in) or ``background`` (a worker restores them in
+``--completion-chunk-size`` chunks and the next question arrives uniformly in ``[0, --preempt-ms)`` after the answer,
+drawn from the dialogue's index, preempting it wherever it is).
 """
 
 from __future__ import annotations
@@ -72,16 +82,24 @@ ALL_SELECTORS = ("mmtok", "hiprune", "divprune", "visionzip", "uniform", "random
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def play(model, processor, dialogue, config, max_new_tokens, image=None):
-    """Plays a dialogue; returns per turn ``(answer, correct, answer_tokens)`` and restoration stats."""
+def play(model, processor, dialogue, config, max_new_tokens, image=None, preempt_s: float = 0.0):
+    """Plays a dialogue; returns per turn ``(answer, correct, answer_tokens)`` and restoration stats.
+
+    Under ``completion="background"`` the next question arrives a random time in ``[0, preempt_s)`` after the
+    answer (drawn from the dialogue's index, so a rerun draws the same delays): the worker still restoring the
+    deferred tokens is preempted wherever it is, and the next prefill folds in what it left."""
     from hf_raincheck import complete_deferred
     from hf_raincheck.conversation import next_turn_inputs
     from hf_raincheck.gridqa import task
 
     image = image if image is not None else dialogue.image()
+    background = config is not None and config.policy == "raincheck" and config.completion == "background"
+    delays = np.random.default_rng([4321, dialogue.index]).random(len(dialogue.turns)) * preempt_s
     out = cache = None
     turns = []
     for j, turn in enumerate(dialogue.turns):
+        if background and j > 0 and delays[j] > 0:
+            time.sleep(float(delays[j]))
         if j == 0:
             messages = [{"role": "user", "content": [{"type": "image", "image": image},
                                                      {"type": "text", "text": turn.question}]}]
@@ -102,7 +120,7 @@ def play(model, processor, dialogue, config, max_new_tokens, image=None):
         turns.append((answer, task.is_correct(answer, turn.answer), int(new.numel())))
     stats = None
     if config is not None and config.policy == "raincheck":
-        if config.completion == "next_turn":
+        if config.completion in ("next_turn", "background"):
             complete_deferred(model, cache)  # the dialogue is over: count what was still pending
         s = cache.stats
         stats = {"during_decode": s.during_decode, "after_answer": s.after_answer, "during_prefill": s.during_prefill}
@@ -136,7 +154,8 @@ def config_grid(args):
     for sel, ret, chunk, vis in sorted(raincheck, key=lambda x: (ALL_SELECTORS.index(x[0]) if x[0] in ALL_SELECTORS
                                                                  else 99, x[1], x[2], x[3])):
         cfg = RaincheckConfig(policy="raincheck", retention=ret, pruning=sel, chunk_size=chunk,
-                              guard_tokens=args.guard_tokens, completion=args.completion, visibility=vis)
+                              guard_tokens=args.guard_tokens, completion=args.completion, visibility=vis,
+                              completion_chunk_size=args.completion_chunk_size)
         grid.append((("raincheck", sel, ret, chunk, vis), cfg))
     policies = getattr(args, "policies", None) or POLICIES
     return [(k, cfg) for k, cfg in grid if k[0] in policies]
@@ -198,11 +217,12 @@ def _run_index(index):
     with torch.no_grad():
         for key, cfg in grid:
             t0 = time.perf_counter()
-            turns, stats = play(model, processor, dialogue, cfg, args.max_new_tokens, image=image)
+            turns, stats = play(model, processor, dialogue, cfg, args.max_new_tokens, image=image,
+                                preempt_s=args.preempt_ms / 1000.0)
             result["runs"][json.dumps(key)] = {
                 "correct": [c for _, c, _ in turns],
                 "tokens": [n for _, _, n in turns],
-                "answers": [a for a, _, _ in turns] if args.keep_answers else None,
+                "answers": [a for a, _, _ in turns],
                 "stats": stats,
                 "seconds": time.perf_counter() - t0,
             }
@@ -234,6 +254,22 @@ def _boot(matrices, turn_cols, rows, n_boot, rng):
     return out
 
 
+def turn1_subsets(results, guard_tokens):
+    """Dialogue rows of each turn-1 subset: ``long`` (reference answer longer than ``guard_tokens`` tokens: only
+    there can tokens restored during decoding change the answer), ``named_cells`` / ``line`` (the question names
+    its cells / walks a row or column in source order: `hf_raincheck.gridqa.task.NAMED_CELL_KINDS`,
+    ``LINE_KINDS``) and ``kind=<kind>`` for every first-question kind present."""
+    from hf_raincheck.gridqa import task
+
+    first = np.array([r["kinds"][0] for r in results])
+    out = {"long": np.flatnonzero([r["gold_tokens"][0] > guard_tokens for r in results]),
+           "named_cells": np.flatnonzero(np.isin(first, task.NAMED_CELL_KINDS)),
+           "line": np.flatnonzero(np.isin(first, task.LINE_KINDS))}
+    for kind in task.QUESTION_KINDS:
+        out[f"kind={kind}"] = np.flatnonzero(first == kind)
+    return {k: v for k, v in out.items() if len(v)}
+
+
 def summarize(results, grid, args):
     keys = [k for k, _ in grid]
     n = len(results)
@@ -245,16 +281,34 @@ def summarize(results, grid, args):
             c = r["runs"][json.dumps(k)]["correct"]
             m[i, : len(c)] = c
         mats[k] = m
-    long_first = np.array([r["gold_tokens"][0] > args.guard_tokens for r in results])
+    full = ("full", None, None, None, None)
+    # answers equal to Full's, per turn (NaN: no such turn, or answers not stored)
+    same = {}
+    for k in keys:
+        m = np.full((n, 4), np.nan)
+        for i, r in enumerate(results):
+            mine, ref = r["runs"][json.dumps(k)].get("answers"), r["runs"][json.dumps(full)].get("answers")
+            if mine is not None and ref is not None:
+                m[i, : len(mine)] = [a == b for a, b in zip(mine, ref)]
+        same[k] = m
+    # ... and only where every earlier answer equals Full's too (the same history: what restoration decides, apart
+    # from a different turn-1 answer carried into the conversation)
+    same_history = {}
+    for k in keys:
+        m = same[k].copy()
+        earlier = np.ones(n, dtype=bool)
+        for t in range(4):
+            m[~earlier, t] = np.nan
+            earlier &= np.nan_to_num(same[k][:, t], nan=1.0) == 1.0
+        same_history[k] = m
     rng = np.random.default_rng(args.seed)
     records = []
-    turn_sets = [(str(t + 1), [t], None) for t in range(4)] + [("2+", [1, 2, 3], None)]
-    if long_first.any():
-        turn_sets.append(("1", [0], "long"))
-    full = ("full", None, None, None, None)
-    for label, cols, subset in turn_sets:
-        rows = np.flatnonzero(long_first) if subset == "long" else np.arange(n)
-        if not np.isfinite(mats[full][np.ix_(rows, cols)]).any():
+    turn_sets = [(str(t + 1), [t], None, None) for t in range(4)] + [("2+", [1, 2, 3], None, None)]
+    for subset, rows in turn1_subsets(results, args.guard_tokens).items():
+        turn_sets.append(("1", [0], subset, rows))
+    for label, cols, subset, rows in turn_sets:
+        rows = np.arange(n) if rows is None else rows
+        if not len(rows) or not np.isfinite(mats[full][np.ix_(rows, cols)]).any():
             continue
         boot_keys = keys
         boots = _boot([mats[k] for k in boot_keys], cols, rows, args.bootstrap, rng)
@@ -271,6 +325,12 @@ def summarize(results, grid, args):
                 "turn": label, "subset": subset or "all", "accuracy": acc, "n": count,
                 "accuracy_ci95": [float(lo), float(hi)],
             }
+            if policy != "full" and np.isfinite(same[k][np.ix_(rows, cols)]).any():
+                rec["same_as_full"] = float(np.nanmean(same[k][np.ix_(rows, cols)]))
+                sub = same_history[k][np.ix_(rows, cols)]
+                if np.isfinite(sub).any():
+                    rec["same_as_full_same_history"] = float(np.nanmean(sub))
+                    rec["n_same_history"] = int(np.isfinite(sub).sum())
             if policy == "raincheck":
                 hard = ("hard", sel, ret, None, None)
                 f, h = float(_acc(mats[full], cols, rows)), float(_acc(mats[hard], cols, rows))
@@ -330,6 +390,34 @@ def markdown(records, arch):
             f"| {sel} | {ret} | {chunk} | {vis} | {h1['accuracy']:.3f} | {r['accuracy']:.3f} | "
             f"{h2['accuracy']:.3f} | {r2['accuracy']:.3f} | {fmt(r2)} | {fmt(rl)} |"
         )
+    subsets = list(dict.fromkeys(r["subset"] for r in records if r["turn"] == "1" and r["subset"] != "all"))
+    lines += ["", "turn 1 by question: accuracy (n); Raincheck at each selector's first chunk / boundary; "
+              "t2+ same: share of Raincheck's later answers equal to Full's (all; where every earlier answer was "
+              "equal too)", "",
+              "| selector | retention | subset | n | full | hard | raincheck | recovered | raincheck t2+ same |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in records:
+        if r["policy"] != "hard" or r["turn"] != "1" or r["subset"] != "all":
+            continue
+        sel, ret = r["selector"], r["retention"]
+        rain = [x for x in records if x["policy"] == "raincheck" and x["selector"] == sel and x["retention"] == ret
+                and x["visibility"] == "boundary"]
+        if not rain:
+            continue
+        chunk = rain[0]["chunk_size"]
+        later = get("raincheck", sel, ret, chunk, "boundary", "2+")
+        for subset in ["all", *subsets]:
+            f, h = get("full", None, None, None, None, "1", subset), get("hard", sel, ret, None, None, "1", subset)
+            rc = get("raincheck", sel, ret, chunk, "boundary", "1", subset)
+            if f is None or h is None or rc is None:
+                continue
+            same = ""
+            if later is not None and subset == "all" and "same_as_full" in later:
+                same = f"{later['same_as_full']:.3f}"
+                if "same_as_full_same_history" in later:
+                    same += f"; {later['same_as_full_same_history']:.3f} (n {later['n_same_history']})"
+            lines.append(f"| {sel} | {ret} | {subset} | {f['n']} | {f['accuracy']:.3f} | {h['accuracy']:.3f} | "
+                         f"{rc['accuracy']:.3f} | {fmt(rc)} | {same} |")
     return "\n".join(lines)
 
 
@@ -344,7 +432,8 @@ MATCH_FIELDS = ("arch", "model", "grid", "guard_tokens", "completion", "max_new_
 MERGE_FIELDS = tuple(f for f in MATCH_FIELDS if f != "grid")
 # the arguments a merge rebuilds the grid and the summary from
 HEADER_ARGS = ("selectors", "retentions", "chunks", "causal_retentions", "causal_chunks", "policies", "guard_tokens",
-               "completion", "max_new_tokens", "bootstrap", "seed", "keep_answers", "quick", "start", "dialogues")
+               "completion", "preempt_ms", "completion_chunk_size", "max_new_tokens", "bootstrap", "seed",
+               "keep_answers", "quick", "start", "dialogues")
 # the grid's arguments: parts of other grids (--policies, other chunks, ...) merge into the union of their grids
 GRID_ARGS = ("selectors", "retentions", "chunks", "causal_retentions", "causal_chunks", "policies")
 
@@ -661,7 +750,14 @@ def main(argv=None):
                         help="run only these policies' configurations: a part of a grid (with --save-results; "
                              "--merge it with a part that has the Full / Hard runs)")
     parser.add_argument("--guard-tokens", type=int, default=16)
-    parser.add_argument("--completion", default="blocking", choices=["blocking", "next_turn"])
+    parser.add_argument("--completion", default="blocking", choices=["blocking", "next_turn", "background"],
+                        help="what happens to deferred tokens pending when an answer ends; next_turn: the next "
+                             "question arrives at once and its prefill folds them in; background: a worker restores "
+                             "them and the next question preempts it at a random point (--preempt-ms)")
+    parser.add_argument("--preempt-ms", type=float, default=20.0,
+                        help="background: the next question arrives uniformly in [0, this) ms after the answer")
+    parser.add_argument("--completion-chunk-size", type=int, default=8,
+                        help="background: deferred tokens per worker step (small: many points to be preempted at)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--bootstrap", type=int, default=None,
                         help="bootstrap resamples (default 1000; --quick: 200; --merge: the first part's)")

@@ -12,7 +12,15 @@ dialogue from ``--dialogue`` on whose first answer lists a row or column) with t
 Each turn is answered twice, through `RaincheckChat`: with ``policy="full"`` (every visual token prefilled) and
 with Raincheck (``--retention`` of the tokens prefilled first, the rest restored in ``--chunk-size`` chunks inside
 decode steps after ``--guard-tokens`` tokens, whatever is left finished between turns). It prints each answer, the
-reference and whether it is right, TTFT, and where the deferred tokens were restored.
+reference and whether it is right, TTFT, and where the deferred tokens were restored; for a GridQA dialogue also which
+of the cells the first question asks about the selector kept for the first prefill.
+
+``--guard-tokens`` is 0 here (the library's default is 16): restoration starts with the first decode step, so the
+first answer token comes from the 30% prefill and the rest of a listing reads the restored image. At 30% a
+query-aware selector (``mmtok``) keeps the cells a question names (``what is in C5?``) but only a few cells of a row
+or column (about one per question word), so a listing needs the restored tokens before it reaches the missing
+cells; with 16 guard tokens it reads its first three or four cells before any restoration and is almost always wrong
+(``benchmarks/results/quality_aligned.json`` vs ``quality_aligned_guard0.json``).
 """
 
 from __future__ import annotations
@@ -36,13 +44,14 @@ def gridqa_dialogue(start: int):
 
 
 def load(args):
-    """``(model, processor, image, questions, references)``."""
+    """``(model, processor, image, questions, references, asked)``: ``asked`` the ``(row, col)`` cells the first
+    GridQA question asks about (``None`` for other images)."""
     if args.tiny_random:
         from hf_raincheck.testing import make_image, tiny_qwen3_vl
 
         model, processor = tiny_qwen3_vl(seed=args.seed)
         questions = args.question or ["What is in the top left corner?", "And what is at the bottom right?"]
-        return model, processor, make_image(args.seed, (256, 256)), questions, [None] * len(questions)
+        return model, processor, make_image(args.seed, (256, 256)), questions, [None] * len(questions), None
     if args.model:
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -51,25 +60,31 @@ def load(args):
         processor = AutoProcessor.from_pretrained(args.model)
         if args.image:
             questions = args.question or ["Describe the image.", "What is in its top left corner?"]
-            return model.eval(), processor, args.image, questions, [None] * len(questions)
+            return model.eval(), processor, args.image, questions, [None] * len(questions), None
     else:
         from hf_raincheck.gridqa import load_default
 
         model, processor = load_default(args.arch, device=args.device)
     dialogue = gridqa_dialogue(args.dialogue)  # a GridQA model (shipped, or --model without --image)
     questions = [t.question for t in dialogue.turns]
-    return model, processor, dialogue.image(), questions, [t.answer for t in dialogue.turns]
+    return model, processor, dialogue.image(), questions, [t.answer for t in dialogue.turns], dialogue.turns[0].cells
 
 
 def play(model, processor, image, questions, config, max_new_tokens):
-    """Answers ``questions`` in one chat; returns ``[(answer, TurnStats)]`` (after background completion)."""
+    """Answers ``questions`` in one chat; returns ``([(answer, TurnStats)], kept)`` (after background completion):
+    ``kept`` the image's visual-token indices (0 .. tokens - 1, row-major) prefilled first in turn 1 (all of them
+    under Full)."""
     out = []
+    kept = None
     with RaincheckChat(model, processor, config, max_new_tokens=max_new_tokens) as chat:
         for turn, question in enumerate(questions):
             answer = chat.ask(question, images=image if turn == 0 else None)
             out.append(answer.strip())
+            if turn == 0:
+                plan = chat.cache.plan
+                kept = None if plan is None else sorted(int(i) - plan.spans[0][0] for i in plan.kept)
         chat.wait()
-        return list(zip(out, chat.stats))
+        return list(zip(out, chat.stats)), kept
 
 
 def main(argv=None):
@@ -86,7 +101,8 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--retention", type=float, default=0.3)
     parser.add_argument("--chunk-size", type=int, default=7)
-    parser.add_argument("--guard-tokens", type=int, default=16)
+    parser.add_argument("--guard-tokens", type=int, default=0,
+                        help="decode steps before restoration starts (the library's default is 16; see above)")
     parser.add_argument("--pruning", default="mmtok")
     parser.add_argument("--completion", default="background", choices=["background", "blocking", "next_turn"])
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -96,7 +112,7 @@ def main(argv=None):
     if args.question and not (args.model and args.image) and not args.tiny_random:
         parser.error("--question goes with --model and --image (or --tiny-random); GridQA asks its own questions")
 
-    model, processor, image, questions, references = load(args)
+    model, processor, image, questions, references, asked = load(args)
     policies = {
         "full": RaincheckConfig(policy="full"),
         "raincheck": RaincheckConfig(retention=args.retention, chunk_size=args.chunk_size,
@@ -105,8 +121,17 @@ def main(argv=None):
     }
     print(f"model: {type(model).__name__} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters)")
     print(f"raincheck: {policies['raincheck']}")
-    results = {name: play(model, processor, image, questions, config, args.max_new_tokens)
-               for name, config in policies.items()}
+    results, kept = {}, {}
+    for name, config in policies.items():
+        results[name], kept[name] = play(model, processor, image, questions, config, args.max_new_tokens)
+    if asked is not None and kept["raincheck"] is not None:
+        from hf_raincheck.gridqa.task import GRID, ROW_NAMES
+
+        names = [f"{ROW_NAMES[r]}{c + 1}" for r, c in asked]
+        held = [n for n, (r, c) in zip(names, asked) if r * GRID + c in kept["raincheck"]]
+        print(f"turn 1 selection ({args.pruning}, retention {args.retention}): {len(kept['raincheck'])} of "
+              f"{GRID * GRID} visual tokens prefilled first; of the {len(names)} cells the question asks about "
+              f"({names[0]}..{names[-1]}) {len(held)} kept: {', '.join(held) or 'none'}")
     right = {name: 0 for name in policies}
     for turn, question in enumerate(questions):
         print(f"\n[turn {turn + 1}] user: {question}")

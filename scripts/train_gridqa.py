@@ -6,8 +6,8 @@
     python scripts/train_gridqa.py --eval-only hf_raincheck/assets/gridqa-qwen3-vl --device cpu   # re-evaluate
     python scripts/train_gridqa.py --arch qwen3_vl --init-from ckpt/a --curriculum-steps 0 --out ckpt/b ...  # go on
 
-Shipped (H200, torch 2.11, four runs sharing one GPU, ~440 s of training per stage; commands in each
-checkpoint's ``training_stats.json``):
+Before the alignment stage (H200, torch 2.11, four runs sharing one GPU, ~440 s of training per stage; commands in each
+the shipped checkpoints' ``training_stats.json``, under ``init_from``):
 
     python scripts/train_gridqa.py --arch qwen3_vl --device cuda --time-budget 440 --eval-dialogues 500 \
         --eval-batch 256 --workers 2 --threads 1 --structured 1.0 --loss answer --batch 128 --lr 1.5e-3 \
@@ -41,7 +41,18 @@ every cell's position and content from the visual tokens, ``benchmarks/gridqa_pr
 jump to a cell's name never formed), so the default mix asks ``search`` (one line, a yes/no per cell) instead; and
 counts write each cell's counted attribute before the tally, after which Qwen3.5 counts colours as well as shapes.
 
-Full-image inputs only: the model never sees pruning. Loss: cross-entropy on the assistant tokens (each answer and
+``--align-weight W`` adds the text-visual alignment loss (``hf_raincheck.gridqa.alignment``): each cell's merged
+visual token (the placeholder embedding a query-aware selector scores) pulled toward the input embeddings of the
+question words that name it (its cell name, row letter, column number, colour, shape), as real VLMs' alignment stage
+puts an image region's tokens near the text that describes it. The shipped checkpoints continued the ones above with
+it (H200, four runs sharing the GPU, chosen by ``--val-dialogues`` accuracy; ``training_stats.json``):
+
+    python scripts/train_gridqa.py --arch qwen3_vl --init-from PREVIOUS --batch 128 --device cuda --time-budget 320 \
+        --eval-dialogues 500 --val-dialogues 500 --eval-batch 256 --workers 2 --threads 1 --curriculum-steps 0 \
+        --structured 0 --loss answer --lr 5e-4 --warmup 100 --kind-weights count=0.30,search=0.30 --align-weight 0.1 \
+        --out OUT        # Qwen3.5: --arch qwen3_5 --batch 64
+
+Full-image inputs only: the model never sees pruning, selection or Raincheck. Loss: cross-entropy on the assistant tokens (each answer and
 the ``<|im_end|>`` that closes it) of whole 3-4 turn dialogues, one image each (``hf_raincheck.gridqa.task``,
 split ``"train"``, dialogue ``step * batch + i`` at step ``step``: the data order is fixed by the arguments).
 AdamW, linear warm-up then cosine decay to 5%, gradient clipping at 1, fixed seed.
@@ -86,7 +97,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hf_raincheck.gridqa import batching, checkpoint, task  # noqa: E402
+from hf_raincheck.gridqa import alignment, batching, checkpoint, task  # noqa: E402
 
 
 class TrainBatches(torch.utils.data.Dataset):
@@ -152,13 +163,42 @@ def answer_weights(labels: torch.Tensor) -> torch.Tensor:
     return w * (w.numel() / w.sum())
 
 
-def loss_and_hits(model, atlas, ids, labels, cells, device, loss_weighting: str = "token"):
+class Alignment:
+    """The alignment term of the loss (``--align-weight``): `hf_raincheck.gridqa.alignment` on the merged visual
+    tokens of the batch's images (captured from the vision tower's output during the forward)."""
+
+    def __init__(self, tokenizer, weight: float, tau: float, device):
+        words = alignment.alignment_words(tokenizer)
+        self.weight, self.tau = weight, tau
+        self.token_ids = torch.as_tensor(words.token_ids, device=device)
+        self.positions = torch.as_tensor(words.positions, device=device, dtype=torch.float32)
+        self.contents = torch.as_tensor(words.contents, device=device, dtype=torch.float32)
+
+    def loss(self, model, visual, cells):
+        cells = torch.as_tensor(np.asarray(cells), device=visual.device).reshape(-1, batching.IMAGE_TOKENS)
+        targets = self.positions[None] * self.contents[:, cells].permute(1, 0, 2)  # [B, W, 64]
+        embeddings = model.get_input_embeddings()(self.token_ids)
+        return alignment.alignment_loss(visual.reshape(cells.shape[0], batching.IMAGE_TOKENS, -1), embeddings,
+                                        targets, self.tau)
+
+
+def loss_and_hits(model, atlas, ids, labels, cells, device, loss_weighting: str = "token", align=None):
+    """``(loss, hits, target_mask)``; with ``align`` (an `Alignment`) the loss is the answer loss plus
+    ``align.weight`` x the alignment loss, and ``loss.parts`` holds both."""
     ids = torch.as_tensor(ids, device=device)
     labels = torch.as_tensor(labels, device=device)
     pixel_values, grid = atlas(cells)
     positions = batching.mrope_positions(ids.shape[0], ids.shape[1], device)
-    hidden = model.model(input_ids=ids, pixel_values=pixel_values, image_grid_thw=grid, position_ids=positions,
-                         use_cache=False).last_hidden_state
+    captured = []
+    hook = None
+    if align is not None:
+        hook = model.model.visual.register_forward_hook(lambda module, args, out: captured.append(out.pooler_output))
+    try:
+        hidden = model.model(input_ids=ids, pixel_values=pixel_values, image_grid_thw=grid, position_ids=positions,
+                             use_cache=False).last_hidden_state
+    finally:
+        if hook is not None:
+            hook.remove()
     target_mask = labels[:, 1:]
     logits = model.lm_head(hidden[:, :-1][target_mask]).float()
     targets = ids[:, 1:][target_mask]
@@ -167,7 +207,25 @@ def loss_and_hits(model, atlas, ids, labels, cells, device, loss_weighting: str 
         loss = (per_token * answer_weights(labels)).mean()
     else:
         loss = torch.nn.functional.cross_entropy(logits, targets)
-    return loss, logits.argmax(-1) == targets, target_mask
+    parts = {"answer": loss.detach()}
+    if align is not None:
+        if len(captured) != 1:
+            raise RuntimeError(f"expected one vision-tower call per forward, saw {len(captured)}")
+        align_loss = align.loss(model, captured[0], cells)
+        parts["align"] = align_loss.detach()
+        loss = loss + align.weight * align_loss
+    return loss, logits.argmax(-1) == targets, target_mask, parts
+
+
+@torch.no_grad()
+def alignment_check(model, atlas, words, dialogues):
+    """`alignment.alignment_scores` of the images of ``dialogues`` (held out)."""
+    model.eval()
+    cells = np.stack([d.cells for d in dialogues])
+    with batching.batched_vision_attention(model):
+        scores = alignment.alignment_scores(model, words, alignment.visual_tokens(model, atlas, cells), cells)
+    model.train()
+    return scores
 
 
 @torch.no_grad()
@@ -181,7 +239,7 @@ def teacher_forced_eval(model, atlas, encoder, dialogues, device, chunk=128):
         ids, labels = encoder.batch(part)
         cells = np.stack([d.cells for d in part])
         with batching.batched_vision_attention(model):
-            _, hits, mask = loss_and_hits(model, atlas, ids, labels, cells, device)
+            _, hits, mask, _ = loss_and_hits(model, atlas, ids, labels, cells, device)
         hits_full = torch.zeros_like(mask)
         hits_full[mask] = hits
         hits_full, mask = hits_full.cpu().numpy(), mask.cpu().numpy()
@@ -368,6 +426,11 @@ def main(argv=None):
                         help="start from a saved checkpoint's weights (of --arch) instead of a random init, with a "
                              "fresh schedule; training continues the data stream after the dialogues it saw (a run "
                              "longer than one time budget: train, then continue with --curriculum-steps 0)")
+    parser.add_argument("--align-weight", type=float, default=0.0,
+                        help="weight of the text-visual alignment loss (hf_raincheck.gridqa.alignment): each cell's "
+                             "merged visual token pulled toward the input embeddings of the question words that "
+                             "name it (0: off)")
+    parser.add_argument("--align-tau", type=float, default=0.05, help="temperature of the alignment loss's softmax")
     parser.add_argument("--eval-batch", type=int, default=128)
     parser.add_argument("--eval-only", default=None, metavar="CKPT",
                         help="only run the greedy held-out eval of a saved checkpoint and update its stats")
@@ -375,6 +438,10 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
 
+    if args.align_weight < 0:
+        parser.error(f"--align-weight must be >= 0, got {args.align_weight}")
+    if args.align_tau <= 0:
+        parser.error(f"--align-tau must be > 0, got {args.align_tau}")
     torch.set_num_threads(args.threads)
     if args.eval_only:
         return eval_only(args)
@@ -411,6 +478,8 @@ def main(argv=None):
     n_params = sum(p.numel() for p in model.parameters())
     atlas = batching.PixelAtlas(device)
     encoder = batching.DialogueEncoder(tokenizer)
+    align = Alignment(tokenizer, args.align_weight, args.align_tau, device) if args.align_weight > 0 else None
+    words = alignment.alignment_words(tokenizer)
     # disjoint from the final eval's 0..N
     tf_dialogues = task.dialogues("test", 10**6, args.tf_dialogues, allowed=allowed, num_turns=args.turns)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
@@ -445,21 +514,24 @@ def main(argv=None):
             group["lr"] = lr
         ids, labels, cells = next(batches)
         with batching.batched_vision_attention(model):
-            loss, hits, _ = loss_and_hits(model, atlas, ids, labels, cells, device, args.loss)
+            loss, hits, _, parts = loss_and_hits(model, atlas, ids, labels, cells, device, args.loss, align)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        running.append(loss.detach())
+        running.append(torch.stack([loss.detach(), parts.get("align", torch.zeros((), device=loss.device))]))
         step += 1
         if step % args.eval_every == 0 or step == total:
-            mean_loss = float(torch.stack(running).mean())
+            mean_loss, mean_align = (float(x) for x in torch.stack(running).mean(0))
             running = []
             acc = teacher_forced_eval(model, atlas, encoder, tf_dialogues, device)
+            scores = alignment_check(model, atlas, words, tf_dialogues)
             elapsed = time.perf_counter() - start
-            log.append({"step": step, "loss": mean_loss, "lr": lr, "tf_turn_accuracy": acc, "time_s": elapsed})
-            print(f"[{args.arch}] step {step}/{total} loss {mean_loss:.4f} lr {lr:.2e} tf-acc/turn {acc} "
-                  f"{elapsed:.0f}s", flush=True)
+            log.append({"step": step, "loss": mean_loss, "align_loss": mean_align if align else None, "lr": lr,
+                        "tf_turn_accuracy": acc, "alignment_top1": {g: round(v["top1"], 4) for g, v in scores.items()},
+                        "time_s": elapsed})
+            print(f"[{args.arch}] step {step}/{total} loss {mean_loss:.4f} align {mean_align:.4f} lr {lr:.2e} "
+                  f"tf-acc/turn {acc} align-top1 {log[-1]['alignment_top1']} {elapsed:.0f}s", flush=True)
             if all(a is None or a >= args.stop_at for a in acc) and step < (total or 0):
                 print(f"[{args.arch}] every turn >= {args.stop_at}: stopping early", flush=True)
                 stopped_early = True
@@ -490,6 +562,9 @@ def main(argv=None):
         "init_from": source,
         "lr": args.lr,
         "loss_weighting": args.loss,
+        "align_weight": args.align_weight,
+        "align_tau": args.align_tau if args.align_weight > 0 else None,
+        "alignment_heldout": alignment_check(model, atlas, words, tf_dialogues),
         "kind_weights": weights,
         "seed": args.seed,
         "parameters": n_params,

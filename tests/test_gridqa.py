@@ -327,3 +327,66 @@ def test_fast_batches_equal_processor_and_model_positions(tokenizer, processor):
         with batching.batched_vision_attention(model):
             fast = model(**kwargs).logits
     torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# alignment
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def test_alignment_words_name_the_cells_the_questions_mean(tokenizer):
+    from hf_raincheck.gridqa import alignment
+
+    words = alignment.alignment_words(tokenizer)
+    by_token = {tokenizer.convert_ids_to_tokens(int(t)): i for i, t in enumerate(words.token_ids)}
+    # the forms the questions use: "what is in C5?", "list row C.", "list column 4.", "the red circle", "circles"
+    for question, token in [("what is in C5?", "C5"), ("list row C.", "ĠC"), ("list column 4.", "4"),
+                            ("where in row F is the red 3?", "Ġred"), ("how many circles are in row B?", "Ġcircles")]:
+        assert token in tokenizer.convert_ids_to_tokens(tokenizer.encode(question, add_special_tokens=False))
+        assert token in by_token
+    cells = task.make_dialogue(0, "test").cells
+    targets = words.targets(cells[None])[0]  # [W, 64]
+    named = lambda token: set(np.flatnonzero(targets[by_token[token]]).tolist())  # noqa: E731
+    assert named("C5") == {2 * 8 + 4}
+    assert named("ĠC") == set(range(16, 24)) and named("4") == {r * 8 + 3 for r in range(8)}
+    red = {k for k in range(64) if task.cell_content(int(cells.reshape(-1)[k])) is not None
+           and task.cell_content(int(cells.reshape(-1)[k]))[0] == "red"}
+    assert named("Ġred") == red
+    circles = {k for k in range(64) if task.cell_content(int(cells.reshape(-1)[k])) is not None
+               and task.cell_content(int(cells.reshape(-1)[k]))[1] == "circle"}
+    assert named("Ġcircle") == named("Ġcircles") == circles
+    assert set(words.groups) == {"cell", "row", "column", "colour", "shape"}
+
+
+def test_alignment_loss_is_low_for_tokens_near_their_words_and_scores_rank_them():
+    from hf_raincheck.gridqa import alignment
+
+    gen = torch.Generator().manual_seed(0)
+    words = torch.randn(64, 32, generator=gen)  # one word per cell ("cell names")
+    targets = torch.eye(64)[None]  # word w names cell w
+    aligned = words[None] + 0.1 * torch.randn(1, 64, 32, generator=gen)
+    shuffled = aligned[:, torch.randperm(64, generator=gen)]
+    low, high = (alignment.alignment_loss(v, words, targets, tau=0.05) for v in (aligned, shuffled))
+    assert low < 0.1 < high
+    # words naming no cell of an image are left out of the mean
+    partial = targets.clone()
+    partial[0, 5:] = 0
+    both = alignment.alignment_loss(aligned, words, partial, tau=0.05)
+    assert torch.allclose(both, alignment.alignment_loss(aligned, words[:5], targets[:, :5], tau=0.05))
+
+
+def test_training_with_the_alignment_loss_logs_it(monkeypatch, tmp_path):
+    import json
+
+    train = _train_script(monkeypatch)
+    out = tmp_path / "a"
+    assert train.main(["--arch", "qwen3_vl", "--steps", "2", "--out", str(out), "--device", "cpu", "--batch", "2",
+                       "--eval-dialogues", "0", "--tf-dialogues", "2", "--workers", "0", "--threads", "1",
+                       "--curriculum-steps", "0", "--eval-every", "2", "--align-weight", "0.5"]) == 0
+    stats = json.loads((out / "training_stats.json").read_text())
+    assert stats["align_weight"] == 0.5 and stats["align_tau"] == 0.05
+    assert stats["log"][-1]["align_loss"] > 0
+    assert set(stats["alignment_heldout"]) == {"cell", "row", "column", "colour", "shape"}
+    with pytest.raises(SystemExit):
+        train.main(["--arch", "qwen3_vl", "--steps", "1", "--out", str(tmp_path / "b"), "--device", "cpu",
+                    "--align-weight", "-1"])

@@ -195,3 +195,57 @@ def test_one_merge_writes_each_architecture_from_its_own_parts(parts, tmp_path):
     assert both["runs"]["qwen3_vl"]["records"] == vl
     assert both["runs"]["qwen3_5"]["records"] == [{**r, "arch": "qwen3_5"} for r in vl]
     assert len(both["records"]) == 2 * len(vl)
+
+
+def test_turn1_rows_by_question_and_later_answers_compared_with_full():
+    """The summary's turn-1 subsets (named-cell / line questions, each kind) and the share of later answers equal
+    to Full's, also counted only where every earlier answer was equal (a different turn-1 answer in the history
+    changes what follows, whatever restoration did)."""
+    import argparse
+
+    full, rain = ("full", None, None, None, None), ("raincheck", "mmtok", 0.3, 31, "boundary")
+    hard = ("hard", "mmtok", 0.3, None, None)
+
+    def dialogue(index, kinds, full_answers, rain_answers, hard_answers):
+        def run(answers):
+            return {"correct": [a == f for a, f in zip(answers, full_answers)], "answers": answers,
+                    "tokens": [1] * len(answers), "stats": {"during_decode": 0, "after_answer": 0, "during_prefill": 0},
+                    "seconds": 0.0}
+        return {"index": index, "kinds": kinds, "gold_tokens": [40 if k == "row" else 4 for k in kinds],
+                "runs": {json.dumps(full): run(full_answers), json.dumps(rain): run(rain_answers),
+                         json.dumps(hard): run(hard_answers)}}
+
+    results = [dialogue(0, ["cell", "row"], ["a", "b"], ["a", "b"], ["a", "x"]),
+               dialogue(1, ["row", "cell"], ["c", "d"], ["y", "z"], ["y", "z"]),  # turn 1 differs, then turn 2
+               dialogue(2, ["row", "cell"], ["e", "f"], ["e", "f"], ["w", "f"])]
+    subsets = quality.turn1_subsets(results, guard_tokens=16)
+    assert list(subsets["named_cells"]) == [0] and list(subsets["line"]) == [1, 2] and list(subsets["long"]) == [1, 2]
+    assert list(subsets["kind=row"]) == [1, 2] and "kind=search" not in subsets
+    grid = [(full, None), (hard, None), (rain, None)]
+    args = argparse.Namespace(guard_tokens=16, seed=0, bootstrap=50, arch="qwen3_vl", completion="blocking")
+    records, _, _ = quality.summarize(results, grid, args)
+    get = {(r["policy"], r["turn"], r["subset"]): r for r in records}
+    later = get[("raincheck", "2+", "all")]
+    assert later["same_as_full"] == 2 / 3 and later["same_as_full_same_history"] == 1.0 and later["n_same_history"] == 2
+    assert get[("raincheck", "1", "line")]["accuracy"] == 0.5 and get[("hard", "1", "line")]["accuracy"] == 0.0
+    assert get[("raincheck", "1", "line")]["recovered"] == 0.5
+    assert get[("hard", "1", "named_cells")]["accuracy"] == 1.0
+
+
+def test_background_completion_preempted_at_random_points_answers_later_turns_like_full():
+    """``--completion background``: the next question arrives a random time after the answer (drawn from the
+    dialogue's index), preempting the worker wherever it is; turn 1 here is a cell question, whose short answer ends
+    with every deferred token pending, and turns 2+ answer like Full prefill."""
+    from hf_raincheck import RaincheckConfig, enable_raincheck
+    from hf_raincheck.gridqa import load_default, make_dialogue
+
+    model, processor = load_default("qwen3_vl")
+    enable_raincheck(model)
+    dialogue = make_dialogue(1, "test", kinds=["cell", "row", "column"])
+    full, _ = quality.play(model, processor, dialogue, None, 64)
+    config = RaincheckConfig(retention=0.3, pruning="mmtok", chunk_size=31, guard_tokens=16,
+                             completion="background", completion_chunk_size=4)
+    turns, stats = quality.play(model, processor, dialogue, config, 64, preempt_s=0.005)
+    assert [t[0] for t in turns[1:]] == [t[0] for t in full[1:]]
+    # every deferred token restored exactly once: during the decode, by the worker, or folded into a later prefill
+    assert stats["during_decode"] + stats["after_answer"] + stats["during_prefill"] == 44

@@ -3,6 +3,8 @@
 * :mod:`.task` — grid images (one cell = one merged visual token), dialogues of 3-4 questions, answer checking.
 * :mod:`.checkpoint` — tokenizer, processor and model configs; saving / loading like Hub checkpoints.
 * :mod:`.batching` — fast training batches equal to what the processor and chat template produce.
+* :mod:`.alignment` — which question words name which cells, and the loss of the training stage that puts each
+  cell's visual token near those words' embeddings (what a query-aware selector needs to find the asked cells).
 * :func:`load_default` — the checkpoint shipped in ``hf_raincheck/assets`` for an architecture.
 
 ``scripts/train_gridqa.py`` trains a checkpoint; ``benchmarks/quality.py`` measures Full / Hard / Raincheck on it.

@@ -88,6 +88,14 @@ QUESTION_KINDS = ("cell", "row", "column", "count", "larger", "colour", "search"
 QUESTION_WEIGHTS = {"cell": 0.18, "row": 0.16, "column": 0.12, "count": 0.16, "larger": 0.1, "colour": 0.1,
                     "search": 0.18, "find": 0.0}
 
+#: Questions that name the cells they ask about (one or two cell names): a query-aware selector whose visual tokens
+#: are aligned with the text embeddings (`hf_raincheck.gridqa.alignment`) can keep exactly those cells.
+NAMED_CELL_KINDS = ("cell", "larger", "colour")
+#: Questions about a whole row or column, answered cell by cell in source order (long answers, 32-56 tokens): the
+#: asked line is 8 tokens, but a coverage selector keeps about one token per question word, so at turn 1 the rest
+#: of the line is only there once decode-time restoration brings it.
+LINE_KINDS = ("row", "column", "count", "search")
+
 SPLITS = {"train": 0, "test": 1, "demo": 2, "val": 3}
 
 
