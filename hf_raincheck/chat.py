@@ -16,14 +16,16 @@ user reads it; the next question preempts that work.
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-from transformers import TextIteratorStreamer
+from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 from transformers.generation.streamers import BaseStreamer
 
 from .cache import DeferredPrefillCache, TurnRestore
@@ -31,12 +33,14 @@ from .config import RaincheckConfig
 from .conversation import next_turn_inputs
 from .generation import enable_raincheck
 from .generation.enable import raincheck_state
+from .images import eight_bit, open_image
 
 # generate() arguments the session sets itself
 _MANAGED = ("input_ids", "inputs", "past_key_values", "raincheck_config", "return_dict_in_generate", "streamer",
             "attention_mask", "pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw",
             "mm_token_type_ids")
 _DEFAULT_MAX_NEW_TOKENS = 256
+_EXIT_JOIN_S = 60.0  # how long interpreter exit waits for a stream's generate thread to stop (one decode step)
 
 
 @dataclass
@@ -131,6 +135,8 @@ class RaincheckChat:
             )
         if system is not None and (not isinstance(system, str) or not system.strip()):
             raise ValueError(f"RaincheckChat: system must be None or a non-empty str, got {system!r}")
+        if system is not None:
+            _check_encodable("RaincheckChat", "system", system)
         self.model = enable_raincheck(model)
         self.processor = processor
         self.config = config
@@ -228,6 +234,7 @@ class RaincheckChat:
             raise ValueError(f"{caller}: text must be a str, got {type(text).__name__}")
         if not text.strip():
             raise ValueError(f"{caller}: text is empty; send a non-empty message")
+        _check_encodable(caller, "text", text)
         content = [{"type": "image", "image": image} for image in _media(caller, "images", images, _check_image)]
         content += [{"type": "video", "video": video} for video in _media(caller, "videos", videos, _check_video)]
         content.append({"type": "text", "text": text})
@@ -239,6 +246,7 @@ class RaincheckChat:
 
     # ------------------------------------------------------------------ one turn
     def _inputs(self, message: dict):
+        message = _for_processor(message)
         if self._sequences is None:
             messages = [{"role": "system", "content": self.system}] if self.system else []
             inputs = self.processor.apply_chat_template(
@@ -278,6 +286,12 @@ class RaincheckChat:
             streamer = TextIteratorStreamer(self.processor.tokenizer, skip_prompt=True, skip_special_tokens=True)
             timer = _Timer(streamer)
             result: dict = {}
+            # interpreter exit ends the answer after the current decode step (`_stop_streams_at_exit`): a daemon
+            # thread killed inside torch's kernels aborts the process ("terminate called without an active
+            # exception")
+            at_exit = _StopAtExit()
+            kwargs = dict(kwargs)
+            kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), at_exit])
 
             def work():
                 try:
@@ -285,8 +299,11 @@ class RaincheckChat:
                 except BaseException as error:  # noqa: BLE001 - re-raised in the consumer's thread
                     result["error"] = error
                     streamer.end()
+                finally:
+                    at_exit.done.set()
 
             thread = threading.Thread(target=work, name="raincheck-chat-generate", daemon=True)
+            _LIVE_STREAMS.add(at_exit)
             thread.start()
             try:
                 yield from streamer
@@ -328,6 +345,53 @@ class RaincheckChat:
         )
 
 
+class _StopAtExit(StoppingCriteria):
+    """Stops a stream's `generate` once the interpreter exits (`_stop_streams_at_exit`); ``done``: it returned."""
+
+    def __init__(self):
+        self.exiting = threading.Event()
+        self.done = threading.Event()
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), self.exiting.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+_LIVE_STREAMS: "weakref.WeakSet[_StopAtExit]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_streams_at_exit() -> None:
+    """Ends every stream's generate thread still running (after its current step) and waits for it."""
+    streams = list(_LIVE_STREAMS)
+    for stream in streams:
+        stream.exiting.set()
+    for stream in streams:
+        stream.done.wait(_EXIT_JOIN_S)
+
+
+def _check_encodable(caller: str, name: str, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"{caller}: {name} holds a character that is not valid Unicode text ({error.object[error.start]!r} at "
+            f"index {error.start}: {error.reason}); lone surrogates cannot be tokenized"
+        ) from None
+
+
+def _for_processor(message: dict) -> dict:
+    """The message as the processor gets it: images decoded with 8-bit values (`hf_raincheck.images`); the
+    session's ``messages`` keep them as given."""
+    content = []
+    for part in message["content"]:
+        if part.get("type") == "image":
+            image = part["image"]
+            image = open_image(image, "images") if isinstance(image, (str, os.PathLike)) else eight_bit(image, "images")
+            part = {**part, "image": image}
+        content.append(part)
+    return {**message, "content": content}
+
+
 def _media(caller: str, name: str, value, check) -> list:
     if value is None:
         return []
@@ -347,11 +411,25 @@ def _check_image(caller: str, name: str, value):
     from PIL import Image
 
     if isinstance(value, Image.Image):
+        _check_image_size(caller, name, value.size)
         return value
     if isinstance(value, (str, os.PathLike)):
-        return _check_path(caller, name, value, "image")
+        path = _check_path(caller, name, value, "image")
+        try:
+            with Image.open(path) as opened:
+                size = opened.size
+        except (OSError, Image.DecompressionBombError, SyntaxError) as error:
+            raise ValueError(f"{caller}: {name} cannot be read as an image: {path!r} ({type(error).__name__})") from None
+        _check_image_size(caller, name, size)
+        return value
     raise ValueError(f"{caller}: {name} must be a PIL.Image.Image or a path to an image file, "
                      f"got {type(value).__name__}")
+
+
+def _check_image_size(caller: str, name: str, size: tuple[int, int]) -> None:
+    width, height = size
+    if width < 1 or height < 1:
+        raise ValueError(f"{caller}: {name} is an empty image ({width}x{height} px); an image needs at least 1 px a side")
 
 
 def _check_video(caller: str, name: str, value):
