@@ -13,8 +13,14 @@ untraced). A first pass records every line event of the traced files (`record_po
   different point;
 - ``occurrence``: the 1-based count of that (phase, file, line, stack) event within the phase.
 
-`inject_at(point)` then raises ``KeyboardInterrupt`` in the traced code right before that line runs (as Ctrl-C
+An `Injector` then raises ``KeyboardInterrupt`` in the traced code right before that line runs (as Ctrl-C
 would), once. Python unsets a trace function that raised, so the rest of the run is untraced.
+
+Two kinds of line event are not points, because an exception raised there by a trace function lands where an
+asynchronous one (a signal handler's ``KeyboardInterrupt``, which CPython raises only at calls, loop jumps and
+function entries) never can, in a gap of the code's exception table: the no-op of a ``try:`` line, and the
+second event of a ``with`` line (its ``__exit__`` call, on the way out of the block). Raised there, it skips the
+``with``'s ``__exit__`` (a lock stays held): a false finding.
 
     recorder = LineRecorder(files)
     with recorder:
@@ -26,6 +32,8 @@ would), once. Python unsets a trace function that raised, so the rest of the run
 
 from __future__ import annotations
 
+import ast
+import dis
 import os
 import sys
 import threading
@@ -83,8 +91,41 @@ class Point:
         return f"{self.file}:{self.line}"
 
 
+_STATEMENT_LINES: dict = {}  # path -> (lines of `try` statements, lines of `with` statements)
+_LINE_STARTS: dict = {}  # code object -> {line: its first bytecode offset}
+
+
+def _statement_lines(path: str) -> tuple[frozenset, frozenset]:
+    if path not in _STATEMENT_LINES:
+        with open(path, encoding="utf-8") as source:
+            tree = ast.parse(source.read(), path)
+        tries = frozenset(n.lineno for n in ast.walk(tree) if isinstance(n, ast.Try))
+        withs = frozenset(n.lineno for n in ast.walk(tree) if isinstance(n, ast.With))
+        _STATEMENT_LINES[path] = (tries, withs)
+    return _STATEMENT_LINES[path]
+
+
+def injectable(frame) -> bool:
+    """Whether an asynchronous ``KeyboardInterrupt`` could arrive at this line event (see the module docstring)."""
+    tries, withs = _statement_lines(frame.f_code.co_filename)
+    line = frame.f_lineno
+    if line in tries:
+        return False
+    if line in withs:
+        code = frame.f_code
+        starts = _LINE_STARTS.get(code)
+        if starts is None:
+            starts = {}
+            for offset, start_line in dis.findlinestarts(code):
+                if start_line is not None and start_line not in starts:
+                    starts[start_line] = offset
+            _LINE_STARTS[code] = starts
+        return frame.f_lasti <= starts.get(line, frame.f_lasti)
+    return True
+
+
 class _LineTracer:
-    """Calls `on_line(rel_file, line, stack)` for every line event of `files` in the thread that enters it."""
+    """Calls `on_line(point)` for every injectable line event of `files` in the thread that enters it."""
 
     def __init__(self, files: frozenset[str]):
         self.files = files
@@ -107,7 +148,7 @@ class _LineTracer:
         return None
 
     def _local(self, frame, event, arg):
-        if event == "line":
+        if event == "line" and injectable(frame):
             stack = self._stack(frame)
             key = (self.phase, _relative(frame.f_code.co_filename), frame.f_lineno, stack)
             self.counts[key] += 1

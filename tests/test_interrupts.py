@@ -93,7 +93,7 @@ class PausedWorkers:
 
         def one_chunk_then_wait(state, cache, budget, chunk_size):
             done = original(state, cache, budget, chunk_size)
-            worker = cache._completion
+            worker = next(w for w in list(background._LIVE) if w._thread is threading.current_thread())
             with self._lock:
                 event = self.first_chunk[worker]
             event.set()
@@ -165,6 +165,14 @@ def run_dialogue(model, processor, workers: PausedWorkers, tracer=None, steps: l
     """The dialogue (`steps`, default `DIALOGUE`), its turns 1 and 2 traced by `tracer` (a `LineRecorder`, or an
     `Injector`: after its interrupt, the README's recovery)."""
     cache = DeferredPrefillCache(raincheck_num_layers(model))
+    try:
+        return _run_dialogue(model, processor, workers, tracer, steps, cache)
+    except BaseException:
+        stop_worker(cache)
+        raise
+
+
+def _run_dialogue(model, processor, workers, tracer, steps, cache) -> Outcome:
     outcome = Outcome(cache=cache)
     history = None
     for step in steps or plain_steps():
@@ -187,6 +195,18 @@ def run_dialogue(model, processor, workers: PausedWorkers, tracer=None, steps: l
             if outcome.interrupted is not None or not getattr(tracer, "fired", False):
                 raise
             outcome.interrupted = call.phase
+            if cache.lock._is_owned():  # noqa: SLF001 - a lock left held would make every later user wait forever
+                while cache.lock._is_owned():
+                    cache.lock.release()
+                stop_worker(cache)
+                raise AssertionError("the interrupted call left cache.lock held by its thread")
+            orphans = [w for w in list(background._LIVE)
+                       if w._cache_ref() is cache and w is not cache._completion and w.running]
+            if orphans:
+                for worker in orphans:
+                    worker.stop()
+                raise AssertionError("the interrupted call started a background worker that cache._completion does "
+                                     "not hold: the next call cannot stop it and races it")
             workers.settle(cache)
             # the README's recovery: the cache holds what was fed; the next turn continues from cache.token_ids
             fed = cache.length - prompt_len
@@ -210,6 +230,13 @@ def run_dialogue(model, processor, workers: PausedWorkers, tracer=None, steps: l
         history = list(cache.token_ids) if step.from_cache else out.sequences[0].tolist()
     complete_deferred(model, cache)
     return outcome
+
+
+def stop_worker(cache: DeferredPrefillCache) -> None:
+    """Lets a paused worker of `cache` end (a failed run must not leave it waiting)."""
+    worker = cache._completion
+    if worker is not None:
+        worker.stop()
 
 
 def raincheck_num_layers(model) -> int:
@@ -358,6 +385,42 @@ def test_the_dialogue_is_deterministic_and_equals_blocking(harness):
     reference = run_dialogue(harness.model, harness.processor, harness.workers, steps=plain_steps("blocking"))
     for phase in ("turn1", "turn2", "probe"):
         torch.testing.assert_close(first.logits[phase], reference.logits[phase], **TOL)
+
+
+_LOCK = threading.RLock()
+
+
+def _guarded(fail: bool) -> int:
+    with _LOCK:
+        value = 1
+        try:
+            value += 1
+        finally:
+            value += 1
+        if fail:
+            return value
+    return value
+
+
+def test_points_are_where_an_asynchronous_interrupt_can_land():
+    """Every point of a `with lock: try: ...` function is injectable without leaving the lock held (the `try:`
+    no-op and the `with`'s exit are not points), and the points are found again in the same order."""
+    files = frozenset([os.path.abspath(__file__)])
+    recorder = LineRecorder(files)
+    with recorder:
+        for fail in (False, True):
+            recorder.phase = str(fail)
+            _guarded(fail)
+    lines = [p.line - _guarded.__code__.co_firstlineno for p in recorder.events]
+    assert lines == [1, 2, 4, 6, 7, 9, 1, 2, 4, 6, 7, 8], lines
+    for point in recorder.events:
+        injector = Injector(files, point)
+        injector.phase = point.phase
+        with pytest.raises(KeyboardInterrupt):
+            with injector:
+                _guarded(point.phase == "True")
+        assert injector.fired and not _LOCK._is_owned(), point
+    assert Point.parse(str(recorder.events[3])) == recorder.events[3]
 
 
 def test_interrupt_at_any_line_recovers_exactly(harness, model_name):
