@@ -438,6 +438,10 @@ def _check_video(caller: str, name: str, value):
     if isinstance(value, (str, os.PathLike)):
         return _check_path(caller, name, value, "video")
     if isinstance(value, (np.ndarray, torch.Tensor)) and value.ndim == 4:
+        frames, height, width = (int(n) for n in value.shape[:3])
+        if min(frames, height, width) < 1:
+            raise ValueError(f"{caller}: {name} is an empty video (shape {tuple(value.shape)}); a video needs at least "
+                             "1 frame of at least 1 px a side")
         return value
     shape = f" of shape {tuple(value.shape)}" if hasattr(value, "shape") else ""
     raise ValueError(f"{caller}: {name} must be an array / tensor of frames (T, H, W, 3) or a path to a video file, "

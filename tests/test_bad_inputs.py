@@ -4,6 +4,7 @@ a process that exits while `RaincheckChat.stream` generates exits cleanly."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -35,6 +36,13 @@ def test_an_empty_image_is_refused_naming_the_argument(vl, size):
     with pytest.raises(ValueError, match=r"RaincheckChat\.stream: images\[1\] is an empty image"):
         chat.stream("What is in it?", images=[make_image(0), Image.new("RGB", size)])
     assert chat.messages == [] and chat.cache is None  # nothing was sent
+
+
+@pytest.mark.parametrize("shape", [(0, 32, 32, 3), (4, 0, 32, 3), (4, 32, 0, 3)])
+def test_an_empty_video_is_refused_naming_the_argument(vl, shape):
+    chat = RaincheckChat(*vl, CFG, max_new_tokens=2)
+    with pytest.raises(ValueError, match=rf"RaincheckChat\.ask: videos is an empty video \(shape {re.escape(str(shape))}\)"):
+        chat.ask("What happens?", videos=np.zeros(shape, dtype=np.uint8))
 
 
 def test_an_unreadable_image_file_is_refused_naming_the_argument(vl, tmp_path):
