@@ -119,7 +119,10 @@ class RaincheckChat:
         cache: the conversation's `DeferredPrefillCache` (None before the first turn and after `close`).
         stats: one `TurnStats` per turn (a fresh snapshot on every access).
 
-    One session is used from one thread; `stream` runs `generate` in a helper thread while you iterate.
+    One session is used from one thread; `stream` runs `generate` in a helper thread while you iterate (at
+    interpreter exit a stream still generating ends after its current step). Several sessions on one model may run
+    in different threads. Images reach the processor with 8-bit values: 16-bit, 32-bit integer and float images
+    are scaled, not clipped (`hf_raincheck.images`); image paths are opened by `hf_raincheck.images.open_image`.
     """
 
     def __init__(self, model, processor, config: RaincheckConfig | None = None, system: str | None = None,
