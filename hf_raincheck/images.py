@@ -57,8 +57,9 @@ def eight_bit(image, name: str = "image"):
 
 
 def open_image(path, name: str = "image"):
-    """The image file at `path`, decoded, EXIF orientation applied (as transformers' ``load_image`` does), with
-    8-bit values (`eight_bit`). Raises ``ValueError`` naming `name` for a file that is not a readable image."""
+    """The image file at `path` as transformers' ``load_image`` gives it (decoded, EXIF orientation applied, RGB),
+    except that a high-bit-depth image is scaled to 8 bits first (`eight_bit`). Raises ``ValueError`` naming `name`
+    for a file that is not a readable image."""
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     path = os.fspath(path)
@@ -70,4 +71,4 @@ def open_image(path, name: str = "image"):
                 image = opened.copy()
     except (OSError, UnidentifiedImageError, Image.DecompressionBombError, SyntaxError) as error:
         raise ValueError(f"{name}: {path!r} cannot be read as an image ({type(error).__name__}: {error})") from None
-    return eight_bit(image, name)
+    return eight_bit(image, name).convert("RGB")

@@ -145,7 +145,10 @@ def test_open_image_scales_a_16_bit_png_and_names_the_argument(tmp_path):
     Image.fromarray((grey.astype(np.uint16) * 257)).save(path)
     with Image.open(path) as raw:
         assert raw.mode.startswith("I")  # Pillow opens 16-bit PNGs as "I;16" / "I"
-    np.testing.assert_array_equal(np.asarray(open_image(path)), grey)
+    opened = open_image(path)
+    assert opened.mode == "RGB"
+    for channel in range(3):
+        np.testing.assert_array_equal(np.asarray(opened)[..., channel], grey)
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"\x89PNG garbage")
     with pytest.raises(ValueError, match=r"images: .*bad\.png' cannot be read as an image"):
