@@ -103,6 +103,15 @@ class _Turn:
     record: TurnRestore | None
 
 
+@dataclass(frozen=True)
+class _History:
+    """What a session has recorded (replaced as a whole by each turn)."""
+
+    messages: list  # the chat's messages
+    sequences: torch.Tensor | None  # [1, L] the exact tokens of the conversation so far
+    turns: list  # one `_Turn` per turn
+
+
 class RaincheckChat:
     """A multi-turn chat with Raincheck over `model` (enabled here if needed), `processor` and `config`.
 
@@ -145,14 +154,25 @@ class RaincheckChat:
         self.config = config
         self.system = system
         self.generate_kwargs = self._check_generate_kwargs("RaincheckChat", generate_kwargs)
-        self.messages: list[dict] = []
         self.cache: DeferredPrefillCache | None = None
-        self._sequences: torch.Tensor | None = None  # [1, L] the exact tokens of the conversation so far
-        self._turns: list[_Turn] = []
+        self._history = _History(messages=[], sequences=None, turns=[])
         self._closed = False
         self._busy = False
 
     # ------------------------------------------------------------------ public API
+    @property
+    def messages(self) -> list[dict]:
+        """The chat so far: ``{"role", "content"}`` dicts (images / videos as given)."""
+        return self._history.messages
+
+    @property
+    def _sequences(self) -> torch.Tensor | None:
+        return self._history.sequences  # [1, L] the exact tokens of the conversation so far
+
+    @property
+    def _turns(self) -> list["_Turn"]:
+        return self._history.turns
+
     def ask(self, text: str, images=None, videos=None, **generate_kwargs) -> str:
         """Sends one user message (text plus optional images / videos) and returns the answer.
 
@@ -267,17 +287,21 @@ class RaincheckChat:
             layers = raincheck_state(self.model, "RaincheckChat").adapter.num_cache_layers()
             self.cache = DeferredPrefillCache(layers, static=kwargs.get("cache_implementation") == "static")
         timer.start = time.perf_counter()
+        before = self._history
         try:
             out = self.model.generate(
                 **inputs, **kwargs, raincheck_config=self.config, past_key_values=self.cache, streamer=timer,
                 return_dict_in_generate=True,
             )
+            answer_ids = out.sequences[0, prompt_len:]
+            answer = self.processor.decode(answer_ids, skip_special_tokens=True)
+            self._record(message, answer, out.sequences, timer, int(answer_ids.numel()))
         except BaseException:
-            self._record_interrupted(message, prompt_len, timer)
+            # interrupted (Ctrl-C, a stopping criterion that raises, an error) before the turn was recorded, in
+            # generate or after it: the turn is what the cache holds
+            if self._history is before:
+                self._record_interrupted(message, prompt_len, timer)
             raise
-        answer_ids = out.sequences[0, prompt_len:]
-        answer = self.processor.decode(answer_ids, skip_special_tokens=True)
-        self._record(message, answer, out.sequences, timer, int(answer_ids.numel()))
         return answer
 
     def _stream(self, message: dict, kwargs: dict) -> Iterator[str]:
@@ -318,11 +342,15 @@ class RaincheckChat:
             self._busy = False
 
     def _record(self, message: dict, answer: str, sequences: torch.Tensor, timer: _Timer, new_tokens: int) -> None:
-        self.messages.append(message)
-        self.messages.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
-        self._sequences = sequences.detach().to("cpu")
+        """Adds the turn: the new history is built aside and takes over in one assignment, so an interrupt
+        leaves either the old history or the new one, never half of it."""
         record = self.cache.turn_stats[-1] if self.cache is not None and self.cache.turn_stats else None
-        self._turns.append(_Turn(timer=timer, new_tokens=new_tokens, record=record))
+        history = self._history
+        self._history = _History(
+            messages=history.messages + [message, {"role": "assistant", "content": [{"type": "text", "text": answer}]}],
+            sequences=sequences.detach().to("cpu"),
+            turns=history.turns + [_Turn(timer=timer, new_tokens=new_tokens, record=record)],
+        )
 
     def _record_interrupted(self, message: dict, prompt_len: int, timer: _Timer) -> None:
         """After an interrupted `generate`: keep what the cache holds (prompt + partial answer) as the turn."""

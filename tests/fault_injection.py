@@ -16,11 +16,13 @@ untraced). A first pass records every line event of the traced files (`record_po
 An `Injector` then raises ``KeyboardInterrupt`` in the traced code right before that line runs (as Ctrl-C
 would), once. Python unsets a trace function that raised, so the rest of the run is untraced.
 
-Two kinds of line event are not points, because an exception raised there by a trace function lands where an
-asynchronous one (a signal handler's ``KeyboardInterrupt``, which CPython raises only at calls, loop jumps and
-function entries) never can, in a gap of the code's exception table: the no-op of a ``try:`` line, and the
-second event of a ``with`` line (its ``__exit__`` call, on the way out of the block). Raised there, it skips the
-``with``'s ``__exit__`` (a lock stays held): a false finding.
+Some line events are not points, because an exception raised there by a trace function lands where an
+asynchronous one (a signal handler's ``KeyboardInterrupt``, which CPython raises only right after a call, at a
+loop's jump back and at a function's entry) never can: between two exception-handling regions. They are the
+no-op of a ``try:`` line and the second event of a ``with`` line (its ``__exit__`` call on the way out: raised
+there, the ``with``'s ``__exit__`` is skipped and a lock stays held), and the first line of a ``finally:`` or a
+try's ``else:`` block (a Ctrl-C during the try body's last call is raised inside the try, so the handlers and the
+``finally`` see it). Injected there, they would be false findings.
 
     recorder = LineRecorder(files)
     with recorder:
@@ -96,12 +98,18 @@ _LINE_STARTS: dict = {}  # code object -> {line: its first bytecode offset}
 
 
 def _statement_lines(path: str) -> tuple[frozenset, frozenset]:
+    """Lines no asynchronous exception can land before (`try:` lines, the first lines of `finally:` and try
+    `else:` blocks), and the lines of `with` statements."""
     if path not in _STATEMENT_LINES:
         with open(path, encoding="utf-8") as source:
             tree = ast.parse(source.read(), path)
-        tries = frozenset(n.lineno for n in ast.walk(tree) if isinstance(n, ast.Try))
+        skipped = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Try):
+                skipped.add(node.lineno)
+                skipped.update(block[0].lineno for block in (node.finalbody, node.orelse) if block)
         withs = frozenset(n.lineno for n in ast.walk(tree) if isinstance(n, ast.With))
-        _STATEMENT_LINES[path] = (tries, withs)
+        _STATEMENT_LINES[path] = (frozenset(skipped), withs)
     return _STATEMENT_LINES[path]
 
 

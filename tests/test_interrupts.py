@@ -40,7 +40,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from fault_injection import Injector, LineRecorder, Point, distinct_points, package_files, spread  # noqa: E402
 
-from hf_raincheck import DeferredPrefillCache, RaincheckConfig, complete_deferred, enable_raincheck  # noqa: E402
+from hf_raincheck import (  # noqa: E402
+    DeferredPrefillCache,
+    RaincheckChat,
+    RaincheckConfig,
+    complete_deferred,
+    enable_raincheck,
+)
 from hf_raincheck.conversation import next_turn_inputs  # noqa: E402
 from hf_raincheck.generation import background  # noqa: E402
 from hf_raincheck.testing import chat_inputs, make_image  # noqa: E402
@@ -154,6 +160,7 @@ class Step:
     after_answer: int | None = None
     from_cache: bool = False
     skip: bool = False
+    keep_history: bool = False  # (with skip) the next call continues from the previous output, as RaincheckChat does
 
 
 def plain_steps(completion: str | None = None) -> list[Step]:
@@ -178,7 +185,8 @@ def _run_dialogue(model, processor, workers, tracer, steps, cache) -> Outcome:
     for step in steps or plain_steps():
         call = step.call
         if step.skip:
-            history = list(cache.token_ids) if cache.length else None
+            if not step.keep_history:
+                history = list(cache.token_ids) if cache.length else None
             outcome.replayed.append(step)
             continue
         inputs = _inputs(processor, call, history)
@@ -195,18 +203,7 @@ def _run_dialogue(model, processor, workers, tracer, steps, cache) -> Outcome:
             if outcome.interrupted is not None or not getattr(tracer, "fired", False):
                 raise
             outcome.interrupted = call.phase
-            if cache.lock._is_owned():  # noqa: SLF001 - a lock left held would make every later user wait forever
-                while cache.lock._is_owned():
-                    cache.lock.release()
-                stop_worker(cache)
-                raise AssertionError("the interrupted call left cache.lock held by its thread")
-            orphans = [w for w in list(background._LIVE)
-                       if w._cache_ref() is cache and w is not cache._completion and w.running]
-            if orphans:
-                for worker in orphans:
-                    worker.stop()
-                raise AssertionError("the interrupted call started a background worker that cache._completion does "
-                                     "not hold: the next call cannot stop it and races it")
+            check_left_usable(cache)
             workers.settle(cache)
             # the README's recovery: the cache holds what was fed; the next turn continues from cache.token_ids
             fed = cache.length - prompt_len
@@ -230,6 +227,86 @@ def _run_dialogue(model, processor, workers, tracer, steps, cache) -> Outcome:
         history = list(cache.token_ids) if step.from_cache else out.sequences[0].tolist()
     complete_deferred(model, cache)
     return outcome
+
+
+def check_left_usable(cache: DeferredPrefillCache) -> None:
+    """After an interrupt: the cache's lock is free and any worker started is the cache's (else: stop, report)."""
+    if cache.lock._is_owned():  # noqa: SLF001 - a lock left held would make every later user wait forever
+        while cache.lock._is_owned():
+            cache.lock.release()
+        stop_worker(cache)
+        raise AssertionError("the interrupted call left cache.lock held by its thread")
+    orphans = [w for w in list(background._LIVE) if w._cache_ref() is cache and w is not cache._completion and w.running]
+    if orphans:
+        for worker in orphans:
+            worker.stop()
+        raise AssertionError("the interrupted call started a background worker that cache._completion does not hold: "
+                             "the next call cannot stop it and races it")
+
+
+def chat_steps() -> list[Step]:
+    """`DIALOGUE` as a `RaincheckChat` runs it: one config (``completion="background"``) for every turn."""
+    return [Step(c, c.max_new_tokens, "background") for c in DIALOGUE]
+
+
+def run_chat_dialogue(model, processor, workers: PausedWorkers, tracer=None) -> Outcome:
+    """`DIALOGUE` through `RaincheckChat.ask`; after an interrupt, what the session does (it keeps the partial
+    turn the cache holds, or nothing when the prompt never reached the cache) and the next `ask`."""
+    chat = RaincheckChat(model, processor, RaincheckConfig(completion="background", **BASE), do_sample=False)
+    outcome = Outcome(cache=None, logits=None)
+    try:
+        for step in chat_steps():
+            call = step.call
+            history = None if chat._sequences is None else chat._sequences[0].tolist()
+            prompt_len = _inputs(processor, call, history)["input_ids"].shape[1]
+            messages_before = len(chat.messages)
+            after_before = chat.cache.stats.after_answer if chat.cache is not None else 0
+            image = None if call.image_seed is None else make_image(call.image_seed)
+            kwargs = dict(max_new_tokens=step.max_new_tokens, min_new_tokens=step.max_new_tokens)
+            try:
+                if tracer is not None and outcome.interrupted is None and call.phase in TRACED_PHASES:
+                    tracer.phase = call.phase
+                    with tracer:
+                        chat.ask(call.text, images=image, **kwargs)
+                else:
+                    chat.ask(call.text, images=image, **kwargs)
+            except KeyboardInterrupt:
+                if outcome.interrupted is not None or not getattr(tracer, "fired", False):
+                    raise
+                outcome.interrupted = call.phase
+                cache = chat.cache
+                if cache is None:  # interrupted before the session made its cache
+                    outcome.replayed.append(Step(call, 0, "next_turn", skip=True, keep_history=True))
+                    continue
+                check_left_usable(cache)
+                workers.settle(cache)
+                fed = cache.length - prompt_len
+                if fed >= 0:
+                    # the session keeps what the cache holds, or (interrupted after recording the answer) the answer
+                    recorded = [] if chat._sequences is None else chat._sequences[0].tolist()
+                    partial = recorded == cache.token_ids
+                    whole = recorded[:-1] == cache.token_ids
+                    assert (partial or whole) and len(chat.messages) == messages_before + 2, (
+                        "the session did not record the interrupted turn the cache holds "
+                        f"({len(chat.messages) - messages_before} messages added)")
+                    outcome.replayed.append(Step(call, fed + 1, "next_turn", cache.stats.after_answer - after_before,
+                                                 from_cache=partial))
+                else:
+                    assert len(chat.messages) == messages_before, "the session recorded a turn the cache does not hold"
+                    assert (chat._sequences is None and history is None) or chat._sequences[0].tolist() == history
+                    outcome.replayed.append(Step(call, 0, "next_turn", skip=True, keep_history=True))
+                continue
+            workers.settle(chat.cache)
+            outcome.replayed.append(step)
+        assert len(chat.messages) == 2 * len(chat.stats)
+        assert [m["role"] for m in chat.messages] == ["user", "assistant"] * len(chat.stats)
+        outcome.cache = chat.cache
+        complete_deferred(model, chat.cache)
+        return outcome
+    except BaseException:
+        if chat.cache is not None:
+            stop_worker(chat.cache)
+        raise
 
 
 def stop_worker(cache: DeferredPrefillCache) -> None:
@@ -266,7 +343,7 @@ def compare(outcome: Outcome, reference: Outcome) -> str | None:
     for key in mine:
         if mine[key] != theirs[key]:
             return f"cache.{key} differs: {_short(mine[key])} vs reference {_short(theirs[key])}"
-    for phase, logits in reference.logits.items():
+    for phase, logits in reference.logits.items() if outcome.logits is not None else ():
         if phase == outcome.interrupted:
             continue  # its answer was cut short: the later calls' logits and the cache are what must agree
         got = outcome.logits.get(phase)
@@ -292,17 +369,25 @@ def _short(value) -> str:
 
 
 class Harness:
-    """One model's dialogue: the recorded points, the references (memoized by replay), one run per point."""
+    """One model's dialogue: the recorded points, the references (memoized by replay), one run per point.
 
-    def __init__(self, model, processor, monkeypatch):
+    ``chat=True``: the dialogue runs through `RaincheckChat` (and ``chat.py`` is traced too)."""
+
+    def __init__(self, model, processor, monkeypatch, chat: bool = False):
         self.model, self.processor = enable_raincheck(model), processor
         self.workers = PausedWorkers(monkeypatch)
-        self.files = package_files(*TRACED)
+        self.chat = chat
+        self.files = package_files(*TRACED, *(("chat.py",) if chat else ()))
         self._references: dict = {}
+
+    def run(self, tracer=None) -> Outcome:
+        if self.chat:
+            return run_chat_dialogue(self.model, self.processor, self.workers, tracer=tracer)
+        return run_dialogue(self.model, self.processor, self.workers, tracer=tracer)
 
     def points(self, occurrences: str = "first_last") -> list[Point]:
         recorder = LineRecorder(self.files)
-        run_dialogue(self.model, self.processor, self.workers, tracer=recorder)
+        self.run(recorder)
         # the probe turn is the recovery, not an injection target
         return [p for p in distinct_points(recorder.events, occurrences) if p.phase != "probe"]
 
@@ -316,7 +401,7 @@ class Harness:
         """None when the run interrupted at `point` recovers exactly (or refuses clearly), else the symptom."""
         injector = Injector(self.files, point)
         try:
-            outcome = run_dialogue(self.model, self.processor, self.workers, tracer=injector)
+            outcome = self.run(injector)
         except BaseException as error:  # noqa: BLE001 - any failure of the recovery is the finding
             return f"recovery raised {type(error).__name__}: {str(error)[:200]}"
         if not injector.fired:
@@ -403,8 +488,9 @@ def _guarded(fail: bool) -> int:
 
 
 def test_points_are_where_an_asynchronous_interrupt_can_land():
-    """Every point of a `with lock: try: ...` function is injectable without leaving the lock held (the `try:`
-    no-op and the `with`'s exit are not points), and the points are found again in the same order."""
+    """Every point of a `with lock: try: ... finally: ...` function is injectable without leaving the lock held
+    (the `try:` no-op, the `finally:` block's entry and the `with`'s exit are not points), and the points are found
+    again in the same order."""
     files = frozenset([os.path.abspath(__file__)])
     recorder = LineRecorder(files)
     with recorder:
@@ -412,7 +498,7 @@ def test_points_are_where_an_asynchronous_interrupt_can_land():
             recorder.phase = str(fail)
             _guarded(fail)
     lines = [p.line - _guarded.__code__.co_firstlineno for p in recorder.events]
-    assert lines == [1, 2, 4, 6, 7, 9, 1, 2, 4, 6, 7, 8], lines
+    assert lines == [1, 2, 4, 7, 9, 1, 2, 4, 7, 8], lines
     for point in recorder.events:
         injector = Injector(files, point)
         injector.phase = point.phase
@@ -428,6 +514,27 @@ def test_interrupt_at_any_line_recovers_exactly(harness, model_name):
     failures = harness.failures(points)
     assert not failures, f"{len(failures)} of {len(points)} interrupt points ({model_name}) do not recover:\n" + \
         "\n".join(failures)
+
+
+CHAT_POINTS = int(os.environ.get("HF_RAINCHECK_INTERRUPT_CHAT_POINTS", "80"))
+
+
+@pytest.fixture
+def chat_harness(loaded, monkeypatch):
+    return Harness(*loaded, monkeypatch, chat=True)
+
+
+def test_chat_dialogue_equals_its_replay(chat_harness):
+    plain = chat_harness.run()
+    reference = run_dialogue(chat_harness.model, chat_harness.processor, chat_harness.workers, steps=chat_steps())
+    assert compare(plain, reference) is None
+
+
+def test_interrupt_at_any_line_of_a_chat_turn_recovers_exactly(chat_harness, model_name):
+    points = _selected(chat_harness.points(), CHAT_POINTS)
+    failures = chat_harness.failures(points)
+    assert not failures, f"{len(failures)} of {len(points)} interrupt points ({model_name}, RaincheckChat) do not " \
+        "recover:\n" + "\n".join(failures)
 
 
 @pytest.mark.slow
