@@ -19,6 +19,7 @@ Run one point (or every point whose id starts so):
     HF_RAINCHECK_INTERRUPT_POINT='turn2:generation/enable.py:281@bound>_generate>bound>_forward>_turn_step#1' \
         python -m pytest tests/test_interrupts.py -k 'qwen3_vl and any_line'
 List the points: python tests/test_interrupts.py [qwen3_vl|qwen3_5]
+Other files:     HF_RAINCHECK_INTERRUPT_FILES='generation/*.py,cache/*.py,gdn_state/*.py' (globs in hf_raincheck/)
 The default tests inject at a deterministic spread of the distinct points (first and last occurrence of each
 (phase, line, call stack)), HF_RAINCHECK_INTERRUPT_POINTS of them per model (default 240); ``-m slow`` runs
 every distinct point.
@@ -51,7 +52,8 @@ from hf_raincheck.conversation import next_turn_inputs  # noqa: E402
 from hf_raincheck.generation import background  # noqa: E402
 from hf_raincheck.testing import chat_inputs, make_image  # noqa: E402
 
-TRACED = ("generation/*.py", "cache/*.py")
+# the package files whose lines are injection points (globs; HF_RAINCHECK_INTERRUPT_FILES="a/*.py,b.py" overrides)
+TRACED = tuple(os.environ.get("HF_RAINCHECK_INTERRUPT_FILES", "generation/*.py,cache/*.py").split(","))
 TOL = dict(atol=2e-5, rtol=1e-4)
 TIMEOUT = 60  # seconds; reached only if the code under test is broken
 # retention 0.3 of 16 merged tokens per image: 11 deferred; decode steps 2.. carry 2 each; the worker's chunk is 3
