@@ -344,7 +344,7 @@ def compare(outcome: Outcome, reference: Outcome) -> str | None:
     mine, theirs = cache_summary(outcome.cache), cache_summary(reference.cache)
     for key in mine:
         if mine[key] != theirs[key]:
-            return f"cache.{key} differs: {_short(mine[key])} vs reference {_short(theirs[key])}"
+            return f"cache.{key} differs {_difference(mine[key], theirs[key])}"
     for phase, logits in reference.logits.items() if outcome.logits is not None else ():
         if phase == outcome.interrupted:
             continue  # its answer was cut short: the later calls' logits and the cache are what must agree
@@ -368,6 +368,15 @@ def compare(outcome: Outcome, reference: Outcome) -> str | None:
 def _short(value) -> str:
     text = repr(value)
     return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _difference(mine, theirs) -> str:
+    """Where two values differ, shortly: lists by their first differing index."""
+    if isinstance(mine, list) and isinstance(theirs, list):
+        index = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+        return (f"at [{index}] of {len(mine)} vs {len(theirs)} items: {_short(mine[index:index + 4])} vs reference "
+                f"{_short(theirs[index:index + 4])}")
+    return f"{_short(mine)} vs reference {_short(theirs)}"
 
 
 class Harness:
