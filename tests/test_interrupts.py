@@ -238,7 +238,8 @@ def check_left_usable(cache: DeferredPrefillCache) -> None:
             cache.lock.release()
         stop_worker(cache)
         raise AssertionError("the interrupted call left cache.lock held by its thread")
-    orphans = [w for w in list(background._LIVE) if w._cache_ref() is cache and w is not cache._completion and w.running]
+    orphans = [w for w in list(background._LIVE)
+               if w._cache_ref() is cache and w is not cache._completion and w._thread.is_alive()]
     if orphans:
         for worker in orphans:
             worker.stop()
