@@ -104,7 +104,7 @@ class _Turn:
 
 
 @dataclass(frozen=True)
-class _History:
+class _Recorded:
     """What a session has recorded (replaced as a whole by each turn)."""
 
     messages: list  # the chat's messages
@@ -155,7 +155,7 @@ class RaincheckChat:
         self.system = system
         self.generate_kwargs = self._check_generate_kwargs("RaincheckChat", generate_kwargs)
         self.cache: DeferredPrefillCache | None = None
-        self._history = _History(messages=[], sequences=None, turns=[])
+        self._recorded = _Recorded(messages=[], sequences=None, turns=[])
         self._closed = False
         self._busy = False
 
@@ -163,15 +163,15 @@ class RaincheckChat:
     @property
     def messages(self) -> list[dict]:
         """The chat so far: ``{"role", "content"}`` dicts (images / videos as given)."""
-        return self._history.messages
+        return self._recorded.messages
 
     @property
     def _sequences(self) -> torch.Tensor | None:
-        return self._history.sequences  # [1, L] the exact tokens of the conversation so far
+        return self._recorded.sequences  # [1, L] the exact tokens of the conversation so far
 
     @property
     def _turns(self) -> list["_Turn"]:
-        return self._history.turns
+        return self._recorded.turns
 
     def ask(self, text: str, images=None, videos=None, **generate_kwargs) -> str:
         """Sends one user message (text plus optional images / videos) and returns the answer.
@@ -287,7 +287,7 @@ class RaincheckChat:
             layers = raincheck_state(self.model, "RaincheckChat").adapter.num_cache_layers()
             self.cache = DeferredPrefillCache(layers, static=kwargs.get("cache_implementation") == "static")
         timer.start = time.perf_counter()
-        before = self._history
+        before = self._recorded
         try:
             out = self.model.generate(
                 **inputs, **kwargs, raincheck_config=self.config, past_key_values=self.cache, streamer=timer,
@@ -299,7 +299,7 @@ class RaincheckChat:
         except BaseException:
             # interrupted (Ctrl-C, a stopping criterion that raises, an error) before the turn was recorded, in
             # generate or after it: the turn is what the cache holds
-            if self._history is before:
+            if self._recorded is before:
                 self._record_interrupted(message, prompt_len, timer)
             raise
         return answer
@@ -345,11 +345,11 @@ class RaincheckChat:
         """Adds the turn: the new history is built aside and takes over in one assignment, so an interrupt
         leaves either the old history or the new one, never half of it."""
         record = self.cache.turn_stats[-1] if self.cache is not None and self.cache.turn_stats else None
-        history = self._history
-        self._history = _History(
-            messages=history.messages + [message, {"role": "assistant", "content": [{"type": "text", "text": answer}]}],
+        recorded = self._recorded
+        self._recorded = _Recorded(
+            messages=recorded.messages + [message, {"role": "assistant", "content": [{"type": "text", "text": answer}]}],
             sequences=sequences.detach().to("cpu"),
-            turns=history.turns + [_Turn(timer=timer, new_tokens=new_tokens, record=record)],
+            turns=recorded.turns + [_Turn(timer=timer, new_tokens=new_tokens, record=record)],
         )
 
     def _record_interrupted(self, message: dict, prompt_len: int, timer: _Timer) -> None:
