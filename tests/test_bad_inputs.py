@@ -1,13 +1,10 @@
-"""Bad inputs get clear errors naming the argument; high-bit-depth images reach the model scaled, not clipped;
-a process that exits while `RaincheckChat.stream` generates exits cleanly."""
+"""Bad inputs get clear errors naming the argument; high-bit-depth images reach the model scaled, not clipped."""
 
 from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -19,7 +16,6 @@ from hf_raincheck.images import eight_bit, open_image
 from hf_raincheck.testing import load_tiny_qwen3_5, load_tiny_qwen3_vl, make_image
 
 CFG = RaincheckConfig(retention=0.3, chunk_size=2, guard_tokens=1, completion="blocking")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -202,24 +198,3 @@ def test_the_demo_loader_scales_16_bit_images(tmp_path):
     loaded = app.load_image(str(path))
     assert loaded.mode == "RGB"
     np.testing.assert_array_equal(np.asarray(loaded)[..., 0], grey)
-
-
-# ---------------------------------------------------------------- interpreter exit while a stream generates
-def test_exit_while_streaming_exits_cleanly(tiny_vl_path):
-    script = textwrap.dedent(f"""
-        from hf_raincheck import RaincheckChat, RaincheckConfig
-        from hf_raincheck.testing import load_tiny_qwen3_vl, make_image
-
-        model, processor = load_tiny_qwen3_vl({str(tiny_vl_path)!r})
-        chat = RaincheckChat(model, processor, RaincheckConfig(retention=0.3, chunk_size=2, guard_tokens=1),
-                             max_new_tokens=100000, min_new_tokens=100000)
-        pieces = chat.stream("What is in the picture?", images=make_image(1))
-        for _ in range(3):
-            next(pieces)  # generating; the interpreter exits now, the stream still open
-        print("exiting", flush=True)
-    """)
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
-    assert "exiting" in done.stdout, done.stderr[-2000:]
-    assert "terminate called" not in done.stderr, done.stderr[-2000:]
-    assert done.returncode == 0, done.stderr[-2000:]

@@ -21,6 +21,7 @@ from hf_raincheck import RaincheckChat, RaincheckConfig
 from hf_raincheck.pruning import available_selectors
 from hf_raincheck.testing import load_tiny_qwen3_vl, make_image
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 120  # seconds; reached only if the code under test is broken
 TURNS = (("What is in the picture?", 0), ("And in this one?", 1), ("Which one is brighter?", None))
 
@@ -81,3 +82,24 @@ def test_two_sessions_in_two_threads_equal_the_same_sessions_run_alone(vl, selec
             assert got["plans"] == expected["plans"]
             for a, b in zip(got["keys"], expected["keys"]):
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- interpreter exit while a stream generates
+def test_exit_while_streaming_exits_cleanly(tiny_vl_path):
+    script = textwrap.dedent(f"""
+        from hf_raincheck import RaincheckChat, RaincheckConfig
+        from hf_raincheck.testing import load_tiny_qwen3_vl, make_image
+
+        model, processor = load_tiny_qwen3_vl({str(tiny_vl_path)!r})
+        chat = RaincheckChat(model, processor, RaincheckConfig(retention=0.3, chunk_size=2, guard_tokens=1),
+                             max_new_tokens=100000, min_new_tokens=100000)
+        pieces = chat.stream("What is in the picture?", images=make_image(1))
+        for _ in range(3):
+            next(pieces)  # generating; the interpreter exits now, the stream still open
+        print("exiting", flush=True)
+    """)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert "exiting" in done.stdout, done.stderr[-2000:]
+    assert "terminate called" not in done.stderr, done.stderr[-2000:]
+    assert done.returncode == 0, done.stderr[-2000:]
