@@ -38,6 +38,7 @@ from PIL import Image, ImageDraw, ImageOps
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from hf_raincheck import RaincheckChat, RaincheckConfig, TurnStats
+from hf_raincheck.images import eight_bit
 from hf_raincheck.pruning import available_selectors
 
 logger = logging.getLogger("raincheck_demo")
@@ -211,7 +212,7 @@ def load_image(path: str) -> Image.Image:
                 raise InputError(f"{name}: not a supported image ({image.format or 'unknown format'}).")
             _check_dims(name, *image.size)
             image.seek(0)
-            loaded = ImageOps.exif_transpose(image).convert("RGB")
+            loaded = eight_bit(ImageOps.exif_transpose(image), name).convert("RGB")  # 16-bit / float: scaled
     except InputError:
         raise
     except (OSError, ValueError, Image.DecompressionBombError, SyntaxError) as error:

@@ -16,14 +16,16 @@ user reads it; the next question preempts that work.
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-from transformers import TextIteratorStreamer
+from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 from transformers.generation.streamers import BaseStreamer
 
 from .cache import DeferredPrefillCache, TurnRestore
@@ -31,12 +33,14 @@ from .config import RaincheckConfig
 from .conversation import next_turn_inputs
 from .generation import enable_raincheck
 from .generation.enable import raincheck_state
+from .images import eight_bit, open_image
 
 # generate() arguments the session sets itself
 _MANAGED = ("input_ids", "inputs", "past_key_values", "raincheck_config", "return_dict_in_generate", "streamer",
             "attention_mask", "pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw",
             "mm_token_type_ids")
 _DEFAULT_MAX_NEW_TOKENS = 256
+_EXIT_JOIN_S = 60.0  # how long interpreter exit waits for a stream's generate thread to stop (one decode step)
 
 
 @dataclass
@@ -99,6 +103,15 @@ class _Turn:
     record: TurnRestore | None
 
 
+@dataclass(frozen=True)
+class _Recorded:
+    """What a session has recorded (replaced as a whole by each turn)."""
+
+    messages: list  # the chat's messages
+    sequences: torch.Tensor | None  # [1, L] the exact tokens of the conversation so far
+    turns: list  # one `_Turn` per turn
+
+
 class RaincheckChat:
     """A multi-turn chat with Raincheck over `model` (enabled here if needed), `processor` and `config`.
 
@@ -115,7 +128,10 @@ class RaincheckChat:
         cache: the conversation's `DeferredPrefillCache` (None before the first turn and after `close`).
         stats: one `TurnStats` per turn (a fresh snapshot on every access).
 
-    One session is used from one thread; `stream` runs `generate` in a helper thread while you iterate.
+    One session is used from one thread; `stream` runs `generate` in a helper thread while you iterate (at
+    interpreter exit a stream still generating ends after its current step). Several sessions on one model may run
+    in different threads. Images reach the processor with 8-bit values: 16-bit, 32-bit integer and float images
+    are scaled, not clipped (`hf_raincheck.images`); image paths are opened by `hf_raincheck.images.open_image`.
     """
 
     def __init__(self, model, processor, config: RaincheckConfig | None = None, system: str | None = None,
@@ -131,19 +147,32 @@ class RaincheckChat:
             )
         if system is not None and (not isinstance(system, str) or not system.strip()):
             raise ValueError(f"RaincheckChat: system must be None or a non-empty str, got {system!r}")
+        if system is not None:
+            _check_encodable("RaincheckChat", "system", system)
         self.model = enable_raincheck(model)
         self.processor = processor
         self.config = config
         self.system = system
         self.generate_kwargs = self._check_generate_kwargs("RaincheckChat", generate_kwargs)
-        self.messages: list[dict] = []
         self.cache: DeferredPrefillCache | None = None
-        self._sequences: torch.Tensor | None = None  # [1, L] the exact tokens of the conversation so far
-        self._turns: list[_Turn] = []
+        self._recorded = _Recorded(messages=[], sequences=None, turns=[])
         self._closed = False
         self._busy = False
 
     # ------------------------------------------------------------------ public API
+    @property
+    def messages(self) -> list[dict]:
+        """The chat so far: ``{"role", "content"}`` dicts (images / videos as given)."""
+        return self._recorded.messages
+
+    @property
+    def _sequences(self) -> torch.Tensor | None:
+        return self._recorded.sequences  # [1, L] the exact tokens of the conversation so far
+
+    @property
+    def _turns(self) -> list["_Turn"]:
+        return self._recorded.turns
+
     def ask(self, text: str, images=None, videos=None, **generate_kwargs) -> str:
         """Sends one user message (text plus optional images / videos) and returns the answer.
 
@@ -228,6 +257,7 @@ class RaincheckChat:
             raise ValueError(f"{caller}: text must be a str, got {type(text).__name__}")
         if not text.strip():
             raise ValueError(f"{caller}: text is empty; send a non-empty message")
+        _check_encodable(caller, "text", text)
         content = [{"type": "image", "image": image} for image in _media(caller, "images", images, _check_image)]
         content += [{"type": "video", "video": video} for video in _media(caller, "videos", videos, _check_video)]
         content.append({"type": "text", "text": text})
@@ -239,6 +269,7 @@ class RaincheckChat:
 
     # ------------------------------------------------------------------ one turn
     def _inputs(self, message: dict):
+        message = _for_processor(message)
         if self._sequences is None:
             messages = [{"role": "system", "content": self.system}] if self.system else []
             inputs = self.processor.apply_chat_template(
@@ -256,17 +287,21 @@ class RaincheckChat:
             layers = raincheck_state(self.model, "RaincheckChat").adapter.num_cache_layers()
             self.cache = DeferredPrefillCache(layers, static=kwargs.get("cache_implementation") == "static")
         timer.start = time.perf_counter()
+        before = self._recorded
         try:
             out = self.model.generate(
                 **inputs, **kwargs, raincheck_config=self.config, past_key_values=self.cache, streamer=timer,
                 return_dict_in_generate=True,
             )
+            answer_ids = out.sequences[0, prompt_len:]
+            answer = self.processor.decode(answer_ids, skip_special_tokens=True)
+            self._record(message, answer, out.sequences, timer, int(answer_ids.numel()))
         except BaseException:
-            self._record_interrupted(message, prompt_len, timer)
+            # interrupted (Ctrl-C, a stopping criterion that raises, an error) before the turn was recorded, in
+            # generate or after it: the turn is what the cache holds
+            if self._recorded is before:
+                self._record_interrupted(message, prompt_len, timer)
             raise
-        answer_ids = out.sequences[0, prompt_len:]
-        answer = self.processor.decode(answer_ids, skip_special_tokens=True)
-        self._record(message, answer, out.sequences, timer, int(answer_ids.numel()))
         return answer
 
     def _stream(self, message: dict, kwargs: dict) -> Iterator[str]:
@@ -278,6 +313,12 @@ class RaincheckChat:
             streamer = TextIteratorStreamer(self.processor.tokenizer, skip_prompt=True, skip_special_tokens=True)
             timer = _Timer(streamer)
             result: dict = {}
+            # interpreter exit ends the answer after the current decode step (`_stop_streams_at_exit`): a daemon
+            # thread killed inside torch's kernels aborts the process ("terminate called without an active
+            # exception")
+            at_exit = _StopAtExit()
+            kwargs = dict(kwargs)
+            kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), at_exit])
 
             def work():
                 try:
@@ -285,8 +326,11 @@ class RaincheckChat:
                 except BaseException as error:  # noqa: BLE001 - re-raised in the consumer's thread
                     result["error"] = error
                     streamer.end()
+                finally:
+                    at_exit.done.set()
 
             thread = threading.Thread(target=work, name="raincheck-chat-generate", daemon=True)
+            _LIVE_STREAMS.add(at_exit)
             thread.start()
             try:
                 yield from streamer
@@ -298,11 +342,15 @@ class RaincheckChat:
             self._busy = False
 
     def _record(self, message: dict, answer: str, sequences: torch.Tensor, timer: _Timer, new_tokens: int) -> None:
-        self.messages.append(message)
-        self.messages.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
-        self._sequences = sequences.detach().to("cpu")
+        """Adds the turn: the new history is built aside and takes over in one assignment, so an interrupt
+        leaves either the old history or the new one, never half of it."""
         record = self.cache.turn_stats[-1] if self.cache is not None and self.cache.turn_stats else None
-        self._turns.append(_Turn(timer=timer, new_tokens=new_tokens, record=record))
+        recorded = self._recorded
+        self._recorded = _Recorded(
+            messages=recorded.messages + [message, {"role": "assistant", "content": [{"type": "text", "text": answer}]}],
+            sequences=sequences.detach().to("cpu"),
+            turns=recorded.turns + [_Turn(timer=timer, new_tokens=new_tokens, record=record)],
+        )
 
     def _record_interrupted(self, message: dict, prompt_len: int, timer: _Timer) -> None:
         """After an interrupted `generate`: keep what the cache holds (prompt + partial answer) as the turn."""
@@ -328,6 +376,53 @@ class RaincheckChat:
         )
 
 
+class _StopAtExit(StoppingCriteria):
+    """Stops a stream's `generate` once the interpreter exits (`_stop_streams_at_exit`); ``done``: it returned."""
+
+    def __init__(self):
+        self.exiting = threading.Event()
+        self.done = threading.Event()
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), self.exiting.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+_LIVE_STREAMS: "weakref.WeakSet[_StopAtExit]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_streams_at_exit() -> None:
+    """Ends every stream's generate thread still running (after its current step) and waits for it."""
+    streams = list(_LIVE_STREAMS)
+    for stream in streams:
+        stream.exiting.set()
+    for stream in streams:
+        stream.done.wait(_EXIT_JOIN_S)
+
+
+def _check_encodable(caller: str, name: str, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"{caller}: {name} holds a character that is not valid Unicode text ({error.object[error.start]!r} at "
+            f"index {error.start}: {error.reason}); lone surrogates cannot be tokenized"
+        ) from None
+
+
+def _for_processor(message: dict) -> dict:
+    """The message as the processor gets it: images decoded with 8-bit values (`hf_raincheck.images`); the
+    session's ``messages`` keep them as given."""
+    content = []
+    for part in message["content"]:
+        if part.get("type") == "image":
+            image = part["image"]
+            image = open_image(image, "images") if isinstance(image, (str, os.PathLike)) else eight_bit(image, "images")
+            part = {**part, "image": image}
+        content.append(part)
+    return {**message, "content": content}
+
+
 def _media(caller: str, name: str, value, check) -> list:
     if value is None:
         return []
@@ -347,11 +442,25 @@ def _check_image(caller: str, name: str, value):
     from PIL import Image
 
     if isinstance(value, Image.Image):
+        _check_image_size(caller, name, value.size)
         return value
     if isinstance(value, (str, os.PathLike)):
-        return _check_path(caller, name, value, "image")
+        path = _check_path(caller, name, value, "image")
+        try:
+            with Image.open(path) as opened:
+                size = opened.size
+        except (OSError, Image.DecompressionBombError, SyntaxError) as error:
+            raise ValueError(f"{caller}: {name} cannot be read as an image: {path!r} ({type(error).__name__})") from None
+        _check_image_size(caller, name, size)
+        return value
     raise ValueError(f"{caller}: {name} must be a PIL.Image.Image or a path to an image file, "
                      f"got {type(value).__name__}")
+
+
+def _check_image_size(caller: str, name: str, size: tuple[int, int]) -> None:
+    width, height = size
+    if width < 1 or height < 1:
+        raise ValueError(f"{caller}: {name} is an empty image ({width}x{height} px); an image needs at least 1 px a side")
 
 
 def _check_video(caller: str, name: str, value):
@@ -360,6 +469,10 @@ def _check_video(caller: str, name: str, value):
     if isinstance(value, (str, os.PathLike)):
         return _check_path(caller, name, value, "video")
     if isinstance(value, (np.ndarray, torch.Tensor)) and value.ndim == 4:
+        frames, height, width = (int(n) for n in value.shape[:3])
+        if min(frames, height, width) < 1:
+            raise ValueError(f"{caller}: {name} is an empty video (shape {tuple(value.shape)}); a video needs at least "
+                             "1 frame of at least 1 px a side")
         return value
     shape = f" of shape {tuple(value.shape)}" if hasattr(value, "shape") else ""
     raise ValueError(f"{caller}: {name} must be an array / tensor of frames (T, H, W, 3) or a path to a video file, "

@@ -78,6 +78,10 @@ class DeferredPrefillCache(DynamicCache):
     """
 
     def __init__(self, num_layers: int, static: bool = False, max_cache_len: int = 0):
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(
+                f"DeferredPrefillCache: num_layers must be an int >= 1 (the model's decoder layers), got {num_layers!r}"
+            )
         super().__init__()
         # a static cache's buffers come from, and go back to, the pool of finished conversations' buffers, so the
         # CUDA graphs recorded for their addresses replay for the next conversation (`buffer_pool`)
@@ -287,8 +291,16 @@ class DeferredPrefillCache(DynamicCache):
 
     # ------------------------------------------------------------------ internal helpers
     def bind_model(self, model) -> None:
-        """Remembers the model this cache belongs to; refuses a different one."""
+        """Remembers the model this cache belongs to; refuses a different one, or one with another layer count."""
         if self._model_ref is None:
+            text_config = model.config.get_text_config(decoder=True)
+            expected = getattr(text_config, "num_hidden_layers", None)
+            if expected is not None and len(self.layers) != expected:
+                raise ValueError(
+                    f"past_key_values: DeferredPrefillCache(num_layers={len(self.layers)}) does not fit this model, "
+                    f"which has {expected} decoder layers; build it with num_layers={expected} (or pass no "
+                    "past_key_values: generate builds the cache)"
+                )
             self._model_ref = weakref.ref(model)
             return
         owner = self._model_ref()

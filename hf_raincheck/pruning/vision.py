@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from typing import Callable, Iterable, NamedTuple
 
 import torch
@@ -236,6 +237,10 @@ class BlockAttentionHooks:
 
     ``scores[b]`` is the per-patch ``[P]`` result (calls of one block concatenated in call order); ``paths[b]`` says
     how each call's was computed: ``"lse"`` (from the block's own attention) or ``"recomputed"`` (``block_qk``).
+
+    The hooks belong to the thread that entered the context: forwards of the same blocks in other threads (another
+    `generate` on the same model, e.g. a second chat session) run their own hooks' recording and are skipped by
+    these, so concurrent vision passes on one model each record exactly their own calls.
     """
 
     def __init__(self, blocks, layers: Iterable[int], block_qk: BlockQK, sdpa_input: SDPAInput | None = None):
@@ -247,6 +252,10 @@ class BlockAttentionHooks:
         self.paths: dict[int, list[str]] = {layer: [] for layer in self.layers}
         self._captures: dict[int, tuple[FlashLSECapture, int]] = {}
         self._handles = []
+        self._thread: int | None = None  # the thread whose block forwards these hooks record
+
+    def _mine(self) -> bool:
+        return threading.get_ident() == self._thread
 
     def _recompute(self, layer: int, module, args, kwargs) -> None:
         with torch.no_grad():
@@ -256,6 +265,8 @@ class BlockAttentionHooks:
 
     def _pre_hook(self, layer: int):
         def hook(module, args, kwargs):
+            if not self._mine():
+                return
             hidden = None if self.sdpa_input is None else self.sdpa_input(module, args, kwargs)
             if hidden is not None and triton_enabled(hidden.device):
                 capture = FlashLSECapture()
@@ -268,7 +279,7 @@ class BlockAttentionHooks:
 
     def _post_hook(self, layer: int):
         def hook(module, args, kwargs, output):
-            if layer not in self._captures:
+            if not self._mine() or layer not in self._captures:
                 return
             capture, patches = self._captures.pop(layer)
             capture.__exit__(None, None, None)
@@ -285,6 +296,9 @@ class BlockAttentionHooks:
         return hook
 
     def __enter__(self) -> "BlockAttentionHooks":
+        if self._handles:
+            raise RuntimeError("BlockAttentionHooks is not re-entrant: use one instance per vision-tower call")
+        self._thread = threading.get_ident()
         for layer in self.layers:
             block = self.blocks[layer]
             self._handles.append(block.register_forward_pre_hook(self._pre_hook(layer), with_kwargs=True))
