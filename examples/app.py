@@ -275,6 +275,12 @@ def load_video(path: str, max_frames: int = 16) -> np.ndarray:
     return np.stack(images)
 
 
+# Restoration starts with the first decode step, as in examples/chat.py (the library's default waits 16 tokens): on
+# the shipped GridQA models a first answer that lists a row or column then reads its deferred cells after they are
+# restored (with 16 guard tokens it reads its first cells before anything is restored and is almost always wrong).
+DEMO_GUARD_TOKENS = 0
+
+
 def make_config(policy: str, retention, chunk_size, selector: str, completion: str = "background") -> RaincheckConfig:
     """The `RaincheckConfig` of the side panel's settings."""
     if policy not in POLICIES:
@@ -290,7 +296,7 @@ def make_config(policy: str, retention, chunk_size, selector: str, completion: s
         raise InputError("Retention must be a number and the chunk size a whole number.") from None
     try:
         return RaincheckConfig(policy=POLICIES[policy], retention=retention, chunk_size=chunk, pruning=selector,
-                               completion=completion)
+                               completion=completion, guard_tokens=DEMO_GUARD_TOKENS)
     except ValueError as error:
         raise InputError(str(error)) from None
 
