@@ -12,6 +12,7 @@ from transformers.cache_utils import DynamicCache
 
 from ..gdn_state.state import GDNLayerState
 from .buffer_pool import POOL, CacheBuffers
+from .forward_context import ForwardContext
 from .plan import DeferralPlan
 from .slot_layer import SlotLayer
 
@@ -105,15 +106,11 @@ class DeferredPrefillCache(DynamicCache):
         self._slot_index: torch.Tensor | None = None  # arange(capacity) on the model device
         self._scratch_slots: torch.Tensor | None = None  # static compiled steps: where padding rows write
         self._scratch_end = 0  # the capacity `_scratch_slots` was placed for
-        self._store_buffers: dict | None = None  # compiled static steps: the deferred store's persistent buffers
+        # compiled static steps: the deferred store's persistent buffers (`hf_raincheck.generation.decode`)
+        self.store_buffers: dict | None = None
         self._model_ref = None
-        # per-forward state read by `update`
-        self._write_slots: torch.Tensor | None = None
-        self._slots_by_device: dict = {}
-        self._kv_len = 0
-        self._compact_keys: int | None = None  # set by `run_rows` for forwards that attend causally (see there)
-        self._gdn_step = None  # a `GDNStep` during a Raincheck forward of a model with GDN layers
-        self._turn = None
+        self._context: ForwardContext | None = None  # the running forward's (`begin_forward`)
+        self._turn = None  # the running `generate` call's `Turn` (`begin_turn`)
         self.gdn_states: dict[int, GDNLayerState] = {}  # Gated DeltaNet layers' states, by layer index
         self.gdn_fixed_layout = False  # compiled static steps: GDN states keep one shape (see GDNLayerState)
 
@@ -175,6 +172,17 @@ class DeferredPrefillCache(DynamicCache):
 
     # ------------------------------------------------------------------ background completion
     @property
+    def completion_worker(self):
+        """The background completion worker started on this cache (`BackgroundCompletion`), until it is stopped
+        or its outcome is collected; None otherwise."""
+        return self._completion
+
+    def attach_completion(self, worker) -> None:
+        """Records `worker` as this cache's background completion (the caller holds ``lock`` and stopped any
+        earlier worker)."""
+        self._completion = worker
+
+    @property
     def completion_running(self) -> bool:
         """Whether a background worker is prefilling this cache's pending deferred tokens now."""
         return self._completion is not None and self._completion.running
@@ -232,7 +240,8 @@ class DeferredPrefillCache(DynamicCache):
         return self.layers[0].capacity if self.static else -1
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self._kv_len, 0
+        context = self._context
+        return (context.kv_len if context is not None else self.length + query_length), 0
 
     @property
     def is_compileable(self) -> bool:
@@ -246,23 +255,20 @@ class DeferredPrefillCache(DynamicCache):
         raise NotImplementedError("a DeferredPrefillCache cannot be cropped")
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        if self._write_slots is None:
+        context = self._context
+        if context is None or context.write_slots is None:
             raise RuntimeError(
                 "this DeferredPrefillCache is written only by Raincheck's forwards; call `generate` with "
                 "`raincheck_config=` (after `enable_raincheck(model)`) to use it"
             )
-        slots = self._write_slots
-        if slots.device != key_states.device:  # a layer on another GPU of a device_map: one copy per forward
-            moved = self._slots_by_device.get(key_states.device)
-            if moved is None:
-                moved = self._slots_by_device[key_states.device] = slots.to(key_states.device)
-            slots = moved
-        keys, values = self.layers[layer_idx].write(key_states, value_states, slots, self._kv_len)
-        compact = self._compact_keys
-        if compact is not None:  # the keys this forward sees, compacted (see `run_rows`)
+        # a layer on another GPU of a device_map gets its own copy of the slots (one per forward)
+        slots = context.slots_on(key_states.device)
+        keys, values = self.layers[layer_idx].write(key_states, value_states, slots, context.kv_len)
+        compact = context.compact_keys
+        if compact is not None:  # the keys this forward sees, compacted (see `ForwardContext.compact_keys`)
             old = compact
             if old < 0:  # the rows fill slots [-old-1, kv_len) contiguously: the buffers' prefix is it
-                return keys[:, :, : self._kv_len], values[:, :, : self._kv_len]
+                return keys[:, :, : context.kv_len], values[:, :, : context.kv_len]
             key_states, value_states = key_states.to(keys.dtype), value_states.to(values.dtype)
             if old == 0:
                 return key_states, value_states
@@ -284,6 +290,80 @@ class DeferredPrefillCache(DynamicCache):
 
     def batch_select_indices(self, indices):
         raise NotImplementedError("a DeferredPrefillCache holds one sequence")
+
+    # ------------------------------------------------------------------ the running call and forward
+    @property
+    def forward_context(self) -> ForwardContext | None:
+        """The `ForwardContext` of the Raincheck forward running on this cache, or None between forwards."""
+        return self._context
+
+    def begin_forward(self, context: ForwardContext) -> None:
+        """Installs `context` for one forward; pair with `end_forward` in a ``finally``."""
+        self._context = context
+
+    def end_forward(self) -> None:
+        """Clears the forward context (no write is accepted until the next `begin_forward`)."""
+        self._context = None
+
+    @property
+    def active_turn(self):
+        """The `Turn` of the Raincheck `generate` call running on this cache (None between calls): the patched
+        forward reads it to run that call's prefill and decode steps."""
+        return self._turn
+
+    def begin_turn(self, turn) -> None:
+        """Marks `turn` as the running `generate` call's; pair with `end_turn` in a ``finally``."""
+        self._turn = turn
+
+    def end_turn(self) -> None:
+        self._turn = None
+
+    # ------------------------------------------------------------------ buffers and slots
+    @property
+    def pooled_buffers(self) -> dict[str, torch.Tensor] | None:
+        """A static cache's pooled buffers by role name (handed to the next conversation when this cache is
+        freed, `buffer_pool`); None for a dynamic cache."""
+        return None if self._buffers is None else self._buffers.buffers
+
+    def pooled_zeros(self, name: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
+        """A zero buffer of role `name` from the static buffer pool (a static address compiled steps read in
+        place); static caches only."""
+        if self._buffers is None:
+            raise RuntimeError("pooled buffers belong to static caches (cache_implementation='static')")
+        return self._buffers.zeros(name, shape, dtype, device)
+
+    @property
+    def device(self) -> torch.device | None:
+        """The device of the slot bookkeeping (the filled-slot mask, the slot index): the model's input
+        device; None before the first `reserve`."""
+        return None if self._filled is None else self._filled.device
+
+    @property
+    def slot_index(self) -> torch.Tensor | None:
+        """``arange(capacity)`` on `device`: persistent, so 0-d views of it are per-step inputs without a
+        host-to-device copy."""
+        return self._slot_index
+
+    def mark_filled(self, slots: torch.Tensor) -> None:
+        """Marks `slots` as holding an entry (after the forward that wrote them finished)."""
+        self._filled.index_fill_(0, slots, True)
+
+    @property
+    def scratch_slots(self) -> torch.Tensor | None:
+        """Compiled static steps: the slots padding rows write to (the last `chunk_size` of the capacity, past
+        the conversation: no row ever sees them); None until `place_scratch_slots`."""
+        return self._scratch_slots
+
+    def place_scratch_slots(self, chunk_size: int) -> None:
+        """Puts `scratch_slots` at the end of the current capacity (a no-op when they are already there)."""
+        width = self.layers[0].capacity
+        scratch = self._scratch_slots
+        if scratch is not None and scratch.numel() == chunk_size and self._scratch_end == width:
+            return
+        device = self.device
+        scratch = self.pooled_zeros("scratch_slots", (chunk_size,), torch.long, device)
+        scratch.copy_(torch.arange(width - chunk_size, width, device=device))
+        self._scratch_slots, self._scratch_end = scratch, width
 
     # ------------------------------------------------------------------ internal helpers
     def bind_model(self, model) -> None:

@@ -1,6 +1,6 @@
 """``completion="background"``: a cooperative worker that prefills a cache's pending deferred tokens between turns.
 
-One `BackgroundCompletion` per cache (``cache._completion``), started by `generate` when the answer ends with
+One `BackgroundCompletion` per cache (``cache.completion_worker``), started by `generate` when the answer ends with
 deferred tokens pending. It prefills them in ``completion_chunk_size`` chunks through the same path as
 `complete_deferred`, taking ``cache.lock`` for each chunk and releasing it in between, and checks its stop flag
 before every chunk, so whoever stops it waits for at most one chunk.
@@ -144,7 +144,7 @@ def start_background_completion(model, cache) -> BackgroundCompletion | None:
     if cache.pending == 0:
         return None
     worker = BackgroundCompletion(model, cache, cache.config.completion_chunk_size)
-    cache._completion = worker
+    cache.attach_completion(worker)
     return worker
 
 

@@ -21,7 +21,7 @@ import weakref
 import torch
 
 from ..attention.flash import flash_mask
-from ..cache import DeferralPlan, DeferredPrefillCache
+from ..cache import DeferralPlan, DeferredPrefillCache, ForwardContext
 from ..gdn_state import GDNGraphStep
 from ..gdn_state import resolve as resolve_gdn_backend
 from ..gdn_state.kernels import functions as gdn_functions
@@ -78,7 +78,8 @@ def _step_graph(adapter, cache, token, slot, rope_delta, chunk, backend: str, vi
     past them are padding (``valid`` False), written to scratch slots. `token` None: the chunk alone (the unfused
     control), no logits."""
     width = cache.layers[0].capacity
-    filled = cache._filled[:width]
+    filled = cache.filled_prefix(width)
+    context = cache.forward_context  # installed by `StaticStep._run`; the slots are computed here
     parts = []  # (embeds [1, r, H], positions [3, 1, r], slots [r], deferred flags [r], valid [r], deepstack)
     d_valid = None
     if chunk is not None:
@@ -86,12 +87,12 @@ def _step_graph(adapter, cache, token, slot, rope_delta, chunk, backend: str, vi
         rows = torch.arange(chunk_size, device=s_slots.device)
         window = start + rows  # the window is gathered here, so no per-step view is a graph input
         d_valid = s_valid.index_select(0, window) & (rows < limit)
-        d_slots = torch.where(d_valid, s_slots.index_select(0, window), cache._scratch_slots)
+        d_slots = torch.where(d_valid, s_slots.index_select(0, window), cache.scratch_slots)
         d_deepstack = None if s_deepstack is None else [f.index_select(0, window) for f in s_deepstack]
         parts.append((s_embeds.index_select(0, window)[None], s_positions.index_select(1, window)[:, None, :],
                       d_slots, d_valid, d_valid, d_deepstack))
-        if cache._gdn_step is not None:  # GDN layers read which chunk rows are real
-            cache._gdn_step.valid = d_valid
+        if context.gdn_step is not None:  # GDN layers read which chunk rows are real
+            context.gdn_step.valid = d_valid
     else:
         boundary, deferred_slots = 0, None
     if token is not None:
@@ -115,7 +116,7 @@ def _step_graph(adapter, cache, token, slot, rope_delta, chunk, backend: str, vi
     mask = visible(present, slots, flags, boundary, deferred_slots, visibility)[None, None]
     if backend == "flash":  # the keys' gather order per row block (attention/flash.py)
         mask = flash_mask(mask, filled, slots, 0 if chunk is None else chunk_size, d_valid, boundary, visibility)
-    cache._write_slots = slots
+    context.write_slots = slots
     hidden = adapter.language_forward(embeds, positions, mask, cache, deepstack, backend)
     filled[slots] = filled[slots] | valid
     if token is None:
@@ -156,12 +157,7 @@ class StaticStep:
         conversation (CUDA graphs read them in place: no per-step copy of a window, no re-recording per plan);
         they change only with the capacity, which recompiles anyway."""
         width = cache.layers[0].capacity
-        device = cache._filled.device
-        scratch = cache._scratch_slots
-        if scratch is None or scratch.numel() != chunk_size or cache._scratch_end != width:
-            cache._scratch_slots = cache._buffers.zeros("scratch_slots", (chunk_size,), torch.long, device)
-            cache._scratch_slots.copy_(torch.arange(width - chunk_size, width, device=device))
-            cache._scratch_end = width
+        cache.place_scratch_slots(chunk_size)
         if plan is None or plan.pending == 0:
             return
         padded = plan.padded_store
@@ -171,7 +167,7 @@ class StaticStep:
         if total + chunk_size > width:
             raise RuntimeError(f"static Raincheck cache of capacity {width} cannot hold {total} deferred tokens "
                                f"and a chunk of {chunk_size} scratch rows")
-        owner = cache._store_buffers["plan"]() if cache._store_buffers is not None else None
+        owner = cache.store_buffers["plan"]() if cache.store_buffers is not None else None
         if owner is not None and owner is not plan and owner.pending:
             raise RuntimeError("the deferred store buffers still hold another plan's pending tokens")
         buffers = _store_buffers(cache, plan, width)
@@ -208,21 +204,25 @@ class StaticStep:
         return self._restore
 
     def _run(self, cache, turn, count: int, token, slot: int, chunk):
+        # the write slots are computed inside the graph (`_step_graph` sets them); static layers return their
+        # whole buffers, so `kv_len` is the capacity
+        context = ForwardContext(write_slots=None, kv_len=cache.layers[0].capacity)
         if self.adapter.gdn_glue is not None:  # GDN layers read how the rows split (tensors only)
-            backend = compiled_gdn_backend(turn.config.gdn_backend, cache._filled.device)
+            backend = compiled_gdn_backend(turn.config.gdn_backend, cache.device)
             gdn_functions(backend)  # imported here, outside the trace (torch 2.11's dynamo breaks the graph on it)
             # `valid` is set inside the graph, from the gathered window
-            cache._gdn_step = GDNGraphStep(
+            context.gdn_step = GDNGraphStep(
                 valid=None, count=chunk[-1] if chunk is not None else None, live=token is not None, backend=backend,
-                restore_kernel=chunk is not None and self._restore_kernel(cache._filled.device),
+                restore_kernel=chunk is not None and self._restore_kernel(cache.device),
             )
         try:
+            cache.begin_forward(context)
             return self.compiled(
                 self.adapter, cache, token, cache.slot_tensor(slot), turn.rope_delta_tensor, chunk, turn.backend,
                 turn.config.visibility, turn.config.chunk_size,
             )
         finally:
-            cache._gdn_step = None
+            cache.end_forward()
 
     def __call__(self, cache: DeferredPrefillCache, turn, plan: DeferralPlan | None, count: int, token) -> torch.Tensor:
         slot = cache.length
@@ -232,7 +232,7 @@ class StaticStep:
         if count:
             self.prepare(cache, plan, turn.config.chunk_size)  # done after the prefill already; a no-op here
             # the window as two 0-d views of a persistent index (no host-to-device copy, no new graph input shape)
-            chunk = plan.padded_store["tensors"] + (cache._slot_index[plan.restored], cache._slot_index[count])
+            chunk = plan.padded_store["tensors"] + (cache.slot_index[plan.restored], cache.slot_index[count])
         if count and not turn.config.fused:  # the control: the chunk as a compiled forward of its own, then the step
             self._run(cache, turn, count, None, slot, chunk)
             chunk = None
@@ -253,12 +253,12 @@ def _store_buffers(cache: DeferredPrefillCache, plan: DeferralPlan, width: int) 
     layers = None if deepstack is None else len(deepstack)
     key = (width, embeds.shape[-1], embeds.dtype, embeds.device, layers,
            None if deepstack is None else deepstack[0].dtype)
-    buffers = cache._store_buffers
+    buffers = cache.store_buffers
     if buffers is not None and buffers["key"] == key:
         return buffers
     device = embeds.device
-    zeros = cache._buffers.zeros
-    cache._store_buffers = buffers = dict(
+    zeros = cache.pooled_zeros
+    cache.store_buffers = buffers = dict(
         key=key,
         plan=lambda: None,
         embeds=zeros("store.embeds", (width, embeds.shape[-1]), embeds.dtype, device),

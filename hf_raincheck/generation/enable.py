@@ -191,14 +191,14 @@ def _generate(model, *args, raincheck_config: RaincheckConfig | None = None, **k
         kwargs["disable_compile"] = True
         kwargs["attention_mask"] = torch.ones_like(input_ids)
         past.config = raincheck_config
-        past._turn = turn
+        past.begin_turn(turn)
         try:
             output = state.original_generate(*args, **kwargs)
         finally:
             # also when generate raises (e.g. a stopping criterion interrupts it): every forward that ran is
             # fully committed (slots, plan progress, token_ids), so the cache stays consistent; nothing is
             # completed then, what is pending folds into the next call
-            past._turn = None
+            past.end_turn()
             if turn.record is not None:
                 turn.record.pending_at_answer_end = past.pending
         if raincheck_config.completion == "blocking":
@@ -242,8 +242,8 @@ def _static_step(model, state: RaincheckState, gen_config, device: torch.device)
 
 def _forward(model, *args, past_key_values=None, **kwargs):
     state = getattr(model, _STATE_ATTR)
-    turn: Turn | None = getattr(past_key_values, "_turn", None)
-    if not isinstance(past_key_values, DeferredPrefillCache) or turn is None:
+    turn: Turn | None = past_key_values.active_turn if isinstance(past_key_values, DeferredPrefillCache) else None
+    if turn is None:
         if isinstance(past_key_values, DeferredPrefillCache):
             raise ValueError(
                 "a DeferredPrefillCache is filled by generate(raincheck_config=...) only; "

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import DeferralPlan, DeferredPrefillCache
+from ..cache import DeferralPlan, DeferredPrefillCache, ForwardContext
 from ..gdn_state import GDNStep
 from ..gdn_state import resolve as resolve_gdn_backend
 from ..models import ModelAdapter
@@ -127,12 +127,12 @@ def run_rows(
         # entries and the rows before it, i.e. bottom-right causal attention over [cache | rows]. The keys are the
         # buffers' prefix when the rows fill slots contiguously, else the cache prefix with the rows' own keys.
         contiguous = rows.max_slot - old + 1 == rows.size
-        cache._compact_keys = -old - 1 if contiguous else old
+        compact_keys = -old - 1 if contiguous else old
         mask = CAUSAL_LOWER_RIGHT
     else:
-        cache._compact_keys = None
+        compact_keys = None
         mask = visibility_mask(
-            cache._filled,
+            cache.filled_prefix(width),
             rows.slots,
             rows.deferred if has_deferred else None,
             plan.boundary if has_deferred else 0,
@@ -141,15 +141,15 @@ def run_rows(
             width,
         )
         if backend == "flash":  # the keys' gather order per row block (attention/flash.py)
-            mask = flash_mask(mask, cache._filled[:width], rows.slots, rows.restored if has_deferred else 0, None,
+            mask = flash_mask(mask, cache.filled_prefix(width), rows.slots, rows.restored if has_deferred else 0, None,
                               plan.boundary if has_deferred else 0, visibility)
-    cache._write_slots, cache._kv_len = rows.slots, kv_len
-    cache._slots_by_device = {}
+    context = ForwardContext(write_slots=rows.slots, kv_len=kv_len, compact_keys=compact_keys)
     gdn_before = None
     if adapter.gdn_glue is not None:
-        cache._gdn_step = gdn_step(cache, rows, plan, resolve_gdn_backend(cache.config.gdn_backend, device))
+        context.gdn_step = gdn_step(cache, rows, plan, resolve_gdn_backend(cache.config.gdn_backend, device))
         gdn_before = cache.gdn_snapshot()
     try:
+        cache.begin_forward(context)
         with eager_sdpa_backends(device, rows.size):
             hidden = adapter.language_forward(
                 rows.embeds[None],
@@ -166,11 +166,8 @@ def run_rows(
             cache.gdn_rollback(gdn_before)
         raise
     finally:
-        cache._write_slots = None
-        cache._compact_keys = None
-        cache._slots_by_device = {}
-        cache._gdn_step = None
-    cache._filled.index_fill_(0, rows.slots, True)
+        cache.end_forward()
+    cache.mark_filled(rows.slots)
     if plan is not None and rows.restored:
         plan.restored += rows.restored
         if plan.pending == 0:
