@@ -25,6 +25,7 @@ from contextlib import ExitStack
 import torch
 
 from .completion import prefill_pending
+from .model_state import raincheck_state
 
 _LIVE: "weakref.WeakSet[BackgroundCompletion]" = weakref.WeakSet()
 _EXIT_JOIN_S = 30.0
@@ -121,8 +122,6 @@ class BackgroundCompletion:
             self._done.set()
 
     def _chunk(self, model, cache) -> int:
-        from .enable import raincheck_state
-
         state = raincheck_state(model, "background completion")
         plan = cache.plan
         # the deferred store was allocated on the user's stream and is released when its last token is restored:

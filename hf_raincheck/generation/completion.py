@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import DeferredPrefillCache
+from .model_state import raincheck_state
 from .rows import deferred_rows, run_rows
 
 
@@ -43,8 +44,6 @@ def complete_deferred(model, cache: DeferredPrefillCache, max_tokens: int | None
     Returns:
         How many deferred tokens were prefilled now.
     """
-    from .enable import raincheck_state
-
     if not isinstance(cache, DeferredPrefillCache):
         raise ValueError(f"complete_deferred: cache must be a DeferredPrefillCache, got {type(cache).__name__}")
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import functools
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -14,15 +13,16 @@ from .. import attention
 from ..gdn_state import patch as gdn_patch
 from ..cache import DeferredPrefillCache, TurnRestore
 from ..config import RaincheckConfig
-from ..models import ModelAdapter, get_adapter
+from ..models import get_adapter
 from .background import start_background_completion
 from .completion import prefill_pending
-from .rows import Rows, concat_rows, deferred_rows, run_rows
-from .schedule import FixedChunkSchedule, carried_tokens
+from .rows import run_rows
+from .schedule import FixedChunkSchedule
 from .decode import StaticStep, decode_step
+from .model_state import STATE_ATTR as _STATE_ATTR
+from .model_state import RaincheckState, raincheck_state
 from .turn import Turn, prepare_turn
 
-_STATE_ATTR = "_raincheck_state"
 # processor outputs that Raincheck consumes itself before handing the call to transformers' generate
 _MEDIA_KWARGS = (
     "pixel_values",
@@ -40,26 +40,6 @@ _UNSUPPORTED_KWARGS = {
     "custom_generate": "custom_generate",
     "synced_gpus": "synced_gpus",
 }
-
-
-@dataclass
-class RaincheckState:
-    adapter: ModelAdapter
-    original_generate: object
-    original_forward: object
-    static_steps: dict = field(default_factory=dict)  # compiled static steps by compile options
-    warned_multi_device: bool = False  # the "compiled steps need one device" warning was given
-
-    @staticmethod
-    def backend(config: RaincheckConfig) -> str:
-        return attention.resolve_backend(config.attn_backend)
-
-
-def raincheck_state(model, caller: str) -> RaincheckState:
-    state = getattr(model, _STATE_ATTR, None)
-    if state is None:
-        raise ValueError(f"{caller}: call enable_raincheck(model) first")
-    return state
 
 
 def enable_raincheck(model):
