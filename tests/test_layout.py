@@ -157,3 +157,15 @@ def test_cache_internals_stay_inside_the_cache_package(folder):
             if _PRIVATE_CACHE_ACCESS.search(line):
                 offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert offenders == []
+
+
+_TIMING = re.compile(r"\d\s?ms\b|\bms/|H[12]00|\bA100\b|\bmeasured\b")
+
+
+@pytest.mark.parametrize("folder", ["generation", "cache"])
+def test_no_timings_or_machine_names_in_the_code(folder):
+    """Timings and machine names belong on the benchmarks page; comments and docstrings give reasons in words."""
+    found = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+             for path in sorted((PACKAGE / folder).rglob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1) if _TIMING.search(line)]
+    assert found == []

@@ -424,8 +424,8 @@ class DeferredPrefillCache(DynamicCache):
 
     def persist_gdn_states(self) -> None:
         """Compiled static steps update GDN states in place, but eager forwards (a prefill, a completion chunk)
-        build new tensors, and a new address makes the steps' CUDA graphs record again (on Qwen3.5-9B ~80 ms at the
-        next decode step and ~160 ms at the next fused step, every turn). So after such a forward every GDN
+        build new tensors, and a new address makes the steps' CUDA graphs record again (at the next decode step
+        and the next fused step, every turn). So after such a forward every GDN
         layer's tensors are copied into the cache's persistent buffers (pooled across conversations like the KV
         buffers) and the layer points at those. A no-op for dynamic caches and eager static steps."""
         if not (self.static and self.gdn_fixed_layout):

@@ -202,9 +202,9 @@ def _static_step(model, state: RaincheckState, gen_config, device: torch.device)
     devices = state.adapter.decoder_devices()
     if len(devices) > 1:
         # a model split over devices (accelerate device_map): Inductor failed to lower the fused step's cache
-        # writes through accelerate's hooks, and CUDA graphs cannot span devices (torch skips them: the compiled
-        # decode-only step of a split Qwen3-VL-8B ran 136 ms/step on two H200s, slower than eager). Steps run
-        # eagerly on the static cache, with the same results.
+        # writes through accelerate's hooks, and CUDA graphs cannot span devices (torch skips them, and a compiled
+        # step without them is slower than an eager one). Steps run eagerly on the static cache, with the same
+        # results.
         if not state.warned_multi_device:
             state.warned_multi_device = True
             warnings.warn(
