@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from .buffer_pool import POOL, CacheBuffers
 from .forward_context import ForwardContext
 from .plan import DeferralPlan
 from .slot_layer import SlotLayer
+from .transaction import CacheTransaction, JoinedTransaction
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..config import RaincheckConfig
@@ -93,12 +95,12 @@ class DeferredPrefillCache(DynamicCache):
         self.config: RaincheckConfig | None = None
         self.plan: DeferralPlan | None = None
         self.plans: list[DeferralPlan] = []
-        self._token_ids: list[int] = []
-        self._token_tail: list[torch.Tensor] = []  # decode tokens fed since, still on the device (no host sync)
+        # (host ids, decode tokens fed since: still on the device, no host sync), replaced as a whole, never edited
+        # in place: one assignment publishes a change, and a transaction's saved reference stays valid
+        self._tokens: tuple[list[int], tuple[torch.Tensor, ...]] = ([], ())
         self.positions: torch.Tensor | None = None  # [3, length] logical positions of the covered slots
         self.rope_delta: int = 0
         self.media_grids: dict[str, torch.Tensor] = {}  # grids of the cached conversation's media, by modality
-        self.pending_media_grids: dict[str, torch.Tensor] = {}  # set by a turn, committed by its prefill
         self.stats = RestoreStats()
         self.turn_stats: list[TurnRestore] = []
         self._completion = None  # the background worker (hf_raincheck.generation.background), if any
@@ -113,28 +115,33 @@ class DeferredPrefillCache(DynamicCache):
         self._turn = None  # the running `generate` call's `Turn` (`begin_turn`)
         self.gdn_states: dict[int, GDNLayerState] = {}  # Gated DeltaNet layers' states, by layer index
         self.gdn_fixed_layout = False  # compiled static steps: GDN states keep one shape (see GDNLayerState)
+        self._transaction: CacheTransaction | None = None  # the open `transaction`, if any
+        self._unusable: str | None = None  # why this cache cannot continue (see `check_usable`)
 
     # ------------------------------------------------------------------ public bookkeeping
     @property
     def length(self) -> int:
         """Logical slots covered (conversation tokens fed so far, deferred slots included)."""
-        return len(self._token_ids) + len(self._token_tail)
+        ids, tail = self._tokens
+        return len(ids) + len(tail)
 
     @property
     def token_ids(self) -> list[int]:
-        """The conversation's token ids for every slot the cache covers (a host list)."""
-        if self._token_tail:  # one device-to-host copy for every decode token fed since the last read
-            self._token_ids.extend(torch.cat(self._token_tail).reshape(-1).tolist())
-            self._token_tail = []
-        return self._token_ids
+        """The conversation's token ids for every slot the cache covers (a host list; don't edit it in place)."""
+        ids, tail = self._tokens
+        if tail:  # one device-to-host copy for every decode token fed since the last read
+            ids = ids + torch.cat(tail).reshape(-1).tolist()
+            self._tokens = (ids, ())  # one assignment: an interrupt leaves the old pair or the new one
+        return ids
 
     @token_ids.setter
     def token_ids(self, ids: list[int]) -> None:
-        self._token_ids, self._token_tail = list(ids), []
+        self._tokens = (list(ids), ())
 
     def append_fed_token(self, token: torch.Tensor) -> None:
         """Records a decode step's input token ``[1, 1]`` (kept on its device until `token_ids` is read)."""
-        self._token_tail.append(token.reshape(1))
+        ids, tail = self._tokens
+        self._tokens = (ids, tail + (token.reshape(1),))
 
     @property
     def total_deferred(self) -> int:
@@ -162,13 +169,31 @@ class DeferredPrefillCache(DynamicCache):
         return self._filled[: self.length]
 
     def record_restored(self, when: str, count: int) -> None:
-        """Counts `count` deferred tokens restored ``"during_prefill"``, ``"during_decode"`` or ``"after_answer"``."""
+        """Counts `count` deferred tokens restored ``"during_prefill"``, ``"during_decode"`` or ``"after_answer"``
+        (call it inside the `transaction` that restored them)."""
+        if not count:
+            return
         setattr(self.stats, when, getattr(self.stats, when) + count)
         if self.turn_stats:
             field_name = {"during_prefill": "restored_in_prefill", "during_decode": "restored_during_decode",
                           "after_answer": "restored_after_answer"}[when]
             record = self.turn_stats[-1]
             setattr(record, field_name, getattr(record, field_name) + count)
+
+    def commit_prefill(self, prompt_ids: list[int], plan: DeferralPlan | None, rope_delta: int,
+                       media_grids: dict, record: TurnRestore, restored: int) -> None:
+        """Records a turn's prefill (call it inside the `transaction` of the prefill's forward): the
+        conversation's tokens become `prompt_ids`, `plan` (if any) becomes the current plan, the media grids and
+        rope delta those of the whole conversation, `record` the call's `turn_stats` entry, and `restored`
+        deferred tokens of the earlier plan, folded into the prefill, are counted."""
+        self.turn_stats = self.turn_stats + [record]
+        self.record_restored("during_prefill", restored)
+        if plan is not None:
+            self.plans = self.plans + [plan]
+            self.plan = plan
+        self.rope_delta = rope_delta
+        self.media_grids = dict(media_grids)
+        self._tokens = (list(prompt_ids), ())
 
     # ------------------------------------------------------------------ background completion
     @property
@@ -291,6 +316,70 @@ class DeferredPrefillCache(DynamicCache):
     def batch_select_indices(self, indices):
         raise NotImplementedError("a DeferredPrefillCache holds one sequence")
 
+    # ------------------------------------------------------------------ atomic changes
+    def transaction(self) -> CacheTransaction | JoinedTransaction:
+        """``with cache.transaction():`` around a forward and its bookkeeping: if the block raises (an error, a
+        ``KeyboardInterrupt``), the cache is put back as it was before the block (see
+        `hf_raincheck.cache.transaction`). Inside an open transaction, joins it."""
+        if self._transaction is not None:
+            return JoinedTransaction(self._transaction)
+        return CacheTransaction(self)
+
+    def after_commit(self, cleanup) -> None:
+        """Runs `cleanup` (a callable that only frees memory) once the open transaction commits; now if none."""
+        if self._transaction is None:
+            cleanup()
+        else:
+            self._transaction.cleanups.append(cleanup)
+
+    def in_place_update(self, what: str) -> None:
+        """Tells the open transaction that `what` is about to change device state in place (compiled steps of a
+        model with GDN layers): a rollback after this point cannot restore it, and leaves the cache unusable."""
+        if self._transaction is not None and self.gdn_states:
+            self._transaction.in_place = what
+
+    def check_usable(self, caller: str) -> None:
+        """Raises a RuntimeError naming `caller` if an interrupted in-place update left this cache unusable."""
+        if self._unusable is not None:
+            raise RuntimeError(
+                f"{caller}: this DeferredPrefillCache cannot continue: {self._unusable}; start a new conversation "
+                "(no past_key_values) with the conversation so far"
+            )
+
+    def tidy(self) -> None:
+        """Frees what a fully restored plan no longer needs (its store, the GDN checkpoints), in case the
+        clean-up after the forward that finished it was interrupted. A no-op otherwise."""
+        for plan in self.plans:
+            if plan.pending == 0 and plan.store_embeds is not None:
+                plan.release_store()
+        if self.pending == 0:
+            self.release_gdn_checkpoints()
+
+    def _save_state(self) -> tuple:
+        """Everything a transaction may change on the host, and references to the GDN layer states."""
+        records = [(record, dataclasses.astuple(record)) for record in self.turn_stats]
+        return (self._tokens, self.plan, self.plans, [(p, p.restored) for p in self.plans], self.rope_delta,
+                self.media_grids, dataclasses.astuple(self.stats), self.turn_stats, records, self.gdn_snapshot())
+
+    def _restore_state(self, saved: tuple, marked: list[torch.Tensor]) -> None:
+        """Puts back what `_save_state` saved, and unmarks `marked` (slots marked filled since)."""
+        tokens, plan, plans, restored, rope_delta, media_grids, stats, turn_stats, records, gdn = saved
+        for slots in marked:  # every slot a forward writes was empty before it
+            self._filled.index_fill_(0, slots.to(self._filled.device), False)
+        for item, value in restored:
+            item.restored = value
+        for record, values in records:
+            for f, value in zip(dataclasses.fields(record), values):
+                setattr(record, f.name, value)
+        for f, value in zip(dataclasses.fields(self.stats), stats):
+            setattr(self.stats, f.name, value)
+        self.gdn_rollback(gdn)
+        self._tokens, self.plan, self.plans, self.rope_delta = tokens, plan, plans, rope_delta
+        self.media_grids, self.turn_stats = media_grids, turn_stats
+
+    def _mark_unusable(self, reason: str) -> None:
+        self._unusable = reason
+
     # ------------------------------------------------------------------ the running call and forward
     @property
     def forward_context(self) -> ForwardContext | None:
@@ -345,8 +434,16 @@ class DeferredPrefillCache(DynamicCache):
         return self._slot_index
 
     def mark_filled(self, slots: torch.Tensor) -> None:
-        """Marks `slots` as holding an entry (after the forward that wrote them finished)."""
+        """Marks `slots` as holding an entry (after the forward that wrote them finished; inside a
+        `transaction`, which unmarks them if it rolls back)."""
+        self.marks_filled(slots)
         self._filled.index_fill_(0, slots, True)
+
+    def marks_filled(self, slots: torch.Tensor) -> None:
+        """Tells the open transaction that `slots` are being marked filled (a compiled step marks them inside
+        its graph), so a rollback unmarks them."""
+        if self._transaction is not None:
+            self._transaction.marked.append(slots)
 
     @property
     def scratch_slots(self) -> torch.Tensor | None:

@@ -13,6 +13,8 @@ def prefill_pending(state, cache: DeferredPrefillCache, budget: int, chunk_size:
     """Prefills up to `budget` pending deferred tokens of ``cache.plan`` in forwards of `chunk_size` rows.
 
     The caller holds ``cache.lock``. Counts them as restored after the answer; returns how many were prefilled.
+    Each chunk (its forward, the plan's progress, the counters) is one `DeferredPrefillCache.transaction`: an
+    interrupt leaves the chunks before it done and the rest pending.
     """
     plan = cache.plan
     if plan is None:
@@ -24,9 +26,10 @@ def prefill_pending(state, cache: DeferredPrefillCache, budget: int, chunk_size:
         while done < budget:
             count = min(chunk_size, budget - done)
             rows = deferred_rows(plan, count)
-            run_rows(state.adapter, cache, rows, plan, state.backend(config), config.visibility, want_logits=False)
+            with cache.transaction():
+                run_rows(state.adapter, cache, rows, plan, state.backend(config), config.visibility, want_logits=False)
+                cache.record_restored("after_answer", count)
             done += count
-            cache.record_restored("after_answer", count)
     return done
 
 
@@ -50,6 +53,7 @@ def complete_deferred(model, cache: DeferredPrefillCache, max_tokens: int | None
         raise ValueError(f"complete_deferred: max_tokens must be None or an int >= 0, got {max_tokens!r}")
     state = raincheck_state(model, "complete_deferred")
     cache.bind_model(model)
+    cache.check_usable("complete_deferred")
     cache.stop_completion()
     cache.raise_completion_error()
     with cache.lock:

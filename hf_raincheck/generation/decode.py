@@ -26,7 +26,7 @@ from ..gdn_state import GDNGraphStep
 from ..gdn_state import resolve as resolve_gdn_backend
 from ..gdn_state.kernels import functions as gdn_functions
 from ..gdn_state.kernels import restore_kernel_runs as gdn_restore_kernel_runs
-from .rows import Rows, concat_rows, deferred_rows, run_rows
+from .rows import Rows, concat_rows, deferred_rows, release_finished_plan, run_rows
 from .schedule import carried_tokens
 from .visibility import visible
 
@@ -47,25 +47,32 @@ def live_row(adapter, cache: DeferredPrefillCache, token: torch.Tensor) -> Rows:
 
 
 def decode_step(adapter, cache: DeferredPrefillCache, turn, token: torch.Tensor) -> torch.Tensor:
-    """Eager decode step; returns the logits ``[1, 1, V]`` of the decode row."""
+    """One decode step (compiled when `turn` has a static step and the chunk fits it, else eager); returns the
+    logits ``[1, 1, V]`` of the decode row.
+
+    The step's forwards, the deferred tokens it restores, its counters and the fed token are one
+    `DeferredPrefillCache.transaction`: interrupted anywhere, the cache is as before the step (the token is not
+    fed, nothing restored), so continuing with ``cache.token_ids`` feeds it again.
+    """
     config = turn.config
     turn.step += 1
     plan = cache.plan
     count = carried_tokens(turn.schedule, turn.step, plan.pending if plan is not None else 0)
-    if turn.static_step is not None and count <= config.chunk_size:
-        logits = turn.static_step(cache, turn, plan, count, token)
-    else:
-        live = live_row(adapter, cache, token)
-        if count and not config.fused:  # the benchmarks' control: the chunk as a forward of its own, then the step
-            run_rows(adapter, cache, deferred_rows(plan, count), plan, turn.backend, config.visibility, False)
-            logits = run_rows(adapter, cache, live, None, turn.backend, config.visibility, True)
+    with cache.transaction():
+        if turn.static_step is not None and count <= config.chunk_size:
+            logits = turn.static_step(cache, turn, plan, count, token)
         else:
-            rows = concat_rows([deferred_rows(plan, count), live]) if count else live
-            logits = run_rows(adapter, cache, rows, plan if count else None, turn.backend, config.visibility, True)
-        if turn.static_step is not None:  # an eager step between compiled ones (a chunk larger than chunk_size)
-            cache.persist_gdn_states()
-    cache.record_restored("during_decode", count)
-    cache.append_fed_token(token)
+            live = live_row(adapter, cache, token)
+            if count and not config.fused:  # the benchmarks' control: the chunk as a forward of its own, then the step
+                run_rows(adapter, cache, deferred_rows(plan, count), plan, turn.backend, config.visibility, False)
+                logits = run_rows(adapter, cache, live, None, turn.backend, config.visibility, True)
+            else:
+                rows = concat_rows([deferred_rows(plan, count), live]) if count else live
+                logits = run_rows(adapter, cache, rows, plan if count else None, turn.backend, config.visibility, True)
+            if turn.static_step is not None:  # an eager step between compiled ones (a chunk larger than chunk_size)
+                cache.after_commit(cache.persist_gdn_states)
+        cache.record_restored("during_decode", count)
+        cache.append_fed_token(token)
     return logits
 
 
@@ -215,6 +222,7 @@ class StaticStep:
                 valid=None, count=chunk[-1] if chunk is not None else None, live=token is not None, backend=backend,
                 restore_kernel=chunk is not None and self._restore_kernel(cache.device),
             )
+        cache.in_place_update("a compiled static step")  # (GDN states: updated in place, no rollback)
         try:
             cache.begin_forward(context)
             return self.compiled(
@@ -233,15 +241,18 @@ class StaticStep:
             self.prepare(cache, plan, turn.config.chunk_size)  # done after the prefill already; a no-op here
             # the window as two 0-d views of a persistent index (no host-to-device copy, no new graph input shape)
             chunk = plan.padded_store["tensors"] + (cache.slot_index[plan.restored], cache.slot_index[count])
-        if count and not turn.config.fused:  # the control: the chunk as a compiled forward of its own, then the step
-            self._run(cache, turn, count, None, slot, chunk)
-            chunk = None
-        logits = self._run(cache, turn, count if chunk is not None else 0, token, slot, chunk)
-        if count:
-            plan.restored += count
-            if plan.pending == 0:
-                plan.release_store()
-                cache.release_gdn_checkpoints()
+        with cache.transaction():  # (the caller's, `decode_step`'s)
+            if count:  # the graph marks the chunk's slots and the decode row's: a rollback unmarks them
+                cache.marks_filled(plan.deferred_on_device[plan.restored : plan.restored + count])
+            cache.marks_filled(cache.slot_tensor(slot))
+            if count and not turn.config.fused:  # the control: the chunk as a compiled forward of its own, then the step
+                self._run(cache, turn, count, None, slot, chunk)
+                chunk = None
+            logits = self._run(cache, turn, count if chunk is not None else 0, token, slot, chunk)
+            if count:
+                plan.restored = plan.restored + count
+                if plan.pending == 0:
+                    release_finished_plan(cache, plan)
         return logits
 
 

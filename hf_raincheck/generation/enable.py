@@ -147,6 +147,7 @@ def _generate(model, *args, raincheck_config: RaincheckConfig | None = None, **k
     # is folded into this call's prefill. An error it hit is raised now, once.
     past.stop_completion()
     past.raise_completion_error()
+    past.check_usable("generate")
 
     schedule = raincheck_config.schedule or FixedChunkSchedule(raincheck_config.chunk_size, raincheck_config.guard_tokens)
     backend = state.backend(raincheck_config)
@@ -171,16 +172,17 @@ def _generate(model, *args, raincheck_config: RaincheckConfig | None = None, **k
         kwargs["disable_compile"] = True
         kwargs["attention_mask"] = torch.ones_like(input_ids)
         past.config = raincheck_config
+        past.tidy()  # (what an interrupted clean-up left: a finished plan's store, GDN checkpoints)
         past.begin_turn(turn)
         try:
             output = state.original_generate(*args, **kwargs)
         finally:
-            # also when generate raises (e.g. a stopping criterion interrupts it): every forward that ran is
-            # fully committed (slots, plan progress, token_ids), so the cache stays consistent; nothing is
-            # completed then, what is pending folds into the next call
+            # also when generate raises (e.g. a stopping criterion interrupts it): every forward is one
+            # transaction (slots, plan progress, token_ids, counters), committed whole or not at all, so the cache
+            # stays consistent; nothing is completed then, what is pending folds into the next call
             past.end_turn()
-            if turn.record is not None:
-                turn.record.pending_at_answer_end = past.pending
+            if len(past.turn_stats) > turn.turns_before:  # this call's prefill was committed
+                past.turn_stats[turn.turns_before].pending_at_answer_end = past.pending
         if raincheck_config.completion == "blocking":
             prefill_pending(state, past, past.pending, raincheck_config.completion_chunk_size)
         elif raincheck_config.completion == "background":
@@ -244,19 +246,20 @@ def _turn_step(state: RaincheckState, cache: DeferredPrefillCache, turn: Turn, i
                 "Raincheck's prefill expected the uncached part of the prompt "
                 f"({turn.new_ids.numel()} tokens), got {None if input_ids is None else input_ids.shape[-1]}"
             )
-        logits = run_rows(
-            state.adapter, cache, turn.prefill, turn.prefill_plan, turn.backend, config.visibility, want_logits=True
-        )
-        turn.record = TurnRestore(deferred=turn.plan.total_deferred if turn.plan is not None else 0)
-        cache.turn_stats.append(turn.record)
-        cache.record_restored("during_prefill", turn.prefill.restored)
+        # the forward and everything the turn records (tokens, plan, grids, counters) in one transaction:
+        # interrupted anywhere, the cache is as before the call, and continuing with `cache.token_ids` plus the
+        # new turn redoes the whole prefill
+        record = TurnRestore(deferred=turn.plan.total_deferred if turn.plan is not None else 0)
+        prompt_ids = turn.prompt_ids.tolist()
+        with cache.transaction():
+            logits = run_rows(
+                state.adapter, cache, turn.prefill, turn.prefill_plan, turn.backend, config.visibility,
+                want_logits=True,
+            )
+            cache.commit_prefill(prompt_ids, turn.plan, turn.rope_delta, turn.media_grids, record,
+                                 turn.prefill.restored)
+        turn.record = record
         turn.restored_in_prefill = turn.prefill.restored
-        cache.token_ids = cache.token_ids + turn.prompt_ids[cache.length :].tolist()
-        if turn.plan is not None:
-            cache.plan = turn.plan
-            cache.plans.append(turn.plan)
-        cache.rope_delta = turn.rope_delta
-        cache.media_grids = dict(cache.pending_media_grids)
         turn.prefill_done = True
         turn.prefill = None  # free the prompt's rows
         if turn.static_step is not None:  # the plan's store, the scratch slots and GDN states in place now

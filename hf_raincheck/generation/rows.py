@@ -103,6 +103,14 @@ def gdn_step(cache: DeferredPrefillCache, rows: Rows, plan: DeferralPlan | None,
     )
 
 
+def release_finished_plan(cache: DeferredPrefillCache, plan: DeferralPlan, keep_checkpoints: bool = False) -> None:
+    """Once the open transaction commits: frees the store of `plan` (all restored) and, unless a new plan's
+    checkpoints were just taken (`keep_checkpoints`), the GDN prefix checkpoints."""
+    cache.after_commit(plan.release_store)
+    if not keep_checkpoints:
+        cache.after_commit(cache.release_gdn_checkpoints)
+
+
 def run_rows(
     adapter: ModelAdapter,
     cache: DeferredPrefillCache,
@@ -114,7 +122,10 @@ def run_rows(
 ) -> torch.Tensor | None:
     """One decoder forward over `rows`; returns the logits of the last row ``[1, 1, V]`` if asked.
 
-    `plan` is the plan whose deferred rows lead `rows` (None when there are none).
+    `plan` is the plan whose deferred rows lead `rows` (None when there are none). The forward, the slots it
+    marks filled and the plan's progress are one `DeferredPrefillCache.transaction` (the caller's, when it
+    records more in the same one): a forward that fails or is interrupted anywhere leaves nothing behind (its KV
+    writes land in slots that stay unmarked and are rewritten by the retry; GDN states go back to where they were).
     """
     kv_len = max(cache.length, rows.max_slot + 1)
     device = rows.embeds.device
@@ -144,36 +155,27 @@ def run_rows(
             mask = flash_mask(mask, cache.filled_prefix(width), rows.slots, rows.restored if has_deferred else 0, None,
                               plan.boundary if has_deferred else 0, visibility)
     context = ForwardContext(write_slots=rows.slots, kv_len=kv_len, compact_keys=compact_keys)
-    gdn_before = None
     if adapter.gdn_glue is not None:
         context.gdn_step = gdn_step(cache, rows, plan, resolve_gdn_backend(cache.config.gdn_backend, device))
-        gdn_before = cache.gdn_snapshot()
-    try:
-        cache.begin_forward(context)
-        with eager_sdpa_backends(device, rows.size):
-            hidden = adapter.language_forward(
-                rows.embeds[None],
-                rows.positions[:, None, :],
-                mask,
-                cache,
-                rows.deepstack,
-                backend,
-            )
-    except BaseException:
-        # a forward that fails (or is interrupted) half-way leaves nothing behind: KV writes land in slots that
-        # stay unmarked and are rewritten by the retry; GDN states go back to where they were
-        if gdn_before is not None:
-            cache.gdn_rollback(gdn_before)
-        raise
-    finally:
-        cache.end_forward()
-    cache.mark_filled(rows.slots)
-    if plan is not None and rows.restored:
-        plan.restored += rows.restored
-        if plan.pending == 0:
-            plan.release_store()
-            if rows.checkpoint_plan is None:
-                cache.release_gdn_checkpoints()
+    with cache.transaction():
+        try:
+            cache.begin_forward(context)
+            with eager_sdpa_backends(device, rows.size):
+                hidden = adapter.language_forward(
+                    rows.embeds[None],
+                    rows.positions[:, None, :],
+                    mask,
+                    cache,
+                    rows.deepstack,
+                    backend,
+                )
+        finally:
+            cache.end_forward()
+        cache.mark_filled(rows.slots)
+        if plan is not None and rows.restored:
+            plan.restored = plan.restored + rows.restored
+            if plan.pending == 0:
+                release_finished_plan(cache, plan, keep_checkpoints=rows.checkpoint_plan is not None)
     if not want_logits:
         return None
     return adapter.lm_head(hidden[:, -1:])
