@@ -93,7 +93,7 @@ class PausedWorkers:
 
         def one_chunk_then_wait(state, cache, budget, chunk_size):
             done = original(state, cache, budget, chunk_size)
-            worker = cache._completion
+            worker = cache.completion_worker
             with self._lock:
                 event = self.first_chunk[worker]
             event.set()
@@ -104,7 +104,7 @@ class PausedWorkers:
 
     def settle(self, cache: DeferredPrefillCache) -> None:
         """Waits until the cache's worker (if any) has run its one chunk (or ended)."""
-        worker = cache._completion
+        worker = cache.completion_worker
         if worker is None:
             return
         with self._lock:
@@ -213,7 +213,7 @@ def run_dialogue(model, processor, workers: PausedWorkers, tracer=None, steps: l
 
 
 def raincheck_num_layers(model) -> int:
-    from hf_raincheck.generation.enable import raincheck_state
+    from hf_raincheck.generation.model_state import raincheck_state
 
     return raincheck_state(model, "test").adapter.num_cache_layers()
 

@@ -170,15 +170,19 @@ class DeferredPrefillCache(DynamicCache):
 
     def record_restored(self, when: str, count: int) -> None:
         """Counts `count` deferred tokens restored ``"during_prefill"``, ``"during_decode"`` or ``"after_answer"``
-        (call it inside the `transaction` that restored them)."""
-        if not count:
-            return
-        setattr(self.stats, when, getattr(self.stats, when) + count)
+        (call it inside the `transaction` that restored them). During the answer (``"during_prefill"``,
+        ``"during_decode"``, also with `count` 0) the call's record's ``pending_at_answer_end`` follows
+        ``pending``, so it holds the pending count when the answer ends, however it ends."""
+        field_name = {"during_prefill": "restored_in_prefill", "during_decode": "restored_during_decode",
+                      "after_answer": "restored_after_answer"}[when]
+        if count:
+            setattr(self.stats, when, getattr(self.stats, when) + count)
         if self.turn_stats:
-            field_name = {"during_prefill": "restored_in_prefill", "during_decode": "restored_during_decode",
-                          "after_answer": "restored_after_answer"}[when]
             record = self.turn_stats[-1]
-            setattr(record, field_name, getattr(record, field_name) + count)
+            if count:
+                setattr(record, field_name, getattr(record, field_name) + count)
+            if when != "after_answer":
+                record.pending_at_answer_end = self.pending
 
     def commit_prefill(self, prompt_ids: list[int], plan: DeferralPlan | None, rope_delta: int,
                        media_grids: dict, record: TurnRestore, restored: int) -> None:
@@ -186,11 +190,11 @@ class DeferredPrefillCache(DynamicCache):
         conversation's tokens become `prompt_ids`, `plan` (if any) becomes the current plan, the media grids and
         rope delta those of the whole conversation, `record` the call's `turn_stats` entry, and `restored`
         deferred tokens of the earlier plan, folded into the prefill, are counted."""
-        self.turn_stats = self.turn_stats + [record]
-        self.record_restored("during_prefill", restored)
         if plan is not None:
             self.plans = self.plans + [plan]
             self.plan = plan
+        self.turn_stats = self.turn_stats + [record]
+        self.record_restored("during_prefill", restored)
         self.rope_delta = rope_delta
         self.media_grids = dict(media_grids)
         self._tokens = (list(prompt_ids), ())
@@ -482,13 +486,15 @@ class DeferredPrefillCache(DynamicCache):
 
     def reserve(self, needed: int, device: torch.device) -> None:
         """Room for slots ``[0, needed)`` in the bookkeeping (KV buffers grow on their layer's device)."""
-        if self.static and needed > self.layers[0].capacity:
+        if self.static:
             # geometric growth in multiples of 256: a chat's later turns rarely change the shapes that compiled
-            # steps were built for (each capacity is a new graph)
-            current = self.layers[0].capacity
-            target = -(-max(needed, current + current // 2) // 256) * 256
+            # steps were built for (each capacity is a new graph). Layers below the largest capacity are grown to
+            # it first (a growth that an interrupt stopped half-way), and the slot bookkeeping follows below.
+            current = max(layer.capacity for layer in self.layers)
+            target = current if needed <= current else -(-max(needed, current + current // 2) // 256) * 256
             for layer in self.layers:
-                layer.reserve(target)
+                if layer.capacity < target:
+                    layer.reserve(target)
             needed = target
         if self._filled is not None and needed <= self._filled.numel():
             return
@@ -499,8 +505,8 @@ class DeferredPrefillCache(DynamicCache):
             grown = torch.zeros(size, dtype=torch.bool, device=device)
         if self._filled is not None:
             grown[: self._filled.numel()] = self._filled
-        self._filled = grown
-        self._slot_index = torch.arange(self._filled.numel(), device=device)
+        index = torch.arange(grown.numel(), device=device)
+        self._filled, self._slot_index = grown, index  # (one line: the mask and the index always match)
 
     def slot_tensor(self, slot: int) -> torch.Tensor:
         """``[slot]`` as a long tensor on the model device: a view of a persistent index (no host-to-device copy)."""

@@ -178,11 +178,10 @@ def _generate(model, *args, raincheck_config: RaincheckConfig | None = None, **k
             output = state.original_generate(*args, **kwargs)
         finally:
             # also when generate raises (e.g. a stopping criterion interrupts it): every forward is one
-            # transaction (slots, plan progress, token_ids, counters), committed whole or not at all, so the cache
-            # stays consistent; nothing is completed then, what is pending folds into the next call
+            # transaction (slots, plan progress, token_ids, counters, the turn record's pending count), committed
+            # whole or not at all, so the cache stays consistent; nothing is completed then, what is pending folds
+            # into the next call
             past.end_turn()
-            if len(past.turn_stats) > turn.turns_before:  # this call's prefill was committed
-                past.turn_stats[turn.turns_before].pending_at_answer_end = past.pending
         if raincheck_config.completion == "blocking":
             prefill_pending(state, past, past.pending, raincheck_config.completion_chunk_size)
         elif raincheck_config.completion == "background":

@@ -38,7 +38,6 @@ class Turn:
     static_step: object = None  # the compiled step (static caches), or None: eager steps
     rope_delta_tensor: torch.Tensor | None = None
     media_grids: dict = field(default_factory=dict)  # grids of the whole conversation's media, by modality
-    turns_before: int = 0  # len(cache.turn_stats) before this call (its prefill adds its entry)
 
 
 def _split_runs(runs: list[Span], counts: dict[str, list[int]]) -> list[Span]:
@@ -309,5 +308,4 @@ def prepare_turn(
         schedule=schedule,
         backend=backend,
         media_grids=media_grids,
-        turns_before=len(cache.turn_stats),
     )
