@@ -202,3 +202,81 @@ def test_a_worker_whose_start_was_interrupted_is_not_waited_for(model, monkeypat
     out = generate(model, _extend(first, cache.token_ids[first["input_ids"].shape[1]:] + [7]), 2,
                    RaincheckConfig(completion="blocking", **CFG), past=cache)
     assert out is not None and cache.pending == 0 and cache.holes == 0
+
+
+# ---------------------------------------------------------------- compiled static steps
+def _compile_config():
+    from transformers.generation.configuration_utils import CompileConfig
+
+    config = CompileConfig(backend="eager", fullgraph=True, dynamic=False)
+    config._compile_all_devices = True  # compile on the CPU too (transformers' own switch)
+    return config
+
+
+def _interrupt_after_fused_step(monkeypatch):
+    """KeyboardInterrupt right after the first compiled step that carried a chunk has run (its writes done, its
+    bookkeeping not)."""
+    from hf_raincheck.generation.decode import StaticStep
+
+    original = StaticStep._run
+    fired = []
+
+    def run(self, cache, turn, count, token, slot, chunk):
+        result = original(self, cache, turn, count, token, slot, chunk)
+        if chunk is not None and not fired:
+            fired.append(slot)
+            raise KeyboardInterrupt
+        return result
+
+    monkeypatch.setattr(StaticStep, "_run", run)
+    return fired
+
+
+def test_an_interrupted_compiled_step_of_an_attention_model_is_undone(model, monkeypatch):
+    """Attention-only model, compiled static steps: the step's KV writes land in slots it unmarks again, so the
+    cache equals an answer one token shorter and the conversation goes on exactly."""
+    torch._dynamo.reset()
+    cfg = RaincheckConfig(completion="next_turn", **CFG)
+    first = turns()
+    static = dict(cache_implementation="static", compile_config=_compile_config())
+    cache = DeferredPrefillCache(raincheck_state(model, "test").adapter.num_cache_layers(), static=True)
+    fired = _interrupt_after_fused_step(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        generate(model, first, 6, cfg, past=cache, **static)
+    monkeypatch.undo()
+    assert fired
+    fed = cache.length - first["input_ids"].shape[1]
+    shorter = DeferredPrefillCache(raincheck_state(model, "test").adapter.num_cache_layers(), static=True)
+    generate(model, first, fed + 1, cfg, past=shorter, **static)
+    assert_same(summary(cache), summary(shorter))
+    follow = _extend(first, cache.token_ids[first["input_ids"].shape[1]:] + [7, 8])
+    a = generate(model, follow, 3, cfg, past=cache, **static)
+    b = generate(model, follow, 3, cfg, past=shorter, **static)
+    torch.testing.assert_close(torch.stack(a.logits), torch.stack(b.logits), **EXACT)
+    torch._dynamo.reset()
+
+
+def test_an_interrupted_compiled_gdn_step_refuses_to_go_on(monkeypatch):
+    """Qwen3.5, compiled static steps: they update the Gated DeltaNet states in place, which no rollback can undo;
+    interrupted after such a step started, the cache refuses every later call with a clear error instead of
+    continuing from states that do not match its bookkeeping."""
+    from handmade_qwen3_5 import tiny_qwen3_5
+
+    torch._dynamo.reset()
+    hybrid = enable_raincheck(tiny_qwen3_5("eager"))
+    cfg = RaincheckConfig(completion="next_turn", **CFG)
+    first = turns()
+    static = dict(cache_implementation="static", compile_config=_compile_config())
+    cache = DeferredPrefillCache(raincheck_state(hybrid, "test").adapter.num_cache_layers(), static=True)
+    fired = _interrupt_after_fused_step(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        generate(hybrid, first, 6, cfg, past=cache, **static)
+    monkeypatch.undo()
+    assert fired
+    follow = _extend(first, cache.token_ids[first["input_ids"].shape[1]:] + [7, 8])
+    with pytest.raises(RuntimeError, match="generate: this DeferredPrefillCache cannot continue: a compiled static "
+                                           "step was interrupted"):
+        generate(hybrid, follow, 2, cfg, past=cache, **static)
+    with pytest.raises(RuntimeError, match="complete_deferred: .* start a new conversation"):
+        complete_deferred(hybrid, cache)
+    torch._dynamo.reset()
