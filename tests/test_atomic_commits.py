@@ -112,7 +112,8 @@ def test_an_interrupted_prefill_commit_leaves_the_cache_as_before(model, monkeyp
     generate(model, first, 4, cfg, past=cache)
     before = summary(cache)
     assert cache.pending > 0
-    Once(monkeypatch, DeferredPrefillCache, "record_restored", at=1, when=lambda self, when, count: when == "during_prefill")
+    Once(monkeypatch, DeferredPrefillCache, "record_restored", at=1,
+         when=lambda self, when, count: when == "during_prefill")
     with pytest.raises(KeyboardInterrupt):
         generate(model, conv2, 4, cfg, past=cache)
     assert_same(summary(cache), before)

@@ -74,7 +74,8 @@ def test_the_base_adapter_says_what_a_family_must_define():
         pass
 
     adapter = Bare(model=None)
-    for call in (lambda: adapter.image_token_id, adapter.special_token_ids, lambda: adapter.span_grids([], None, None, [])):
+    calls = (lambda: adapter.image_token_id, adapter.special_token_ids, lambda: adapter.span_grids([], None, None, []))
+    for call in calls:
         try:
             call()
         except NotImplementedError as error:

@@ -6,4 +6,12 @@ from .forward_context import ForwardContext
 from .plan import DeferralPlan
 from .slot_layer import SlotLayer
 
-__all__ = ["DeferredPrefillCache", "DeferralPlan", "ForwardContext", "RestoreStats", "SlotLayer", "TurnRestore", "release_static_buffers"]
+__all__ = [
+    "DeferredPrefillCache",
+    "DeferralPlan",
+    "ForwardContext",
+    "RestoreStats",
+    "SlotLayer",
+    "TurnRestore",
+    "release_static_buffers",
+]

@@ -78,6 +78,18 @@ class DeferredPrefillCache(DynamicCache):
         token_ids: the conversation's token ids for every slot the cache covers.
         stats: `RestoreStats` over the cache's life.
         turn_stats: one `TurnRestore` per `generate` call on the cache.
+
+    Interrupts and errors: a forward and everything recorded about it (the slots it filled, the plan's progress,
+    the conversation's tokens, plan and grids, the counters) form one `transaction`, committed whole or not at
+    all; an interrupted `generate` leaves the cache as after its last whole step, and ``token_ids`` holds what
+    was fed. The one change no rollback undoes (a compiled static step updating Gated DeltaNet states in place)
+    leaves the cache refusing further calls (`check_usable`) with a clear error.
+
+    For the generation code (``hf_raincheck.generation``): `forward_context` (`begin_forward` / `end_forward`),
+    `active_turn` (`begin_turn` / `end_turn`), `transaction` / `after_commit` / `in_place_update`,
+    `commit_prefill`, `record_restored`, `append_fed_token`, `mark_filled` / `marks_filled`, `filled_prefix`,
+    `slot_index` / `slot_tensor`, `scratch_slots` / `place_scratch_slots`, `store_buffers`, `pooled_zeros` /
+    `pooled_buffers`, `completion_worker` / `attach_completion`.
     """
 
     def __init__(self, num_layers: int, static: bool = False, max_cache_len: int = 0):

@@ -245,7 +245,7 @@ class StaticStep:
             if count:  # the graph marks the chunk's slots and the decode row's: a rollback unmarks them
                 cache.marks_filled(plan.deferred_on_device[plan.restored : plan.restored + count])
             cache.marks_filled(cache.slot_tensor(slot))
-            if count and not turn.config.fused:  # the control: the chunk as a compiled forward of its own, then the step
+            if count and not turn.config.fused:  # the control: the chunk as a compiled forward, then the step
                 self._run(cache, turn, count, None, slot, chunk)
                 chunk = None
             logits = self._run(cache, turn, count if chunk is not None else 0, token, slot, chunk)
