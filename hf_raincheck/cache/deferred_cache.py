@@ -16,7 +16,7 @@ from .buffer_pool import POOL, CacheBuffers
 from .forward_context import ForwardContext
 from .plan import DeferralPlan
 from .slot_layer import SlotLayer
-from .transaction import CacheTransaction, JoinedTransaction
+from .transaction import CacheTransaction
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..config import RaincheckConfig
@@ -333,13 +333,16 @@ class DeferredPrefillCache(DynamicCache):
         raise NotImplementedError("a DeferredPrefillCache holds one sequence")
 
     # ------------------------------------------------------------------ atomic changes
-    def transaction(self) -> CacheTransaction | JoinedTransaction:
+    def transaction(self) -> CacheTransaction:
         """``with cache.transaction():`` around a forward and its bookkeeping: if the block raises (an error, a
         ``KeyboardInterrupt``), the cache is put back as it was before the block (see
-        `hf_raincheck.cache.transaction`). Inside an open transaction, joins it."""
-        if self._transaction is not None:
-            return JoinedTransaction(self._transaction)
+        `hf_raincheck.cache.transaction`). Transactions do not nest."""
         return CacheTransaction(self)
+
+    @property
+    def in_transaction(self) -> bool:
+        """Whether a `transaction` is open (the forwards of `run_rows` and compiled steps require one)."""
+        return self._transaction is not None
 
     def after_commit(self, cleanup) -> None:
         """Runs `cleanup` (a callable that only frees memory) once the open transaction commits; now if none."""

@@ -16,7 +16,11 @@ transaction interrupted after such a step started (`in_place_update`) leaves the
 every later call on it raises a clear error instead of continuing from states that no longer match the
 bookkeeping.
 
-Transactions nest: an inner ``with cache.transaction():`` joins the outer one (commits and rolls back with it).
+Transactions do not nest: the code inside one (`run_rows`, a compiled step) records into the open one
+(`DeferredPrefillCache.in_transaction`), and a new transaction replaces whatever is open. So a transaction whose
+exit never ran (Python skips ``__exit__`` when a trace function raises at the ``with`` line's exit event) leaves
+nothing behind that a later one would join: its changes were complete (the block had ended), and only its
+memory clean-ups are left for `DeferredPrefillCache.tidy`.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ class CacheTransaction:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         cache = self.cache
-        cache._transaction = None
+        if cache._transaction is self:
+            cache._transaction = None
         if exc_type is None:
             for cleanup in self.cleanups:
                 cleanup()
@@ -54,15 +59,3 @@ class CacheTransaction:
             )
         return False
 
-
-class JoinedTransaction:
-    """An inner ``with cache.transaction():``: part of the outer transaction (no save, no rollback of its own)."""
-
-    def __init__(self, outer: CacheTransaction):
-        self.outer = outer
-
-    def __enter__(self) -> CacheTransaction:
-        return self.outer
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        return False

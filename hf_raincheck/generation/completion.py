@@ -9,6 +9,7 @@ from .model_state import raincheck_state
 from .rows import deferred_rows, run_rows
 
 
+@torch.no_grad()
 def prefill_pending(state, cache: DeferredPrefillCache, budget: int, chunk_size: int) -> int:
     """Prefills up to `budget` pending deferred tokens of ``cache.plan`` in forwards of `chunk_size` rows.
 
@@ -22,14 +23,13 @@ def prefill_pending(state, cache: DeferredPrefillCache, budget: int, chunk_size:
     budget = min(budget, plan.pending)
     config = cache.config
     done = 0
-    with torch.no_grad():
-        while done < budget:
-            count = min(chunk_size, budget - done)
-            rows = deferred_rows(plan, count)
-            with cache.transaction():
-                run_rows(state.adapter, cache, rows, plan, state.backend(config), config.visibility, want_logits=False)
-                cache.record_restored("after_answer", count)
-            done += count
+    while done < budget:
+        count = min(chunk_size, budget - done)
+        rows = deferred_rows(plan, count)
+        with cache.transaction():
+            run_rows(state.adapter, cache, rows, plan, state.backend(config), config.visibility, want_logits=False)
+            cache.record_restored("after_answer", count)
+        done += count
     return done
 
 
@@ -56,8 +56,12 @@ def complete_deferred(model, cache: DeferredPrefillCache, max_tokens: int | None
     cache.check_usable("complete_deferred")
     cache.stop_completion()
     cache.raise_completion_error()
-    with cache.lock:
-        if cache.pending == 0:
-            return 0
-        budget = cache.pending if max_tokens is None else max_tokens
-        return prefill_pending(state, cache, budget, cache.config.completion_chunk_size)
+    # (one line, as in `generate`: no line event between the work and the lock's release)
+    with cache.lock: return _complete_locked(state, cache, max_tokens)  # noqa: E701
+
+
+def _complete_locked(state, cache: DeferredPrefillCache, max_tokens: int | None) -> int:
+    if cache.pending == 0:
+        return 0
+    budget = cache.pending if max_tokens is None else max_tokens
+    return prefill_pending(state, cache, budget, cache.config.completion_chunk_size)

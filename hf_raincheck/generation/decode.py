@@ -241,18 +241,19 @@ class StaticStep:
             self.prepare(cache, plan, turn.config.chunk_size)  # done after the prefill already; a no-op here
             # the window as two 0-d views of a persistent index (no host-to-device copy, no new graph input shape)
             chunk = plan.padded_store["tensors"] + (cache.slot_index[plan.restored], cache.slot_index[count])
-        with cache.transaction():  # (the caller's, `decode_step`'s)
-            if count:  # the graph marks the chunk's slots and the decode row's: a rollback unmarks them
-                cache.marks_filled(plan.deferred_on_device[plan.restored : plan.restored + count])
-            cache.marks_filled(cache.slot_tensor(slot))
-            if count and not turn.config.fused:  # the control: the chunk as a compiled forward, then the step
-                self._run(cache, turn, count, None, slot, chunk)
-                chunk = None
-            logits = self._run(cache, turn, count if chunk is not None else 0, token, slot, chunk)
-            if count:
-                plan.restored = plan.restored + count
-                if plan.pending == 0:
-                    release_finished_plan(cache, plan)
+        if not cache.in_transaction:
+            raise RuntimeError("a compiled step runs inside `with cache.transaction():` (see decode_step)")
+        if count:  # the graph marks the chunk's slots and the decode row's: a rollback unmarks them
+            cache.marks_filled(plan.deferred_on_device[plan.restored : plan.restored + count])
+        cache.marks_filled(cache.slot_tensor(slot))
+        if count and not turn.config.fused:  # the control: the chunk as a compiled forward of its own, then the step
+            self._run(cache, turn, count, None, slot, chunk)
+            chunk = None
+        logits = self._run(cache, turn, count if chunk is not None else 0, token, slot, chunk)
+        if count:
+            plan.restored = plan.restored + count
+            if plan.pending == 0:
+                release_finished_plan(cache, plan)
         return logits
 
 

@@ -149,43 +149,52 @@ def _generate(model, *args, raincheck_config: RaincheckConfig | None = None, **k
     past.raise_completion_error()
     past.check_usable("generate")
 
+    call = (model, state, past, raincheck_config, input_ids, args, kwargs, gen_config)
+    # (one line: Python skips a `with` block's __exit__ when a trace function raises at the line event of the
+    # block's end, which would leave the lock held; a one-line `with` has no such event)
+    with past.lock: return _generate_locked(*call)  # noqa: E701
+
+
+@torch.no_grad()
+def _generate_locked(model, state: RaincheckState, past: DeferredPrefillCache, raincheck_config: RaincheckConfig,
+                     input_ids: torch.Tensor, args: tuple, kwargs: dict, gen_config):
+    """The call on `past` once its lock is held: prepare the turn, run transformers' generate through the
+    patched forward, then complete as the config says."""
     schedule = raincheck_config.schedule or FixedChunkSchedule(raincheck_config.chunk_size, raincheck_config.guard_tokens)
     backend = state.backend(raincheck_config)
-    with past.lock:
-        with torch.no_grad():
-            turn = prepare_turn(state.adapter, past, raincheck_config, input_ids, kwargs, schedule, backend)
-        if past.static:
-            max_new = gen_config.max_new_tokens
-            if max_new is None:
-                max_new = max(gen_config.max_length - input_ids.shape[1], 1)
-            turn.static_step = _static_step(model, state, gen_config, turn.prefill.embeds.device)
-            if turn.static_step is not None and state.adapter.gdn_glue is not None:
-                glue = state.adapter.gdn_glue
-                past.use_fixed_gdn_layout({i: glue.dims(m)[1] for i, m in state.adapter.gdn_modules().items()})
-            scratch = raincheck_config.chunk_size if turn.static_step is not None else 0
-            past.reserve(input_ids.shape[1] + max_new + scratch, turn.prefill.embeds.device)
-            turn.rope_delta_tensor = torch.full((), turn.rope_delta, dtype=torch.long, device=turn.prefill.embeds.device)
-        for key in _MEDIA_KWARGS:
-            kwargs.pop(key, None)
-        # Raincheck compiles its own steps (above); transformers' auto-compile never applies to this cache
-        kwargs.pop("compile_config", None)
-        kwargs["disable_compile"] = True
-        kwargs["attention_mask"] = torch.ones_like(input_ids)
-        past.config = raincheck_config
-        past.tidy()  # (what an interrupted clean-up left: a finished plan's store, GDN checkpoints)
-        past.begin_turn(turn)
-        try:
-            output = state.original_generate(*args, **kwargs)
-        finally:
-            # also when generate raises (e.g. a stopping criterion interrupts it): every forward is one
-            # transaction (slots, plan progress, token_ids, counters, the turn record's pending count), committed
-            # whole or not at all, so the cache stays consistent; nothing is completed then, what is pending folds
-            # into the next call
-            past.end_turn()
-        if raincheck_config.completion == "blocking":
-            prefill_pending(state, past, past.pending, raincheck_config.completion_chunk_size)
-        elif raincheck_config.completion == "background":
-            start_background_completion(model, past)
+    turn = prepare_turn(state.adapter, past, raincheck_config, input_ids, kwargs, schedule, backend)
+    if past.static:
+        max_new = gen_config.max_new_tokens
+        if max_new is None:
+            max_new = max(gen_config.max_length - input_ids.shape[1], 1)
+        turn.static_step = _static_step(model, state, gen_config, turn.prefill.embeds.device)
+        if turn.static_step is not None and state.adapter.gdn_glue is not None:
+            glue = state.adapter.gdn_glue
+            past.use_fixed_gdn_layout({i: glue.dims(m)[1] for i, m in state.adapter.gdn_modules().items()})
+        scratch = raincheck_config.chunk_size if turn.static_step is not None else 0
+        past.reserve(input_ids.shape[1] + max_new + scratch, turn.prefill.embeds.device)
+        turn.rope_delta_tensor = torch.full((), turn.rope_delta, dtype=torch.long, device=turn.prefill.embeds.device)
+    for key in _MEDIA_KWARGS:
+        kwargs.pop(key, None)
+    # Raincheck compiles its own steps (above); transformers' auto-compile never applies to this cache
+    kwargs.pop("compile_config", None)
+    kwargs["disable_compile"] = True
+    kwargs["attention_mask"] = torch.ones_like(input_ids)
+    past.config = raincheck_config
+    past.tidy()  # (what an interrupted clean-up left: a finished plan's store, GDN checkpoints)
+    past.begin_turn(turn)
+    try:
+        output = state.original_generate(*args, **kwargs)
+    finally:
+        # also when generate raises (e.g. a stopping criterion interrupts it): every forward is one
+        # transaction (slots, plan progress, token_ids, counters, the turn record's pending count), committed
+        # whole or not at all, so the cache stays consistent; nothing is completed then, what is pending folds
+        # into the next call
+        past.end_turn()
+    if raincheck_config.completion == "blocking":
+        prefill_pending(state, past, past.pending, raincheck_config.completion_chunk_size)
+    elif raincheck_config.completion == "background":
+        start_background_completion(model, past)
     return output
 
 
@@ -232,11 +241,11 @@ def _forward(model, *args, past_key_values=None, **kwargs):
             )
         return state.original_forward(*args, past_key_values=past_key_values, **kwargs)
     input_ids = kwargs.get("input_ids", args[0] if args else None)
-    with torch.no_grad():
-        logits = _turn_step(state, past_key_values, turn, input_ids)
+    logits = _turn_step(state, past_key_values, turn, input_ids)
     return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
 
 
+@torch.no_grad()
 def _turn_step(state: RaincheckState, cache: DeferredPrefillCache, turn: Turn, input_ids) -> torch.Tensor:
     config = turn.config
     if not turn.prefill_done:

@@ -122,11 +122,15 @@ def run_rows(
 ) -> torch.Tensor | None:
     """One decoder forward over `rows`; returns the logits of the last row ``[1, 1, V]`` if asked.
 
-    `plan` is the plan whose deferred rows lead `rows` (None when there are none). The forward, the slots it
-    marks filled and the plan's progress are one `DeferredPrefillCache.transaction` (the caller's, when it
-    records more in the same one): a forward that fails or is interrupted anywhere leaves nothing behind (its KV
-    writes land in slots that stay unmarked and are rewritten by the retry; GDN states go back to where they were).
+    `plan` is the plan whose deferred rows lead `rows` (None when there are none). Call it inside a
+    `DeferredPrefillCache.transaction` that also records what the caller keeps of the forward: the forward, the
+    slots it marks filled and the plan's progress are part of it, so a forward that fails or is interrupted
+    anywhere leaves nothing behind (its KV writes land in slots that stay unmarked and are rewritten by the retry;
+    GDN states go back to where they were).
     """
+    if not cache.in_transaction:
+        raise RuntimeError("run_rows runs inside `with cache.transaction():` (the forward and its bookkeeping commit "
+                           "together)")
     kv_len = max(cache.length, rows.max_slot + 1)
     device = rows.embeds.device
     cache.reserve(kv_len, device)
@@ -157,25 +161,24 @@ def run_rows(
     context = ForwardContext(write_slots=rows.slots, kv_len=kv_len, compact_keys=compact_keys)
     if adapter.gdn_glue is not None:
         context.gdn_step = gdn_step(cache, rows, plan, resolve_gdn_backend(cache.config.gdn_backend, device))
-    with cache.transaction():
-        try:
-            cache.begin_forward(context)
-            with eager_sdpa_backends(device, rows.size):
-                hidden = adapter.language_forward(
-                    rows.embeds[None],
-                    rows.positions[:, None, :],
-                    mask,
-                    cache,
-                    rows.deepstack,
-                    backend,
-                )
-        finally:
-            cache.end_forward()
-        cache.mark_filled(rows.slots)
-        if plan is not None and rows.restored:
-            plan.restored = plan.restored + rows.restored
-            if plan.pending == 0:
-                release_finished_plan(cache, plan, keep_checkpoints=rows.checkpoint_plan is not None)
+    try:
+        cache.begin_forward(context)
+        with eager_sdpa_backends(device, rows.size):
+            hidden = adapter.language_forward(
+                rows.embeds[None],
+                rows.positions[:, None, :],
+                mask,
+                cache,
+                rows.deepstack,
+                backend,
+            )
+    finally:
+        cache.end_forward()
+    cache.mark_filled(rows.slots)
+    if plan is not None and rows.restored:
+        plan.restored = plan.restored + rows.restored
+        if plan.pending == 0:
+            release_finished_plan(cache, plan, keep_checkpoints=rows.checkpoint_plan is not None)
     if not want_logits:
         return None
     return adapter.lm_head(hidden[:, -1:])
