@@ -30,7 +30,7 @@ from .cache import DeferredPrefillCache, TurnRestore
 from .config import RaincheckConfig
 from .conversation import next_turn_inputs
 from .generation import enable_raincheck
-from .generation.model_state import raincheck_state
+from .generation.state import raincheck_state
 
 # generate() arguments the session sets itself
 _MANAGED = ("input_ids", "inputs", "past_key_values", "raincheck_config", "return_dict_in_generate", "streamer",

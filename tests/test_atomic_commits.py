@@ -22,7 +22,7 @@ from helpers import generate, new_tokens  # noqa: E402
 
 from hf_raincheck import DeferredPrefillCache, RaincheckConfig, complete_deferred, enable_raincheck  # noqa: E402
 from hf_raincheck.generation import background  # noqa: E402
-from hf_raincheck.generation.model_state import raincheck_state  # noqa: E402
+from hf_raincheck.generation.state import raincheck_state  # noqa: E402
 
 EXACT = dict(atol=0, rtol=0)
 CFG = dict(retention=0.3, chunk_size=2, guard_tokens=1, pruning="uniform")

@@ -213,7 +213,7 @@ def run_dialogue(model, processor, workers: PausedWorkers, tracer=None, steps: l
 
 
 def raincheck_num_layers(model) -> int:
-    from hf_raincheck.generation.model_state import raincheck_state
+    from hf_raincheck.generation.enable import raincheck_state
 
     return raincheck_state(model, "test").adapter.num_cache_layers()
 

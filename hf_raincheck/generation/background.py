@@ -25,7 +25,7 @@ from contextlib import ExitStack
 import torch
 
 from .completion import prefill_pending
-from .model_state import raincheck_state
+from .state import raincheck_state
 
 _LIVE: "weakref.WeakSet[BackgroundCompletion]" = weakref.WeakSet()
 _EXIT_JOIN_S = 30.0

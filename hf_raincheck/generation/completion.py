@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import DeferredPrefillCache
-from .model_state import raincheck_state
+from .state import raincheck_state
 from .rows import deferred_rows, run_rows
 
 

@@ -19,8 +19,8 @@ from .completion import prefill_pending
 from .rows import run_rows
 from .schedule import FixedChunkSchedule
 from .decode import StaticStep, decode_step
-from .model_state import STATE_ATTR as _STATE_ATTR
-from .model_state import RaincheckState, raincheck_state
+from .state import STATE_ATTR as _STATE_ATTR
+from .state import RaincheckState, raincheck_state
 from .turn import Turn, prepare_turn
 
 # processor outputs that Raincheck consumes itself before handing the call to transformers' generate
