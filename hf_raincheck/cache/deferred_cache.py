@@ -46,6 +46,11 @@ class TurnRestore:
     restored_after_answer: int = 0  # restored after the answer and before the next call (any completion)
 
 
+def _values(record) -> tuple:
+    """A counters dataclass's field values, in field order (flat ints: no deep copy)."""
+    return tuple(getattr(record, f.name) for f in dataclasses.fields(record))
+
+
 class DeferredPrefillCache(DynamicCache):
     """A `DynamicCache` in the logical-slot layout that remembers what Raincheck deferred.
 
@@ -379,10 +384,12 @@ class DeferredPrefillCache(DynamicCache):
             self.release_gdn_checkpoints()
 
     def _save_state(self) -> tuple:
-        """Everything a transaction may change on the host, and references to the GDN layer states."""
-        records = [(record, dataclasses.astuple(record)) for record in self.turn_stats]
+        """Everything a transaction may change on the host, and references to the GDN layer states (only the
+        last `turn_stats` entry is ever updated in place; the list itself is replaced, never edited)."""
+        record = self.turn_stats[-1] if self.turn_stats else None
+        records = [] if record is None else [(record, _values(record))]
         return (self._tokens, self.plan, self.plans, [(p, p.restored) for p in self.plans], self.rope_delta,
-                self.media_grids, dataclasses.astuple(self.stats), self.turn_stats, records, self.gdn_snapshot())
+                self.media_grids, _values(self.stats), self.turn_stats, records, self.gdn_snapshot())
 
     def _restore_state(self, saved: tuple, marked: list[torch.Tensor]) -> None:
         """Puts back what `_save_state` saved, and unmarks `marked` (slots marked filled since)."""
