@@ -166,6 +166,8 @@ class ModelAdapter:
         transformers' text-model loop (rotary embeddings, decoder layers, final norm) without its mask creation
         and with DeepStack added densely: `hf_raincheck.transformers_coupling.text_decoder_forward`.
         """
+        if self.text is None:
+            raise NotImplementedError(f"{type(self).__name__} must set `text` (the decoder's text model)")
         return hf.text_decoder_forward(
             self.text, embeds, positions, lambda i: self.layer_mask(i, mask), cache, deepstack, backend
         )
