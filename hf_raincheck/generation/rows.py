@@ -83,7 +83,7 @@ def deferred_rows(plan: DeferralPlan, count: int) -> Rows:
 
 
 def gdn_step(cache: DeferredPrefillCache, rows: Rows, plan: DeferralPlan | None, gdn_backend: str) -> GDNStep:
-    """How a GDN layer splits `rows` (DESIGN.md rule 3); host-side bookkeeping only."""
+    """How a GDN layer splits `rows` (docs/design.md rule 3); host-side bookkeeping only."""
     restoring = plan if (plan is not None and rows.restored) else None
     if restoring is not None and rows.checkpoint_plan is not None and restoring.pending != rows.restored:
         raise RuntimeError("a new plan's boundary can only follow the last deferred rows of the previous plan")
