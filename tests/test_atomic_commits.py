@@ -233,9 +233,9 @@ def _interrupt_after_fused_step(monkeypatch):
     return fired
 
 
-def test_an_interrupted_compiled_step_of_an_attention_model_is_undone(model, monkeypatch):
-    """Attention-only model, compiled static steps: the step's KV writes land in slots it unmarks again, so the
-    cache equals an answer one token shorter and the conversation goes on exactly."""
+def _interrupted_compiled_answer(model, monkeypatch):
+    """A first answer with compiled static steps, interrupted right after a fused step (dynamo reset first):
+    returns (config, first turn, static generate kwargs, the interrupted cache)."""
     torch._dynamo.reset()
     cfg = RaincheckConfig(completion="next_turn", **CFG)
     first = turns()
@@ -246,6 +246,13 @@ def test_an_interrupted_compiled_step_of_an_attention_model_is_undone(model, mon
         generate(model, first, 6, cfg, past=cache, **static)
     monkeypatch.undo()
     assert fired
+    return cfg, first, static, cache
+
+
+def test_an_interrupted_compiled_step_of_an_attention_model_is_undone(model, monkeypatch):
+    """Attention-only model, compiled static steps: the step's KV writes land in slots it unmarks again, so the
+    cache equals an answer one token shorter and the conversation goes on exactly."""
+    cfg, first, static, cache = _interrupted_compiled_answer(model, monkeypatch)
     fed = cache.length - first["input_ids"].shape[1]
     shorter = DeferredPrefillCache(raincheck_state(model, "test").adapter.num_cache_layers(), static=True)
     generate(model, first, fed + 1, cfg, past=shorter, **static)
@@ -265,15 +272,7 @@ def test_an_interrupted_compiled_gdn_step_refuses_to_go_on(monkeypatch):
 
     torch._dynamo.reset()
     hybrid = enable_raincheck(tiny_qwen3_5("eager"))
-    cfg = RaincheckConfig(completion="next_turn", **CFG)
-    first = turns()
-    static = dict(cache_implementation="static", compile_config=_compile_config())
-    cache = DeferredPrefillCache(raincheck_state(hybrid, "test").adapter.num_cache_layers(), static=True)
-    fired = _interrupt_after_fused_step(monkeypatch)
-    with pytest.raises(KeyboardInterrupt):
-        generate(hybrid, first, 6, cfg, past=cache, **static)
-    monkeypatch.undo()
-    assert fired
+    cfg, first, static, cache = _interrupted_compiled_answer(hybrid, monkeypatch)
     follow = _extend(first, cache.token_ids[first["input_ids"].shape[1]:] + [7, 8])
     with pytest.raises(RuntimeError, match="generate: this DeferredPrefillCache cannot continue: a compiled static "
                                            "step was interrupted"):
