@@ -198,3 +198,13 @@ def test_gdn_family_batch_raises(tiny_qwen3_5_path):
     batch = _inputs(processor, CONVERSATIONS[:2])
     with pytest.raises(ValueError, match="Gated DeltaNet"):
         _gen(model, batch, CFG, n=2)
+
+
+def test_batch1_cache_has_the_row_views(family):
+    model, processor = family
+    out = _gen(model, _inputs(processor, CONVERSATIONS[:1]), RaincheckConfig(retention=0.3, completion="next_turn"))
+    cache = out.past_key_values
+    assert isinstance(cache, DeferredPrefillCache) and cache.split() == [cache]
+    assert cache.row_pending == [cache.pending] and cache.pending > 0
+    assert cache.row_total_deferred == [cache.total_deferred]
+    assert cache.row_plans == [cache.plans] and cache.row_turn_stats == [cache.turn_stats]
