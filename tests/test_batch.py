@@ -208,3 +208,21 @@ def test_batch1_cache_has_the_row_views(family):
     assert cache.row_pending == [cache.pending] and cache.pending > 0
     assert cache.row_total_deferred == [cache.total_deferred]
     assert cache.row_plans == [cache.plans] and cache.row_turn_stats == [cache.turn_stats]
+
+
+def test_pipeline_batch_size_two(tiny_vl_path):
+    from transformers import pipeline
+
+    model, processor = load_tiny_qwen3_vl(tiny_vl_path)
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion="blocking")
+    kw = dict(generate_kwargs={"raincheck_config": cfg, "do_sample": False, "max_new_tokens": 6})
+    texts = [CONVERSATIONS[0], CONVERSATIONS[3]]
+    processor.tokenizer.padding_side = "right"
+    pipe = enable_raincheck(pipeline("image-text-to-text", model=model, processor=processor))
+    with pytest.raises(ValueError, match="not left-padded"):
+        pipe(text=texts, batch_size=2, **kw)
+    processor.tokenizer.padding_side = "left"
+    batched = pipe(text=texts, batch_size=2, **kw)
+    alone = pipe(text=texts, batch_size=1, **kw)
+    answers = [[x[0]["generated_text"][-1]["content"] for x in out] for out in (batched, alone)]
+    assert answers[0] == answers[1] and all(answers[0])

@@ -67,7 +67,8 @@ def _row_mask(input_ids: torch.Tensor, attention_mask) -> torch.Tensor:
         if not bool(row[-n:].all()):
             raise ValueError(
                 f"generate(raincheck_config=...): row {i} of attention_mask is not left-padded; batched Raincheck "
-                "needs left padding (processor(..., padding=True, padding_side='left'))"
+                "needs left padding (processor(..., padding=True, padding_side='left'); for a pipeline with "
+                "batch_size > 1: processor.tokenizer.padding_side = 'left' before building it)"
             )
     return mask
 
