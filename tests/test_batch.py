@@ -226,3 +226,40 @@ def test_pipeline_batch_size_two(tiny_vl_path):
     alone = pipe(text=texts, batch_size=1, **kw)
     answers = [[x[0]["generated_text"][-1]["content"] for x in out] for out in (batched, alone)]
     assert answers[0] == answers[1] and all(answers[0])
+
+
+def test_qwen2_5_vl_batch_with_videos_equals_batch1(tiny_qwen2_5_vl_path):
+    """Videos cut per row (their pixels, grids and ``second_per_grid_ts``: 0.25 fps and 1 fps, so a wrong cut
+    moves the temporal positions), next to an image row."""
+    from transformers.video_utils import VideoMetadata
+
+    from hf_raincheck.testing import make_video
+
+    model, processor = load_tiny_qwen2_5_vl(tiny_qwen2_5_vl_path)
+    enable_raincheck(model)
+    video = [{"role": "user", "content": [{"type": "video", "video": make_video(5)}, {"type": "text", "text": "What?"}]}]
+    video2 = [{"role": "user", "content": [{"type": "video", "video": make_video(6)},
+                                           {"type": "text", "text": "What happens here, then?"}]}]
+    conversations = [video, CONVERSATIONS[0], video2]
+    metas = [VideoMetadata(total_num_frames=4, fps=0.25), VideoMetadata(total_num_frames=4, fps=1.0)]
+
+    def inputs(convs, meta):
+        return processor.apply_chat_template(
+            convs, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt",
+            processor_kwargs={"padding": True, "padding_side": "left", "video_metadata": meta})
+
+    batch = inputs(conversations, metas)
+    assert batch["second_per_grid_ts"].tolist() == [8.0, 2.0]
+    out = _gen(model, batch, CFG)
+    width = batch["input_ids"].shape[1]
+    for i, (conversation, meta) in enumerate(zip(conversations, [metas[:1], None, metas[1:]])):
+        alone = inputs([conversation], meta) if meta else _inputs(processor, [conversation])
+        ref = _gen(model, alone, CFG)
+        ref_new = ref.sequences[0, alone["input_ids"].shape[1]:].tolist()
+        assert out.sequences[i, width:width + len(ref_new)].tolist() == ref_new, f"row {i}"
+        assert out.past_key_values.row_turn_stats[i] == ref.past_key_values.turn_stats
+        row, ref_cache = out.past_key_values.rows[i], ref.past_key_values
+        assert row.rope_delta == ref_cache.rope_delta  # (the temporal positions move it)
+        assert [p.deferred.tolist() for p in row.plans] == [p.deferred.tolist() for p in ref_cache.plans]
+        for a, b in zip(row.layers, ref_cache.layers):
+            torch.testing.assert_close(a.keys, b.keys, atol=2e-5, rtol=1e-4)
