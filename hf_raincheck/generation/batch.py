@@ -29,12 +29,12 @@ _UNSUPPORTED_AT_BATCH = {
 }
 
 
-def check_batch_supported(state, kwargs: dict, gen_config, cache_implementation, past) -> None:
+def check_batch_supported(model, state, kwargs: dict, gen_config, cache_implementation, past) -> None:
     """Raises `ValueError` for what batched Raincheck does not do yet (see the module docstring)."""
     where = "generate(raincheck_config=...) with a batch of more than one row"
     if state.adapter.gdn_glue is not None:
         raise ValueError(
-            f"{where}: not supported for {type(state.adapter.model).__name__} (Gated DeltaNet layers: per-row "
+            f"{where}: not supported for {type(model).__name__} (Gated DeltaNet layers: per-row "
             "boundary checkpoints and P_tail are not batched yet); generate one row at a time"
         )
     if cache_implementation == "static":
@@ -140,7 +140,7 @@ _MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_g
 
 def generate_batch(model, state, raincheck_config, kwargs: dict, gen_config, cache_implementation):
     """Runs each row of a left-padded batch as its own batch-1 Raincheck conversation (module docstring)."""
-    check_batch_supported(state, kwargs, gen_config, cache_implementation, kwargs.get("past_key_values"))
+    check_batch_supported(model, state, kwargs, gen_config, cache_implementation, kwargs.get("past_key_values"))
     input_ids = kwargs.pop("input_ids")
     mask = _row_mask(input_ids, kwargs.pop("attention_mask", None))
     batch, width = input_ids.shape
