@@ -1,4 +1,4 @@
-"""Cost and accuracy of Raincheck's Gated DeltaNet state mapping (DESIGN.md rule 3) at a real shape.
+"""Cost and accuracy of Raincheck's Gated DeltaNet state mapping (docs/design.md rule 3) at a real shape.
 
     python benchmarks/gdn_state.py --device cuda --save           # Qwen3.5-9B shape on a GPU (fla when installed)
     python benchmarks/gdn_state.py --device cpu --shape tiny      # smoke run

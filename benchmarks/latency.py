@@ -319,7 +319,7 @@ class Bench:
 
 
 def carry_counts(config: RaincheckConfig, deferred: int, steps: int) -> list[int]:
-    """Deferred tokens carried by decode steps 1..steps (DESIGN.md rule 4, the package's own schedule)."""
+    """Deferred tokens carried by decode steps 1..steps (docs/design.md rule 4, the package's own schedule)."""
     schedule = config.schedule or FixedChunkSchedule(config.chunk_size, config.guard_tokens)
     counts, pending = [], deferred
     for step in range(1, steps + 1):

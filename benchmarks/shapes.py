@@ -1,4 +1,4 @@
-"""Random-weight models of the real shapes (DESIGN.md) and synthetic image / video prompts, shared by the benchmarks.
+"""Random-weight models of the real shapes (docs/design.md) and synthetic image / video prompts, shared by the benchmarks.
 
 Latency does not depend on weight values, so benchmarks build models from configs; ``tiny*`` shapes run on a
 CPU in seconds (smoke runs of every script).

@@ -32,7 +32,7 @@ from .cache import DeferredPrefillCache, TurnRestore
 from .config import RaincheckConfig
 from .conversation import next_turn_inputs
 from .generation import enable_raincheck
-from .generation.enable import raincheck_state
+from .generation.state import raincheck_state
 from .images import eight_bit, open_image
 
 # generate() arguments the session sets itself

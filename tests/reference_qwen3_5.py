@@ -1,7 +1,7 @@
 """Independent reference of Raincheck's semantics for hybrid Qwen3.5 models (Gated DeltaNet + attention).
 
 Does NOT import ``hf_raincheck``. Builds on ``reference_qwen3_vl`` (schedules, masks, logical inputs) and
-adds DESIGN.md rule 3 for the GDN layers, computed the slow, literal way:
+adds docs/design.md rule 3 for the GDN layers, computed the slow, literal way:
 
 * every row's short-conv input window and recurrence are simulated token by token (float64), in the
   processing order of the forwards;

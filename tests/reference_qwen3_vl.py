@@ -1,7 +1,7 @@
 """Independent eager reference of Raincheck's semantics for Qwen3-VL (full-attention layers only).
 
 This module deliberately does NOT import ``hf_raincheck``: it re-derives the contract of
-``DESIGN.md`` ("Terms" / "Semantics") from scratch so tests can check the package against it.
+``docs/design.md`` ("Terms" / "Semantics") from scratch so tests can check the package against it.
 
 Idea
 ----

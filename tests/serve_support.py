@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import io
 
-from hf_raincheck import RaincheckChat, RaincheckConfig
+from hf_raincheck import RaincheckChat, RaincheckConfig, enable_raincheck
 from hf_raincheck.gridqa import make_dialogue
 
 
@@ -34,7 +34,10 @@ def plain_answer(model, processor, messages: list[dict], max_new_tokens: int, ra
     """Greedy `generate` on the whole chat rendered by the template (plain, or Raincheck on a fresh cache)."""
     inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
                                            return_tensors="pt")
-    kwargs = {"raincheck_config": raincheck_config} if raincheck_config is not None else {}
+    kwargs = {}
+    if raincheck_config is not None:
+        enable_raincheck(model)  # idempotent: the reference model may not have run a RaincheckChat yet
+        kwargs["raincheck_config"] = raincheck_config
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
     out = out.sequences if hasattr(out, "sequences") else out
     ids = inputs["input_ids"][0]

@@ -55,7 +55,7 @@ def spy_writes(cache):
 
     def spy(key_states, value_states, layer_idx, *args, **kwargs):
         if layer_idx == 0:
-            writes.extend(cache._write_slots.tolist())
+            writes.extend(cache.forward_context.write_slots.tolist())
         return update(key_states, value_states, layer_idx, *args, **kwargs)
 
     cache.update = spy
@@ -103,7 +103,7 @@ def worker_pauses_after_first_chunk(monkeypatch):
         calls.append(done)
         if len(calls) == 1:
             first_chunk_done.set()
-            assert cache._completion.stop_requested.wait(TIMEOUT), "nobody stopped the paused worker"
+            assert cache.completion_worker.stop_requested.wait(TIMEOUT), "nobody stopped the paused worker"
         return done
 
     monkeypatch.setattr(background, "prefill_pending", pausing)
@@ -129,7 +129,7 @@ def test_background_completion_reaches_zero_and_matches_blocking(model, blocking
     assert cache.turn_stats[0].pending_at_answer_end == 18
     assert cache.wait(timeout=TIMEOUT) is True
     assert not cache.completion_running and cache.pending == 0 and bool(cache.filled.all())
-    assert cache.stats.after_answer == 18 and cache._completion is None
+    assert cache.stats.after_answer == 18 and cache.completion_worker is None
     record = cache.turn_stats[0]
     assert (record.deferred, record.restored_during_decode, record.restored_after_answer) == (22, 4, 18)
     L = inputs["input_ids"].shape[1]
@@ -210,13 +210,13 @@ def test_worker_error_is_raised_on_next_use_then_the_cache_works(model, blocking
     def failing(key_states, value_states, layer_idx, *args, **kwargs):
         # the worker's second chunk fails half-way through its forward (layer 0 already written)
         if threading.current_thread().name == "raincheck-completion" and layer_idx == 1 and cache.plan.restored == 7:
-            failures.append(cache._write_slots.tolist())
+            failures.append(cache.forward_context.write_slots.tolist())
             raise FloatingPointError("injected failure")
         return update(key_states, value_states, layer_idx, *args, **kwargs)
 
     cache.update = failing
     out = generate(model, inputs, N1, cfg, past=cache)
-    worker = cache._completion
+    worker = cache.completion_worker
     assert worker.join(TIMEOUT) and worker.outcome == "failed" and len(failures) == 1
     assert cache.pending == 15 and not cache.completion_running
     check_consistent(cache)
@@ -266,7 +266,7 @@ def test_interrupted_generate_leaves_a_consistent_cache(model, completion):
     stop = Interrupt(L, after=6)  # y_6 sampled; decode steps 1..5 ran, steps 3..5 carried 2 deferred tokens each
     with pytest.raises(KeyboardInterrupt):
         generate(model, inputs, 12, cfg, past=cache, stopping_criteria=StoppingCriteriaList([stop]))
-    assert cache._turn is None and not cache.completion_running  # nothing completes after an interrupt
+    assert cache.active_turn is None and not cache.completion_running  # nothing completes after an interrupt
     assert cache.token_ids == stop.seen[0, :-1].tolist()  # prompt + y_1..y_5 (y_6 was never fed)
     assert cache.plan.restored == 6 and cache.pending == 22 - 6 and cache.stats.after_answer == 0
     assert cache.turn_stats[0].pending_at_answer_end == 16
@@ -292,7 +292,7 @@ def test_worker_stops_cleanly_when_the_model_is_freed():
     cache = DeferredPrefillCache(num_layers(doomed))
     with cache.lock:  # the worker waits for the lock, holding no reference to the model
         out = generate(doomed, inputs, N1, RaincheckConfig(**CFG), past=cache)
-        worker = cache._completion
+        worker = cache.completion_worker
         assert worker.running and cache.pending == 18
         model_ref = weakref.ref(doomed)
         del doomed, out
@@ -312,7 +312,7 @@ def test_worker_stops_when_nobody_holds_the_cache(model):
     lock = cache.lock
     with lock:  # the worker takes the cache for its first chunk, then finds it gone
         generate(model, two_images(), N1, RaincheckConfig(**CFG), past=cache)
-        worker = cache._completion
+        worker = cache.completion_worker
         cache_ref = weakref.ref(cache)
         del cache
     assert worker.join(TIMEOUT) and worker.outcome == "cache freed" and worker.restored == 3
@@ -334,14 +334,14 @@ first_chunk_done = threading.Event()
 def paused(state_, cache, budget, chunk):
     done = original(state_, cache, budget, chunk)
     first_chunk_done.set()
-    cache._completion.stop_requested.wait(120)  # only the exit handler stops it
+    cache.completion_worker.stop_requested.wait(120)  # only the exit handler stops it
     return done
 background.prefill_pending = paused
 model = enable_raincheck(_tiny_model("eager"))
 inputs = _conv([(1, 8, 8), (1, 8, 8)], [3, 2, 4])
 out = model.generate(**inputs, raincheck_config=RaincheckConfig(retention=0.3, chunk_size=2, guard_tokens=4,
                      completion_chunk_size=3), max_new_tokens=7, min_new_tokens=7, return_dict_in_generate=True)
-state["worker"] = out.past_key_values._completion
+state["worker"] = out.past_key_values.completion_worker
 assert first_chunk_done.wait(120)
 print("pending at exit:", out.past_key_values.pending, flush=True)
 """
@@ -426,7 +426,7 @@ def test_qwen3_5_forward_failing_half_way_leaves_the_gdn_state_untouched():
 
     # decode step 6 (feeding y_6, carrying 2 deferred tokens) is interrupted inside the forward
     def in_step_six(cache):
-        return cache._write_slots is not None and int(cache._write_slots[-1]) == L + 5
+        return cache.forward_context is not None and int(cache.forward_context.write_slots[-1]) == L + 5
     in_step_six.error = KeyboardInterrupt()
     cfg = RaincheckConfig(completion="next_turn", pruning="uniform", **CFG)
     cache = failing_cache(in_step_six)

@@ -52,7 +52,7 @@ def static_run(model, inputs, n=10):
 
 def addresses(cache) -> dict:
     """Every pooled buffer's role -> data pointer (KV layers, filled mask, scratch slots, deferred store)."""
-    return {name: t.data_ptr() for name, t in cache._buffers.buffers.items()}
+    return {name: t.data_ptr() for name, t in cache.pooled_buffers.items()}
 
 
 def test_pool_keeps_the_latest_buffer_per_role_and_zeroes_it():
@@ -104,7 +104,7 @@ def test_a_live_cache_keeps_its_buffers(model):
 def test_release_static_buffers_empties_the_pool(model):
     out = static_run(model, images(0))
     cache = out.past_key_values
-    expected = sum(t.numel() * t.element_size() for t in cache._buffers.buffers.values())
+    expected = sum(t.numel() * t.element_size() for t in cache.pooled_buffers.values())
     del out, cache
     assert POOL.nbytes() == expected
     assert release_static_buffers() == expected and POOL.nbytes() == 0
@@ -112,6 +112,6 @@ def test_release_static_buffers_empties_the_pool(model):
 
 def test_dynamic_caches_are_not_pooled(model):
     out = generate(model, images(0), 6, CFG)
-    assert out.past_key_values._buffers is None
+    assert out.past_key_values.pooled_buffers is None
     del out
     assert POOL.nbytes() == 0

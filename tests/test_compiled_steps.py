@@ -233,7 +233,7 @@ def test_fused_steps_pass_the_same_static_store(model, hybrid, family, monkeypat
 
     def recording(self, cache, turn, count, token, slot, chunk):
         if chunk is not None:
-            calls.append((chunk, cache._slot_index, cache._scratch_slots, count, cache.plan))
+            calls.append((chunk, cache.slot_index, cache.scratch_slots, count, cache.plan))
         return original(self, cache, turn, count, token, slot, chunk)
 
     monkeypatch.setattr(StaticStep, "_run", recording)

@@ -178,7 +178,7 @@ def _spy_writes(cache):
 
     def spy(key_states, value_states, layer_idx, *args, **kwargs):
         if layer_idx == 0:
-            writes.extend(cache._write_slots.tolist())
+            writes.extend(cache.forward_context.write_slots.tolist())
         return update(key_states, value_states, layer_idx, *args, **kwargs)
 
     cache.update = spy

@@ -112,7 +112,7 @@ class PausedWorkers:
 
     def settle(self, cache: DeferredPrefillCache) -> None:
         """Waits until the cache's worker (if any) has run its one chunk (or ended)."""
-        worker = cache._completion
+        worker = cache.completion_worker
         if worker is None:
             return
         with self._lock:
@@ -239,11 +239,11 @@ def check_left_usable(cache: DeferredPrefillCache) -> None:
         stop_worker(cache)
         raise AssertionError("the interrupted call left cache.lock held by its thread")
     orphans = [w for w in list(background._LIVE)
-               if w._cache_ref() is cache and w is not cache._completion and w._thread.is_alive()]
+               if w._cache_ref() is cache and w is not cache.completion_worker and w._thread.is_alive()]
     if orphans:
         for worker in orphans:
             worker.stop()
-        raise AssertionError("the interrupted call started a background worker that cache._completion does not hold: "
+        raise AssertionError("the interrupted call started a background worker that cache.completion_worker does not hold: "
                              "the next call cannot stop it and races it")
 
 
@@ -314,13 +314,13 @@ def run_chat_dialogue(model, processor, workers: PausedWorkers, tracer=None) -> 
 
 def stop_worker(cache: DeferredPrefillCache) -> None:
     """Lets a paused worker of `cache` end (a failed run must not leave it waiting)."""
-    worker = cache._completion
+    worker = cache.completion_worker
     if worker is not None:
         worker.stop()
 
 
 def raincheck_num_layers(model) -> int:
-    from hf_raincheck.generation.enable import raincheck_state
+    from hf_raincheck.generation.state import raincheck_state
 
     return raincheck_state(model, "test").adapter.num_cache_layers()
 

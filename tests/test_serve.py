@@ -147,12 +147,17 @@ def test_a_new_request_preempts_restoration_and_each_deferred_token_is_restored_
                                         + snapshot["restored_after_answer"]) > 0
 
 
+def image_urls(indices):
+    """GridQA images of `indices` as data URLs: ({url: image}, [url per index])."""
+    images = gridqa_images(indices)
+    urls = {data_url(images[i]): images[i] for i in indices}
+    return urls, list(urls)
+
+
 def test_retention_one_answers_equal_plain_generate_on_the_whole_conversation(reference):
     config = RaincheckConfig(retention=1.0)
     model, processor = reference
-    images = gridqa_images([5, 6])
-    urls = {data_url(images[5]): images[5], data_url(images[6]): images[6]}
-    url5, url6 = list(urls)
+    urls, (url5, url6) = image_urls([5, 6])
     with RaincheckServer(raincheck_config=config, port=0, cache_budget_mb=256) as srv:
         client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0)
         messages = [user("list row B.", url5)]
@@ -171,9 +176,7 @@ def test_retention_one_answers_equal_plain_generate_on_the_whole_conversation(re
 
 def test_an_evicted_conversation_is_prefilled_again_correctly(reference):
     model, processor = reference
-    images = gridqa_images([7, 8])
-    urls = {data_url(images[7]): images[7], data_url(images[8]): images[8]}
-    url7, url8 = list(urls)
+    urls, (url7, url8) = image_urls([7, 8])
     # about one conversation's cache (~1 MB) fits: the second conversation evicts the first
     with RaincheckServer(raincheck_config=CONFIG, port=0, cache_budget_mb=1.5) as srv:
         client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0)

@@ -7,7 +7,7 @@ it traces into compiled steps) and every layer gathers its keys in that order be
 
 * live rows (prompt, tail, decode token; always the forward's last rows, after every cached slot): keys =
   [entries cached before this forward, in slot order | this forward's restored rows | the live rows], bottom-right
-  causal. Live row i then sees every present entry up to itself (DESIGN.md rule 2).
+  causal. Live row i then sees every present entry up to itself (docs/design.md rule 2).
 * restored (deferred) rows, ``visibility="boundary"``: keys = [entries cached before the plan's boundary | the
   restored rows, padding rows last], bottom-right causal: every entry before the boundary except later
   chunk-mates. ``visibility="causal"`` (a row sees only entries up to itself) is not one bottom-right block: those

@@ -2,7 +2,16 @@
 
 from .buffer_pool import release_static_buffers
 from .deferred_cache import DeferredPrefillCache, RestoreStats, TurnRestore
+from .forward_context import ForwardContext
 from .plan import DeferralPlan
 from .slot_layer import SlotLayer
 
-__all__ = ["DeferredPrefillCache", "DeferralPlan", "RestoreStats", "SlotLayer", "TurnRestore", "release_static_buffers"]
+__all__ = [
+    "DeferredPrefillCache",
+    "DeferralPlan",
+    "ForwardContext",
+    "RestoreStats",
+    "SlotLayer",
+    "TurnRestore",
+    "release_static_buffers",
+]

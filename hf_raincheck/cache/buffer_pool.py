@@ -1,17 +1,16 @@
 """Static-cache buffers handed from a finished conversation to the next one (`StaticBufferPool`).
 
 Compiled static steps run as CUDA graphs, which read the cache's buffers (KV layers, the filled-slot mask, the
-scratch slots, the deferred store) at the addresses they were recorded with. A new conversation used to allocate
-new buffers, so every conversation recorded its graphs again: on the H200 (Qwen3-VL-8B, image4096) its first decode
-step took ~35 ms instead of ~7.5 and, under Raincheck, its first fused step as well (steps 0 and 16 of every
-answer in `benchmarks/results/latency_static_store.json`), ~0.14 ms per token each over a 256-token answer.
+scratch slots, the deferred store) at the addresses they were recorded with. With new buffers for every
+conversation, every conversation would record its graphs again: its first decode step and, under Raincheck, its
+first fused step would each take several times as long as a replayed one.
 transformers reuses one static cache per model for the same reason (``model._cache``), resetting it for each call,
 which would wipe a conversation that the user still holds; here a cache's buffers go to the pool only once the
 cache itself is freed, and the next static cache takes them by name (the same role: layer 3's keys, the store's
 embeddings...) when shape, dtype and device match, zeroed.
 
 The pool keeps at most one tensor per name, the latest one given back, so it holds at most one conversation's
-buffers (for Qwen3-VL-8B with a 4096-token image, ~0.8 GB on the GPU). `release_static_buffers()` empties it.
+buffers (its KV cache, store and GDN states: the size of one static cache). `release_static_buffers()` empties it.
 A tensor taken out of a static cache and kept after the cache is freed (``cache.layers[0].keys``) is one of those
 buffers: the next conversation overwrites it, so clone what you keep.
 """
@@ -32,24 +31,22 @@ class StaticBufferPool:
 
     def take(self, name: str, shape, dtype: torch.dtype, device) -> torch.Tensor | None:
         """A zeroed free buffer of this role and layout, or None (a buffer of another layout is dropped)."""
-        with self._lock:
-            tensor = self._free.pop(name, None)
+        with self._lock: tensor = self._free.pop(name, None)  # noqa: E701  (one line: see `give`)
         if tensor is None or not _fits(tensor, shape, dtype, device):
             return None
         return tensor.zero_()
 
     def give(self, buffers: dict[str, torch.Tensor]) -> None:
         """Takes back a freed cache's buffers (replacing older ones of the same roles)."""
-        with self._lock:
-            self._free.update(buffers)
+        # one-line `with` statements: no line event between the body and the release, so a trace function
+        # raising there (the fault-injection tests) cannot leave the lock held
+        with self._lock: self._free.update(buffers)  # noqa: E701
 
     def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
+        with self._lock: self._free.clear()  # noqa: E701
 
     def nbytes(self) -> int:
-        with self._lock:
-            return sum(t.numel() * t.element_size() for t in self._free.values())
+        with self._lock: return sum(t.numel() * t.element_size() for t in self._free.values())  # noqa: E701
 
 
 def _fits(tensor: torch.Tensor, shape, dtype: torch.dtype, device) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -12,8 +13,10 @@ from transformers.cache_utils import DynamicCache
 
 from ..gdn_state.state import GDNLayerState
 from .buffer_pool import POOL, CacheBuffers
+from .forward_context import ForwardContext
 from .plan import DeferralPlan
 from .slot_layer import SlotLayer
+from .transaction import CacheTransaction
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..config import RaincheckConfig
@@ -41,6 +44,11 @@ class TurnRestore:
     restored_during_decode: int = 0  # carried by this call's fused decode steps
     pending_at_answer_end: int = 0  # pending when the answer ended (before blocking / background completion)
     restored_after_answer: int = 0  # restored after the answer and before the next call (any completion)
+
+
+def _values(record) -> tuple:
+    """A counters dataclass's field values, in field order (flat ints: no deep copy)."""
+    return tuple(getattr(record, f.name) for f in dataclasses.fields(record))
 
 
 class DeferredPrefillCache(DynamicCache):
@@ -75,6 +83,18 @@ class DeferredPrefillCache(DynamicCache):
         token_ids: the conversation's token ids for every slot the cache covers.
         stats: `RestoreStats` over the cache's life.
         turn_stats: one `TurnRestore` per `generate` call on the cache.
+
+    Interrupts and errors: a forward and everything recorded about it (the slots it filled, the plan's progress,
+    the conversation's tokens, plan and grids, the counters) form one `transaction`, committed whole or not at
+    all; an interrupted `generate` leaves the cache as after its last whole step, and ``token_ids`` holds what
+    was fed. The one change no rollback undoes (a compiled static step updating Gated DeltaNet states in place)
+    leaves the cache refusing further calls (`check_usable`) with a clear error.
+
+    For the generation code (``hf_raincheck.generation``): `forward_context` (`begin_forward` / `end_forward`),
+    `active_turn` (`begin_turn` / `end_turn`), `transaction` / `after_commit` / `in_place_update`,
+    `commit_prefill`, `record_restored`, `append_fed_token`, `mark_filled` / `marks_filled`, `filled_prefix`,
+    `slot_index` / `slot_tensor`, `scratch_slots` / `place_scratch_slots`, `store_buffers`, `pooled_zeros` /
+    `pooled_buffers`, `completion_worker` / `attach_completion`.
     """
 
     def __init__(self, num_layers: int, static: bool = False, max_cache_len: int = 0):
@@ -96,12 +116,12 @@ class DeferredPrefillCache(DynamicCache):
         self.config: RaincheckConfig | None = None
         self.plan: DeferralPlan | None = None
         self.plans: list[DeferralPlan] = []
-        self._token_ids: list[int] = []
-        self._token_tail: list[torch.Tensor] = []  # decode tokens fed since, still on the device (no host sync)
+        # (host ids, decode tokens fed since: still on the device, no host sync), replaced as a whole, never edited
+        # in place: one assignment publishes a change, and a transaction's saved reference stays valid
+        self._tokens: tuple[list[int], tuple[torch.Tensor, ...]] = ([], ())
         self.positions: torch.Tensor | None = None  # [3, length] logical positions of the covered slots
         self.rope_delta: int = 0
         self.media_grids: dict[str, torch.Tensor] = {}  # grids of the cached conversation's media, by modality
-        self.pending_media_grids: dict[str, torch.Tensor] = {}  # set by a turn, committed by its prefill
         self.stats = RestoreStats()
         self.turn_stats: list[TurnRestore] = []
         self._completion = None  # the background worker (hf_raincheck.generation.background), if any
@@ -109,39 +129,40 @@ class DeferredPrefillCache(DynamicCache):
         self._slot_index: torch.Tensor | None = None  # arange(capacity) on the model device
         self._scratch_slots: torch.Tensor | None = None  # static compiled steps: where padding rows write
         self._scratch_end = 0  # the capacity `_scratch_slots` was placed for
-        self._store_buffers: dict | None = None  # compiled static steps: the deferred store's persistent buffers
+        # compiled static steps: the deferred store's persistent buffers (`hf_raincheck.generation.decode`)
+        self.store_buffers: dict | None = None
         self._model_ref = None
-        # per-forward state read by `update`
-        self._write_slots: torch.Tensor | None = None
-        self._slots_by_device: dict = {}
-        self._kv_len = 0
-        self._compact_keys: int | None = None  # set by `run_rows` for forwards that attend causally (see there)
-        self._gdn_step = None  # a `GDNStep` during a Raincheck forward of a model with GDN layers
-        self._turn = None
+        self._context: ForwardContext | None = None  # the running forward's (`begin_forward`)
+        self._turn = None  # the running `generate` call's `Turn` (`begin_turn`)
         self.gdn_states: dict[int, GDNLayerState] = {}  # Gated DeltaNet layers' states, by layer index
         self.gdn_fixed_layout = False  # compiled static steps: GDN states keep one shape (see GDNLayerState)
+        self._transaction: CacheTransaction | None = None  # the open `transaction`, if any
+        self._unusable: str | None = None  # why this cache cannot continue (see `check_usable`)
 
     # ------------------------------------------------------------------ public bookkeeping
     @property
     def length(self) -> int:
         """Logical slots covered (conversation tokens fed so far, deferred slots included)."""
-        return len(self._token_ids) + len(self._token_tail)
+        ids, tail = self._tokens
+        return len(ids) + len(tail)
 
     @property
     def token_ids(self) -> list[int]:
-        """The conversation's token ids for every slot the cache covers (a host list)."""
-        if self._token_tail:  # one device-to-host copy for every decode token fed since the last read
-            self._token_ids.extend(torch.cat(self._token_tail).reshape(-1).tolist())
-            self._token_tail = []
-        return self._token_ids
+        """The conversation's token ids for every slot the cache covers (a host list; don't edit it in place)."""
+        ids, tail = self._tokens
+        if tail:  # one device-to-host copy for every decode token fed since the last read
+            ids = ids + torch.cat(tail).reshape(-1).tolist()
+            self._tokens = (ids, ())  # one assignment: an interrupt leaves the old pair or the new one
+        return ids
 
     @token_ids.setter
     def token_ids(self, ids: list[int]) -> None:
-        self._token_ids, self._token_tail = list(ids), []
+        self._tokens = (list(ids), ())
 
     def append_fed_token(self, token: torch.Tensor) -> None:
         """Records a decode step's input token ``[1, 1]`` (kept on its device until `token_ids` is read)."""
-        self._token_tail.append(token.reshape(1))
+        ids, tail = self._tokens
+        self._tokens = (ids, tail + (token.reshape(1),))
 
     @property
     def total_deferred(self) -> int:
@@ -169,15 +190,48 @@ class DeferredPrefillCache(DynamicCache):
         return self._filled[: self.length]
 
     def record_restored(self, when: str, count: int) -> None:
-        """Counts `count` deferred tokens restored ``"during_prefill"``, ``"during_decode"`` or ``"after_answer"``."""
-        setattr(self.stats, when, getattr(self.stats, when) + count)
+        """Counts `count` deferred tokens restored ``"during_prefill"``, ``"during_decode"`` or ``"after_answer"``
+        (call it inside the `transaction` that restored them). During the answer (``"during_prefill"``,
+        ``"during_decode"``, also with `count` 0) the call's record's ``pending_at_answer_end`` follows
+        ``pending``, so it holds the pending count when the answer ends, however it ends."""
+        field_name = {"during_prefill": "restored_in_prefill", "during_decode": "restored_during_decode",
+                      "after_answer": "restored_after_answer"}[when]
+        if count:
+            setattr(self.stats, when, getattr(self.stats, when) + count)
         if self.turn_stats:
-            field_name = {"during_prefill": "restored_in_prefill", "during_decode": "restored_during_decode",
-                          "after_answer": "restored_after_answer"}[when]
             record = self.turn_stats[-1]
-            setattr(record, field_name, getattr(record, field_name) + count)
+            if count:
+                setattr(record, field_name, getattr(record, field_name) + count)
+            if when != "after_answer":
+                record.pending_at_answer_end = self.pending
+
+    def commit_prefill(self, prompt_ids: list[int], plan: DeferralPlan | None, rope_delta: int,
+                       media_grids: dict, record: TurnRestore, restored: int) -> None:
+        """Records a turn's prefill (call it inside the `transaction` of the prefill's forward): the
+        conversation's tokens become `prompt_ids`, `plan` (if any) becomes the current plan, the media grids and
+        rope delta those of the whole conversation, `record` the call's `turn_stats` entry, and `restored`
+        deferred tokens of the earlier plan, folded into the prefill, are counted."""
+        if plan is not None:
+            self.plans = self.plans + [plan]
+            self.plan = plan
+        self.turn_stats = self.turn_stats + [record]
+        self.record_restored("during_prefill", restored)
+        self.rope_delta = rope_delta
+        self.media_grids = dict(media_grids)
+        self._tokens = (list(prompt_ids), ())
 
     # ------------------------------------------------------------------ background completion
+    @property
+    def completion_worker(self):
+        """The background completion worker started on this cache (`BackgroundCompletion`), until it is stopped
+        or its outcome is collected; None otherwise."""
+        return self._completion
+
+    def attach_completion(self, worker) -> None:
+        """Records `worker` as this cache's background completion (the caller holds ``lock`` and stopped any
+        earlier worker)."""
+        self._completion = worker
+
     @property
     def completion_running(self) -> bool:
         """Whether a background worker is prefilling this cache's pending deferred tokens now."""
@@ -236,7 +290,8 @@ class DeferredPrefillCache(DynamicCache):
         return self.layers[0].capacity if self.static else -1
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self._kv_len, 0
+        context = self._context
+        return (context.kv_len if context is not None else self.length + query_length), 0
 
     @property
     def is_compileable(self) -> bool:
@@ -250,23 +305,20 @@ class DeferredPrefillCache(DynamicCache):
         raise NotImplementedError("a DeferredPrefillCache cannot be cropped")
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        if self._write_slots is None:
+        context = self._context
+        if context is None or context.write_slots is None:
             raise RuntimeError(
                 "this DeferredPrefillCache is written only by Raincheck's forwards; call `generate` with "
                 "`raincheck_config=` (after `enable_raincheck(model)`) to use it"
             )
-        slots = self._write_slots
-        if slots.device != key_states.device:  # a layer on another GPU of a device_map: one copy per forward
-            moved = self._slots_by_device.get(key_states.device)
-            if moved is None:
-                moved = self._slots_by_device[key_states.device] = slots.to(key_states.device)
-            slots = moved
-        keys, values = self.layers[layer_idx].write(key_states, value_states, slots, self._kv_len)
-        compact = self._compact_keys
-        if compact is not None:  # the keys this forward sees, compacted (see `run_rows`)
+        # a layer on another GPU of a device_map gets its own copy of the slots (one per forward)
+        slots = context.slots_on(key_states.device)
+        keys, values = self.layers[layer_idx].write(key_states, value_states, slots, context.kv_len)
+        compact = context.compact_keys
+        if compact is not None:  # the keys this forward sees, compacted (see `ForwardContext.compact_keys`)
             old = compact
             if old < 0:  # the rows fill slots [-old-1, kv_len) contiguously: the buffers' prefix is it
-                return keys[:, :, : self._kv_len], values[:, :, : self._kv_len]
+                return keys[:, :, : context.kv_len], values[:, :, : context.kv_len]
             key_states, value_states = key_states.to(keys.dtype), value_states.to(values.dtype)
             if old == 0:
                 return key_states, value_states
@@ -288,6 +340,157 @@ class DeferredPrefillCache(DynamicCache):
 
     def batch_select_indices(self, indices):
         raise NotImplementedError("a DeferredPrefillCache holds one sequence")
+
+    # ------------------------------------------------------------------ atomic changes
+    def transaction(self) -> CacheTransaction:
+        """``with cache.transaction():`` around a forward and its bookkeeping: if the block raises (an error, a
+        ``KeyboardInterrupt``), the cache is put back as it was before the block (see
+        `hf_raincheck.cache.transaction`). Transactions do not nest."""
+        return CacheTransaction(self)
+
+    @property
+    def in_transaction(self) -> bool:
+        """Whether a `transaction` is open (the forwards of `run_rows` and compiled steps require one)."""
+        return self._transaction is not None
+
+    def after_commit(self, cleanup) -> None:
+        """Runs `cleanup` (a callable that only frees memory) once the open transaction commits; now if none."""
+        if self._transaction is None:
+            cleanup()
+        else:
+            self._transaction.cleanups.append(cleanup)
+
+    def in_place_update(self, what: str) -> None:
+        """Tells the open transaction that `what` is about to change device state in place (compiled steps of a
+        model with GDN layers): a rollback after this point cannot restore it, and leaves the cache unusable."""
+        if self._transaction is not None and self.gdn_states:
+            self._transaction.in_place = what
+
+    def check_usable(self, caller: str) -> None:
+        """Raises a RuntimeError naming `caller` if an interrupted in-place update left this cache unusable."""
+        if self._unusable is not None:
+            raise RuntimeError(
+                f"{caller}: this DeferredPrefillCache cannot continue: {self._unusable}; start a new conversation "
+                "(no past_key_values) with the conversation so far"
+            )
+
+    def tidy(self) -> None:
+        """Frees what a fully restored plan no longer needs (its store, the GDN checkpoints), in case the
+        clean-up after the forward that finished it was interrupted. A no-op otherwise."""
+        for plan in self.plans:
+            if plan.pending == 0 and plan.store_embeds is not None:
+                plan.release_store()
+        if self.pending == 0:
+            self.release_gdn_checkpoints()
+
+    def _save_state(self) -> tuple:
+        """Everything a transaction may change on the host, and references to the GDN layer states (only the
+        last `turn_stats` entry is ever updated in place; the list itself is replaced, never edited)."""
+        record = self.turn_stats[-1] if self.turn_stats else None
+        records = [] if record is None else [(record, _values(record))]
+        return (self._tokens, self.plan, self.plans, [(p, p.restored) for p in self.plans], self.rope_delta,
+                self.media_grids, _values(self.stats), self.turn_stats, records, self.gdn_snapshot())
+
+    def _restore_state(self, saved: tuple, marked: list[torch.Tensor]) -> None:
+        """Puts back what `_save_state` saved, and unmarks `marked` (slots marked filled since)."""
+        tokens, plan, plans, restored, rope_delta, media_grids, stats, turn_stats, records, gdn = saved
+        for slots in marked:  # every slot a forward writes was empty before it
+            self._filled.index_fill_(0, slots.to(self._filled.device), False)
+        for item, value in restored:
+            item.restored = value
+        for record, values in records:
+            for f, value in zip(dataclasses.fields(record), values):
+                setattr(record, f.name, value)
+        for f, value in zip(dataclasses.fields(self.stats), stats):
+            setattr(self.stats, f.name, value)
+        self.gdn_rollback(gdn)
+        self._tokens, self.plan, self.plans, self.rope_delta = tokens, plan, plans, rope_delta
+        self.media_grids, self.turn_stats = media_grids, turn_stats
+
+    def _mark_unusable(self, reason: str) -> None:
+        self._unusable = reason
+
+    # ------------------------------------------------------------------ the running call and forward
+    @property
+    def forward_context(self) -> ForwardContext | None:
+        """The `ForwardContext` of the Raincheck forward running on this cache, or None between forwards."""
+        return self._context
+
+    def begin_forward(self, context: ForwardContext) -> None:
+        """Installs `context` for one forward; pair with `end_forward` in a ``finally``."""
+        self._context = context
+
+    def end_forward(self) -> None:
+        """Clears the forward context (no write is accepted until the next `begin_forward`)."""
+        self._context = None
+
+    @property
+    def active_turn(self):
+        """The `Turn` of the Raincheck `generate` call running on this cache (None between calls): the patched
+        forward reads it to run that call's prefill and decode steps."""
+        return self._turn
+
+    def begin_turn(self, turn) -> None:
+        """Marks `turn` as the running `generate` call's; pair with `end_turn` in a ``finally``."""
+        self._turn = turn
+
+    def end_turn(self) -> None:
+        self._turn = None
+
+    # ------------------------------------------------------------------ buffers and slots
+    @property
+    def pooled_buffers(self) -> dict[str, torch.Tensor] | None:
+        """A static cache's pooled buffers by role name (handed to the next conversation when this cache is
+        freed, `buffer_pool`); None for a dynamic cache."""
+        return None if self._buffers is None else self._buffers.buffers
+
+    def pooled_zeros(self, name: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
+        """A zero buffer of role `name` from the static buffer pool (a static address compiled steps read in
+        place); static caches only."""
+        if self._buffers is None:
+            raise RuntimeError("pooled buffers belong to static caches (cache_implementation='static')")
+        return self._buffers.zeros(name, shape, dtype, device)
+
+    @property
+    def device(self) -> torch.device | None:
+        """The device of the slot bookkeeping (the filled-slot mask, the slot index): the model's input
+        device; None before the first `reserve`."""
+        return None if self._filled is None else self._filled.device
+
+    @property
+    def slot_index(self) -> torch.Tensor | None:
+        """``arange(capacity)`` on `device`: persistent, so 0-d views of it are per-step inputs without a
+        host-to-device copy."""
+        return self._slot_index
+
+    def mark_filled(self, slots: torch.Tensor) -> None:
+        """Marks `slots` as holding an entry (after the forward that wrote them finished; inside a
+        `transaction`, which unmarks them if it rolls back)."""
+        self.marks_filled(slots)
+        self._filled.index_fill_(0, slots, True)
+
+    def marks_filled(self, slots: torch.Tensor) -> None:
+        """Tells the open transaction that `slots` are being marked filled (a compiled step marks them inside
+        its graph), so a rollback unmarks them."""
+        if self._transaction is not None:
+            self._transaction.marked.append(slots)
+
+    @property
+    def scratch_slots(self) -> torch.Tensor | None:
+        """Compiled static steps: the slots padding rows write to (the last `chunk_size` of the capacity, past
+        the conversation: no row ever sees them); None until `place_scratch_slots`."""
+        return self._scratch_slots
+
+    def place_scratch_slots(self, chunk_size: int) -> None:
+        """Puts `scratch_slots` at the end of the current capacity (a no-op when they are already there)."""
+        width = self.layers[0].capacity
+        scratch = self._scratch_slots
+        if scratch is not None and scratch.numel() == chunk_size and self._scratch_end == width:
+            return
+        device = self.device
+        scratch = self.pooled_zeros("scratch_slots", (chunk_size,), torch.long, device)
+        scratch.copy_(torch.arange(width - chunk_size, width, device=device))
+        self._scratch_slots, self._scratch_end = scratch, width
 
     # ------------------------------------------------------------------ internal helpers
     def bind_model(self, model) -> None:
@@ -317,13 +520,15 @@ class DeferredPrefillCache(DynamicCache):
 
     def reserve(self, needed: int, device: torch.device) -> None:
         """Room for slots ``[0, needed)`` in the bookkeeping (KV buffers grow on their layer's device)."""
-        if self.static and needed > self.layers[0].capacity:
+        if self.static:
             # geometric growth in multiples of 256: a chat's later turns rarely change the shapes that compiled
-            # steps were built for (each capacity is a new graph)
-            current = self.layers[0].capacity
-            target = -(-max(needed, current + current // 2) // 256) * 256
+            # steps were built for (each capacity is a new graph). Layers below the largest capacity are grown to
+            # it first (a growth that an interrupt stopped half-way), and the slot bookkeeping follows below.
+            current = max(layer.capacity for layer in self.layers)
+            target = current if needed <= current else -(-max(needed, current + current // 2) // 256) * 256
             for layer in self.layers:
-                layer.reserve(target)
+                if layer.capacity < target:
+                    layer.reserve(target)
             needed = target
         if self._filled is not None and needed <= self._filled.numel():
             return
@@ -334,8 +539,8 @@ class DeferredPrefillCache(DynamicCache):
             grown = torch.zeros(size, dtype=torch.bool, device=device)
         if self._filled is not None:
             grown[: self._filled.numel()] = self._filled
-        self._filled = grown
-        self._slot_index = torch.arange(self._filled.numel(), device=device)
+        index = torch.arange(grown.numel(), device=device)
+        self._filled, self._slot_index = grown, index  # (one line: the mask and the index always match)
 
     def slot_tensor(self, slot: int) -> torch.Tensor:
         """``[slot]`` as a long tensor on the model device: a view of a persistent index (no host-to-device copy)."""
@@ -356,8 +561,8 @@ class DeferredPrefillCache(DynamicCache):
 
     def persist_gdn_states(self) -> None:
         """Compiled static steps update GDN states in place, but eager forwards (a prefill, a completion chunk)
-        build new tensors, and a new address makes the steps' CUDA graphs record again (on Qwen3.5-9B ~80 ms at the
-        next decode step and ~160 ms at the next fused step, every turn). So after such a forward every GDN
+        build new tensors, and a new address makes the steps' CUDA graphs record again (at the next decode step
+        and the next fused step, every turn). So after such a forward every GDN
         layer's tensors are copied into the cache's persistent buffers (pooled across conversations like the KV
         buffers) and the layer points at those. A no-op for dynamic caches and eager static steps."""
         if not (self.static and self.gdn_fixed_layout):

@@ -47,6 +47,8 @@ class SlotLayer(DynamicLayer):
     def reserve(self, needed: int) -> None:
         """Makes room for slots ``[0, needed)``."""
         if self.is_initialized and needed <= self.keys.shape[2]:
+            if self.static:
+                self.capacity = self.keys.shape[2]
             return
         new_capacity = needed if self.static else max(needed, 2 * self.capacity, _GROWTH)
         new_capacity = -(-new_capacity // _GROWTH) * _GROWTH if not self.static else new_capacity
@@ -56,7 +58,8 @@ class SlotLayer(DynamicLayer):
             values = self._zeros("values", self.values.shape[:2] + (new_capacity, self.values.shape[3]), self.values)
             keys[:, :, :old] = self.keys
             values[:, :, :old] = self.values
-            self.keys, self.values = keys, values
+            self.keys, self.values, self.capacity = keys, values, new_capacity  # (one line: they always match)
+            return
         self.capacity = new_capacity
 
     def write(

@@ -1,4 +1,4 @@
-"""Gated DeltaNet state mapping (DESIGN.md rule 3): prefix checkpoints, online P_tail, join.
+"""Gated DeltaNet state mapping (docs/design.md rule 3): prefix checkpoints, online P_tail, join.
 
 - `state.py`: per-layer live state and the pending plan's `PrefixCheckpoint`.
 - `layer.py`: one GDN layer over the rows of a Raincheck forward.

@@ -1,4 +1,4 @@
-"""One Gated DeltaNet layer over the rows of a Raincheck forward (DESIGN.md rule 3).
+"""One Gated DeltaNet layer over the rows of a Raincheck forward (docs/design.md rule 3).
 
 Rows come in processing order: first the deferred rows of the plan being restored (if any), then the live
 rows (a prompt's uncached tokens, or one decode row). Per layer:

@@ -1,6 +1,6 @@
 """Plain per-token reference of the gated delta rule and of the state maps Raincheck builds on it.
 
-Written straight from the recurrence (DESIGN.md rule 3), loops and all; the fast paths in `kernels.py` and
+Written straight from the recurrence (docs/design.md rule 3), loops and all; the fast paths in `kernels.py` and
 `layer.py` are tested against it. Shapes follow transformers / fla: ``q, k [B, T, H_k, K]``,
 ``v [B, T, H_v, V]``, ``g, beta [B, T, H_v]``, state ``[B, H_v, K, V]``.
 

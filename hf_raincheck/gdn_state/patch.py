@@ -14,7 +14,8 @@ from .layer import GDNGraphStep, gdn_rows_forward, gdn_rows_forward_graph
 
 
 def _raincheck_gdn_forward(original, glue, module, hidden_states, cache_params=None, attention_mask=None, **kwargs):
-    step = getattr(cache_params, "_gdn_step", None)
+    context = getattr(cache_params, "forward_context", None)  # a Raincheck forward's (`ForwardContext`)
+    step = context.gdn_step if context is not None else None
     if step is None:
         return original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
     layer = cache_params.gdn_state(module.layer_idx)

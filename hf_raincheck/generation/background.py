@@ -1,6 +1,6 @@
 """``completion="background"``: a cooperative worker that prefills a cache's pending deferred tokens between turns.
 
-One `BackgroundCompletion` per cache (``cache._completion``), started by `generate` when the answer ends with
+One `BackgroundCompletion` per cache (``cache.completion_worker``), started by `generate` when the answer ends with
 deferred tokens pending. It prefills them in ``completion_chunk_size`` chunks through the same path as
 `complete_deferred`, taking ``cache.lock`` for each chunk and releasing it in between, and checks its stop flag
 before every chunk, so whoever stops it waits for at most one chunk.
@@ -25,6 +25,7 @@ from contextlib import ExitStack
 import torch
 
 from .completion import prefill_pending
+from .state import raincheck_state
 
 _LIVE: "weakref.WeakSet[BackgroundCompletion]" = weakref.WeakSet()
 _EXIT_JOIN_S = 30.0
@@ -59,12 +60,21 @@ class BackgroundCompletion:
             self._stream.wait_stream(torch.cuda.current_stream(device))  # start after the answer's work
         self._thread = threading.Thread(target=self._run, name="raincheck-completion", daemon=True)
         _LIVE.add(self)
+
+    def start(self) -> None:
+        """Starts the thread (after the cache records the worker: a thread the cache did not know of would
+        prefill it unseen)."""
         self._thread.start()
 
     # ------------------------------------------------------------------ control (user thread)
     @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
+    @property
     def running(self) -> bool:
-        return not self._done.is_set()
+        """Started and not finished (a worker never started, its start interrupted, is not running)."""
+        return self.started and not self._done.is_set()
 
     @property
     def stop_requested(self) -> threading.Event:
@@ -79,6 +89,9 @@ class BackgroundCompletion:
         """Waits for the worker to end; True if it did. The caller's CUDA stream then waits for the worker's."""
         if threading.current_thread() is self._thread:
             raise RuntimeError("the background completion worker cannot join itself")
+        if not self.started:  # its start was interrupted: there is nothing to wait for
+            self.outcome = self.outcome or "stopped"
+            return True
         if not self._done.wait(timeout):
             return False
         self._thread.join()
@@ -121,8 +134,6 @@ class BackgroundCompletion:
             self._done.set()
 
     def _chunk(self, model, cache) -> int:
-        from .enable import raincheck_state
-
         state = raincheck_state(model, "background completion")
         plan = cache.plan
         # the deferred store was allocated on the user's stream and is released when its last token is restored:
@@ -144,7 +155,8 @@ def start_background_completion(model, cache) -> BackgroundCompletion | None:
     if cache.pending == 0:
         return None
     worker = BackgroundCompletion(model, cache, cache.config.completion_chunk_size)
-    cache._completion = worker
+    cache.attach_completion(worker)
+    worker.start()
     return worker
 
 
@@ -155,4 +167,5 @@ def _stop_all_at_exit() -> None:
         worker._exiting = True
         worker.stop()
     for worker in workers:
-        worker._done.wait(_EXIT_JOIN_S)
+        if worker.started:
+            worker._done.wait(_EXIT_JOIN_S)

@@ -21,11 +21,11 @@ import weakref
 import torch
 
 from ..attention.flash import flash_mask
-from ..cache import DeferralPlan, DeferredPrefillCache
+from ..cache import DeferralPlan, DeferredPrefillCache, ForwardContext
 from ..gdn_state import GDNGraphStep
 from ..gdn_state import resolve as resolve_gdn_backend
 from ..gdn_state.kernels import functions as gdn_functions
-from .rows import Rows, concat_rows, deferred_rows, run_rows
+from .rows import Rows, concat_rows, deferred_rows, release_finished_plan, run_rows
 from .schedule import carried_tokens
 from .visibility import visible
 
@@ -46,25 +46,32 @@ def live_row(adapter, cache: DeferredPrefillCache, token: torch.Tensor) -> Rows:
 
 
 def decode_step(adapter, cache: DeferredPrefillCache, turn, token: torch.Tensor) -> torch.Tensor:
-    """Eager decode step; returns the logits ``[1, 1, V]`` of the decode row."""
+    """One decode step (compiled when `turn` has a static step and the chunk fits it, else eager); returns the
+    logits ``[1, 1, V]`` of the decode row.
+
+    The step's forwards, the deferred tokens it restores, its counters and the fed token are one
+    `DeferredPrefillCache.transaction`: interrupted anywhere, the cache is as before the step (the token is not
+    fed, nothing restored), so continuing with ``cache.token_ids`` feeds it again.
+    """
     config = turn.config
     turn.step += 1
     plan = cache.plan
     count = carried_tokens(turn.schedule, turn.step, plan.pending if plan is not None else 0)
-    if turn.static_step is not None and count <= config.chunk_size:
-        logits = turn.static_step(cache, turn, plan, count, token)
-    else:
-        live = live_row(adapter, cache, token)
-        if count and not config.fused:  # the benchmarks' control: the chunk as a forward of its own, then the step
-            run_rows(adapter, cache, deferred_rows(plan, count), plan, turn.backend, config.visibility, False)
-            logits = run_rows(adapter, cache, live, None, turn.backend, config.visibility, True)
+    with cache.transaction():
+        if turn.static_step is not None and count <= config.chunk_size:
+            logits = turn.static_step(cache, turn, plan, count, token)
         else:
-            rows = concat_rows([deferred_rows(plan, count), live]) if count else live
-            logits = run_rows(adapter, cache, rows, plan if count else None, turn.backend, config.visibility, True)
-        if turn.static_step is not None:  # an eager step between compiled ones (a chunk larger than chunk_size)
-            cache.persist_gdn_states()
-    cache.record_restored("during_decode", count)
-    cache.append_fed_token(token)
+            live = live_row(adapter, cache, token)
+            if count and not config.fused:  # the benchmarks' control: the chunk as a forward of its own, then the step
+                run_rows(adapter, cache, deferred_rows(plan, count), plan, turn.backend, config.visibility, False)
+                logits = run_rows(adapter, cache, live, None, turn.backend, config.visibility, True)
+            else:
+                rows = concat_rows([deferred_rows(plan, count), live]) if count else live
+                logits = run_rows(adapter, cache, rows, plan if count else None, turn.backend, config.visibility, True)
+            if turn.static_step is not None:  # an eager step between compiled ones (a chunk larger than chunk_size)
+                cache.after_commit(cache.persist_gdn_states)
+        cache.record_restored("during_decode", count)
+        cache.append_fed_token(token)
     return logits
 
 
@@ -77,7 +84,8 @@ def _step_graph(adapter, cache, token, slot, rope_delta, chunk, backend: str, vi
     past them are padding (``valid`` False), written to scratch slots. `token` None: the chunk alone (the unfused
     control), no logits."""
     width = cache.layers[0].capacity
-    filled = cache._filled[:width]
+    filled = cache.filled_prefix(width)
+    context = cache.forward_context  # installed by `StaticStep._run`; the slots are computed here
     parts = []  # (embeds [1, r, H], positions [3, 1, r], slots [r], deferred flags [r], valid [r], deepstack)
     d_valid = None
     if chunk is not None:
@@ -85,12 +93,12 @@ def _step_graph(adapter, cache, token, slot, rope_delta, chunk, backend: str, vi
         rows = torch.arange(chunk_size, device=s_slots.device)
         window = start + rows  # the window is gathered here, so no per-step view is a graph input
         d_valid = s_valid.index_select(0, window) & (rows < limit)
-        d_slots = torch.where(d_valid, s_slots.index_select(0, window), cache._scratch_slots)
+        d_slots = torch.where(d_valid, s_slots.index_select(0, window), cache.scratch_slots)
         d_deepstack = None if s_deepstack is None else [f.index_select(0, window) for f in s_deepstack]
         parts.append((s_embeds.index_select(0, window)[None], s_positions.index_select(1, window)[:, None, :],
                       d_slots, d_valid, d_valid, d_deepstack))
-        if cache._gdn_step is not None:  # GDN layers read which chunk rows are real
-            cache._gdn_step.valid = d_valid
+        if context.gdn_step is not None:  # GDN layers read which chunk rows are real
+            context.gdn_step.valid = d_valid
     else:
         boundary, deferred_slots = 0, None
     if token is not None:
@@ -114,7 +122,7 @@ def _step_graph(adapter, cache, token, slot, rope_delta, chunk, backend: str, vi
     mask = visible(present, slots, flags, boundary, deferred_slots, visibility)[None, None]
     if backend == "flash":  # the keys' gather order per row block (attention/flash.py)
         mask = flash_mask(mask, filled, slots, 0 if chunk is None else chunk_size, d_valid, boundary, visibility)
-    cache._write_slots = slots
+    context.write_slots = slots
     hidden = adapter.language_forward(embeds, positions, mask, cache, deepstack, backend)
     filled[slots] = filled[slots] | valid
     if token is None:
@@ -126,10 +134,10 @@ def compiled_gdn_backend(name: str, device: torch.device) -> str:
     """GDN kernels inside a compiled step, resolved as everywhere else (``"auto"``: fla on CUDA when fla-core
     imports, else torch). The kernels are one opaque ``hf_raincheck::gated_delta`` node in the graph
     (`gdn_state.ops`), not traced into: traced, transformers' torch loops were unrolled per layer and fla's Triton
-    kernels did not finish compiling on the H200. The CPU tests prove the graph (dynamo, fullgraph, torch kernels);
-    on the H200 fla inside compiled steps (Inductor, CUDA graphs) equals eager steps
-    (`tests/test_steps_gpu.py::test_compiled_static_steps_equal_eager_on_cuda[qwen3_5]`) and runs Qwen3.5-9B's
-    decode steps at ~7.3 ms against ~60 eager (`benchmarks/results/latency.json`)."""
+    kernels did not finish compiling. The CPU tests prove the graph (dynamo, fullgraph, torch kernels); on a GPU,
+    fla inside compiled steps (Inductor, CUDA graphs) equals eager steps
+    (`tests/test_steps_gpu.py::test_compiled_static_steps_equal_eager_on_cuda[qwen3_5]`) and makes Qwen3.5's decode
+    steps several times faster than eager ones (the benchmarks page has the numbers)."""
     return resolve_gdn_backend(name, device)
 
 
@@ -154,12 +162,7 @@ class StaticStep:
         conversation (CUDA graphs read them in place: no per-step copy of a window, no re-recording per plan);
         they change only with the capacity, which recompiles anyway."""
         width = cache.layers[0].capacity
-        device = cache._filled.device
-        scratch = cache._scratch_slots
-        if scratch is None or scratch.numel() != chunk_size or cache._scratch_end != width:
-            cache._scratch_slots = cache._buffers.zeros("scratch_slots", (chunk_size,), torch.long, device)
-            cache._scratch_slots.copy_(torch.arange(width - chunk_size, width, device=device))
-            cache._scratch_end = width
+        cache.place_scratch_slots(chunk_size)
         if plan is None or plan.pending == 0:
             return
         padded = plan.padded_store
@@ -169,7 +172,7 @@ class StaticStep:
         if total + chunk_size > width:
             raise RuntimeError(f"static Raincheck cache of capacity {width} cannot hold {total} deferred tokens "
                                f"and a chunk of {chunk_size} scratch rows")
-        owner = cache._store_buffers["plan"]() if cache._store_buffers is not None else None
+        owner = cache.store_buffers["plan"]() if cache.store_buffers is not None else None
         if owner is not None and owner is not plan and owner.pending:
             raise RuntimeError("the deferred store buffers still hold another plan's pending tokens")
         buffers = _store_buffers(cache, plan, width)
@@ -200,20 +203,25 @@ class StaticStep:
         ))
 
     def _run(self, cache, turn, count: int, token, slot: int, chunk):
+        # the write slots are computed inside the graph (`_step_graph` sets them); static layers return their
+        # whole buffers, so `kv_len` is the capacity
+        context = ForwardContext(write_slots=None, kv_len=cache.layers[0].capacity)
         if self.adapter.gdn_glue is not None:  # GDN layers read how the rows split (tensors only)
-            backend = compiled_gdn_backend(turn.config.gdn_backend, cache._filled.device)
+            backend = compiled_gdn_backend(turn.config.gdn_backend, cache.device)
             gdn_functions(backend)  # imported here, outside the trace (torch 2.11's dynamo breaks the graph on it)
             # `valid` is set inside the graph, from the gathered window
-            cache._gdn_step = GDNGraphStep(
+            context.gdn_step = GDNGraphStep(
                 valid=None, count=chunk[-1] if chunk is not None else None, live=token is not None, backend=backend,
             )
+        cache.in_place_update("a compiled static step")  # (GDN states: updated in place, no rollback)
         try:
+            cache.begin_forward(context)
             return self.compiled(
                 self.adapter, cache, token, cache.slot_tensor(slot), turn.rope_delta_tensor, chunk, turn.backend,
                 turn.config.visibility, turn.config.chunk_size,
             )
         finally:
-            cache._gdn_step = None
+            cache.end_forward()
 
     def __call__(self, cache: DeferredPrefillCache, turn, plan: DeferralPlan | None, count: int, token) -> torch.Tensor:
         slot = cache.length
@@ -223,16 +231,20 @@ class StaticStep:
         if count:
             self.prepare(cache, plan, turn.config.chunk_size)  # done after the prefill already; a no-op here
             # the window as two 0-d views of a persistent index (no host-to-device copy, no new graph input shape)
-            chunk = plan.padded_store["tensors"] + (cache._slot_index[plan.restored], cache._slot_index[count])
+            chunk = plan.padded_store["tensors"] + (cache.slot_index[plan.restored], cache.slot_index[count])
+        if not cache.in_transaction:
+            raise RuntimeError("a compiled step runs inside `with cache.transaction():` (see decode_step)")
+        if count:  # the graph marks the chunk's slots and the decode row's: a rollback unmarks them
+            cache.marks_filled(plan.deferred_on_device[plan.restored : plan.restored + count])
+        cache.marks_filled(cache.slot_tensor(slot))
         if count and not turn.config.fused:  # the control: the chunk as a compiled forward of its own, then the step
             self._run(cache, turn, count, None, slot, chunk)
             chunk = None
         logits = self._run(cache, turn, count if chunk is not None else 0, token, slot, chunk)
         if count:
-            plan.restored += count
+            plan.restored = plan.restored + count
             if plan.pending == 0:
-                plan.release_store()
-                cache.release_gdn_checkpoints()
+                release_finished_plan(cache, plan)
         return logits
 
 
@@ -244,12 +256,12 @@ def _store_buffers(cache: DeferredPrefillCache, plan: DeferralPlan, width: int) 
     layers = None if deepstack is None else len(deepstack)
     key = (width, embeds.shape[-1], embeds.dtype, embeds.device, layers,
            None if deepstack is None else deepstack[0].dtype)
-    buffers = cache._store_buffers
+    buffers = cache.store_buffers
     if buffers is not None and buffers["key"] == key:
         return buffers
     device = embeds.device
-    zeros = cache._buffers.zeros
-    cache._store_buffers = buffers = dict(
+    zeros = cache.pooled_zeros
+    cache.store_buffers = buffers = dict(
         key=key,
         plan=lambda: None,
         embeds=zeros("store.embeds", (width, embeds.shape[-1]), embeds.dtype, device),

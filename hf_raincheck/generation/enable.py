@@ -13,13 +13,13 @@ from ..cache import DeferredPrefillCache, TurnRestore
 from ..config import RaincheckConfig
 from . import config_source
 from .install import install
-from .state import STATE_ATTR as _STATE_ATTR
-from .state import RaincheckState, raincheck_state
 from .background import start_background_completion
 from .completion import prefill_pending
-from .rows import Rows, concat_rows, deferred_rows, run_rows
-from .schedule import FixedChunkSchedule, carried_tokens
+from .rows import run_rows
+from .schedule import FixedChunkSchedule
 from .decode import StaticStep, decode_step
+from .state import STATE_ATTR as _STATE_ATTR
+from .state import RaincheckState, raincheck_state
 from .turn import Turn, prepare_turn
 
 # processor outputs that Raincheck consumes itself before handing the call to transformers' generate
@@ -135,44 +135,54 @@ def _generate(model, *args, raincheck_config: RaincheckConfig | None = config_so
     # is folded into this call's prefill. An error it hit is raised now, once.
     past.stop_completion()
     past.raise_completion_error()
+    past.check_usable("generate")
 
+    call = (model, state, past, raincheck_config, input_ids, args, kwargs, gen_config)
+    # (one line: Python skips a `with` block's __exit__ when a trace function raises at the line event of the
+    # block's end, which would leave the lock held; a one-line `with` has no such event)
+    with past.lock: return _generate_locked(*call)  # noqa: E701
+
+
+@torch.no_grad()
+def _generate_locked(model, state: RaincheckState, past: DeferredPrefillCache, raincheck_config: RaincheckConfig,
+                     input_ids: torch.Tensor, args: tuple, kwargs: dict, gen_config):
+    """The call on `past` once its lock is held: prepare the turn, run transformers' generate through the
+    patched forward, then complete as the config says."""
     schedule = raincheck_config.schedule or FixedChunkSchedule(raincheck_config.chunk_size, raincheck_config.guard_tokens)
     backend = state.backend(raincheck_config)
-    with past.lock:
-        with torch.no_grad():
-            turn = prepare_turn(state.adapter, past, raincheck_config, input_ids, kwargs, schedule, backend)
-        if past.static:
-            max_new = gen_config.max_new_tokens
-            if max_new is None:
-                max_new = max(gen_config.max_length - input_ids.shape[1], 1)
-            turn.static_step = _static_step(model, state, gen_config, turn.prefill.embeds.device)
-            if turn.static_step is not None and state.adapter.gdn_glue is not None:
-                glue = state.adapter.gdn_glue
-                past.use_fixed_gdn_layout({i: glue.dims(m)[1] for i, m in state.adapter.gdn_modules().items()})
-            scratch = raincheck_config.chunk_size if turn.static_step is not None else 0
-            past.reserve(input_ids.shape[1] + max_new + scratch, turn.prefill.embeds.device)
-            turn.rope_delta_tensor = torch.full((), turn.rope_delta, dtype=torch.long, device=turn.prefill.embeds.device)
-        for key in _MEDIA_KWARGS:
-            kwargs.pop(key, None)
-        # Raincheck compiles its own steps (above); transformers' auto-compile never applies to this cache
-        kwargs.pop("compile_config", None)
-        kwargs["disable_compile"] = True
-        kwargs["attention_mask"] = torch.ones_like(input_ids)
-        past.config = raincheck_config
-        past._turn = turn
-        try:
-            output = state.original_generate(*args, **kwargs)
-        finally:
-            # also when generate raises (e.g. a stopping criterion interrupts it): every forward that ran is
-            # fully committed (slots, plan progress, token_ids), so the cache stays consistent; nothing is
-            # completed then, what is pending folds into the next call
-            past._turn = None
-            if turn.record is not None:
-                turn.record.pending_at_answer_end = past.pending
-        if raincheck_config.completion == "blocking":
-            prefill_pending(state, past, past.pending, raincheck_config.completion_chunk_size)
-        elif raincheck_config.completion == "background":
-            start_background_completion(model, past)
+    turn = prepare_turn(state.adapter, past, raincheck_config, input_ids, kwargs, schedule, backend)
+    if past.static:
+        max_new = gen_config.max_new_tokens
+        if max_new is None:
+            max_new = max(gen_config.max_length - input_ids.shape[1], 1)
+        turn.static_step = _static_step(model, state, gen_config, turn.prefill.embeds.device)
+        if turn.static_step is not None and state.adapter.gdn_glue is not None:
+            glue = state.adapter.gdn_glue
+            past.use_fixed_gdn_layout({i: glue.dims(m)[1] for i, m in state.adapter.gdn_modules().items()})
+        scratch = raincheck_config.chunk_size if turn.static_step is not None else 0
+        past.reserve(input_ids.shape[1] + max_new + scratch, turn.prefill.embeds.device)
+        turn.rope_delta_tensor = torch.full((), turn.rope_delta, dtype=torch.long, device=turn.prefill.embeds.device)
+    for key in _MEDIA_KWARGS:
+        kwargs.pop(key, None)
+    # Raincheck compiles its own steps (above); transformers' auto-compile never applies to this cache
+    kwargs.pop("compile_config", None)
+    kwargs["disable_compile"] = True
+    kwargs["attention_mask"] = torch.ones_like(input_ids)
+    past.config = raincheck_config
+    past.tidy()  # (what an interrupted clean-up left: a finished plan's store, GDN checkpoints)
+    past.begin_turn(turn)
+    try:
+        output = state.original_generate(*args, **kwargs)
+    finally:
+        # also when generate raises (e.g. a stopping criterion interrupts it): every forward is one
+        # transaction (slots, plan progress, token_ids, counters, the turn record's pending count), committed
+        # whole or not at all, so the cache stays consistent; nothing is completed then, what is pending folds
+        # into the next call
+        past.end_turn()
+    if raincheck_config.completion == "blocking":
+        prefill_pending(state, past, past.pending, raincheck_config.completion_chunk_size)
+    elif raincheck_config.completion == "background":
+        start_background_completion(model, past)
     return output
 
 
@@ -189,9 +199,9 @@ def _static_step(model, state: RaincheckState, gen_config, device: torch.device)
     devices = state.adapter.decoder_devices()
     if len(devices) > 1:
         # a model split over devices (accelerate device_map): Inductor failed to lower the fused step's cache
-        # writes through accelerate's hooks, and CUDA graphs cannot span devices (torch skips them, and the
-        # compiled step of a split model was slower than eager: benchmarks page). Steps run eagerly on the static
-        # cache, with the same results.
+        # writes through accelerate's hooks, and CUDA graphs cannot span devices (torch skips them, and a compiled
+        # step without them is slower than an eager one). Steps run eagerly on the static cache, with the same
+        # results.
         if not state.warned_multi_device:
             state.warned_multi_device = True
             warnings.warn(
@@ -209,8 +219,8 @@ def _static_step(model, state: RaincheckState, gen_config, device: torch.device)
 
 def _forward(model, *args, past_key_values=None, **kwargs):
     state = getattr(model, _STATE_ATTR)
-    turn: Turn | None = getattr(past_key_values, "_turn", None)
-    if not isinstance(past_key_values, DeferredPrefillCache) or turn is None:
+    turn: Turn | None = past_key_values.active_turn if isinstance(past_key_values, DeferredPrefillCache) else None
+    if turn is None:
         if isinstance(past_key_values, DeferredPrefillCache):
             raise ValueError(
                 "a DeferredPrefillCache is filled by generate(raincheck_config=...) only; "
@@ -218,11 +228,11 @@ def _forward(model, *args, past_key_values=None, **kwargs):
             )
         return state.original_forward(*args, past_key_values=past_key_values, **kwargs)
     input_ids = kwargs.get("input_ids", args[0] if args else None)
-    with torch.no_grad():
-        logits = _turn_step(state, past_key_values, turn, input_ids)
+    logits = _turn_step(state, past_key_values, turn, input_ids)
     return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
 
 
+@torch.no_grad()
 def _turn_step(state: RaincheckState, cache: DeferredPrefillCache, turn: Turn, input_ids) -> torch.Tensor:
     config = turn.config
     if not turn.prefill_done:
@@ -231,19 +241,20 @@ def _turn_step(state: RaincheckState, cache: DeferredPrefillCache, turn: Turn, i
                 "Raincheck's prefill expected the uncached part of the prompt "
                 f"({turn.new_ids.numel()} tokens), got {None if input_ids is None else input_ids.shape[-1]}"
             )
-        logits = run_rows(
-            state.adapter, cache, turn.prefill, turn.prefill_plan, turn.backend, config.visibility, want_logits=True
-        )
-        turn.record = TurnRestore(deferred=turn.plan.total_deferred if turn.plan is not None else 0)
-        cache.turn_stats.append(turn.record)
-        cache.record_restored("during_prefill", turn.prefill.restored)
+        # the forward and everything the turn records (tokens, plan, grids, counters) in one transaction:
+        # interrupted anywhere, the cache is as before the call, and continuing with `cache.token_ids` plus the
+        # new turn redoes the whole prefill
+        record = TurnRestore(deferred=turn.plan.total_deferred if turn.plan is not None else 0)
+        prompt_ids = turn.prompt_ids.tolist()
+        with cache.transaction():
+            logits = run_rows(
+                state.adapter, cache, turn.prefill, turn.prefill_plan, turn.backend, config.visibility,
+                want_logits=True,
+            )
+            cache.commit_prefill(prompt_ids, turn.plan, turn.rope_delta, turn.media_grids, record,
+                                 turn.prefill.restored)
+        turn.record = record
         turn.restored_in_prefill = turn.prefill.restored
-        cache.token_ids = cache.token_ids + turn.prompt_ids[cache.length :].tolist()
-        if turn.plan is not None:
-            cache.plan = turn.plan
-            cache.plans.append(turn.plan)
-        cache.rope_delta = turn.rope_delta
-        cache.media_grids = dict(cache.pending_media_grids)
         turn.prefill_done = True
         turn.prefill = None  # free the prompt's rows
         if turn.static_step is not None:  # the plan's store, the scratch slots and GDN states in place now

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import DeferralPlan, DeferredPrefillCache
+from ..cache import DeferralPlan, DeferredPrefillCache, ForwardContext
 from ..gdn_state import GDNStep
 from ..gdn_state import resolve as resolve_gdn_backend
 from ..models import ModelAdapter
@@ -83,7 +83,7 @@ def deferred_rows(plan: DeferralPlan, count: int) -> Rows:
 
 
 def gdn_step(cache: DeferredPrefillCache, rows: Rows, plan: DeferralPlan | None, gdn_backend: str) -> GDNStep:
-    """How a GDN layer splits `rows` (DESIGN.md rule 3); host-side bookkeeping only."""
+    """How a GDN layer splits `rows` (docs/design.md rule 3); host-side bookkeeping only."""
     restoring = plan if (plan is not None and rows.restored) else None
     if restoring is not None and rows.checkpoint_plan is not None and restoring.pending != rows.restored:
         raise RuntimeError("a new plan's boundary can only follow the last deferred rows of the previous plan")
@@ -103,6 +103,14 @@ def gdn_step(cache: DeferredPrefillCache, rows: Rows, plan: DeferralPlan | None,
     )
 
 
+def release_finished_plan(cache: DeferredPrefillCache, plan: DeferralPlan, keep_checkpoints: bool = False) -> None:
+    """Once the open transaction commits: frees the store of `plan` (all restored) and, unless a new plan's
+    checkpoints were just taken (`keep_checkpoints`), the GDN prefix checkpoints."""
+    cache.after_commit(plan.release_store)
+    if not keep_checkpoints:
+        cache.after_commit(cache.release_gdn_checkpoints)
+
+
 def run_rows(
     adapter: ModelAdapter,
     cache: DeferredPrefillCache,
@@ -114,8 +122,15 @@ def run_rows(
 ) -> torch.Tensor | None:
     """One decoder forward over `rows`; returns the logits of the last row ``[1, 1, V]`` if asked.
 
-    `plan` is the plan whose deferred rows lead `rows` (None when there are none).
+    `plan` is the plan whose deferred rows lead `rows` (None when there are none). Call it inside a
+    `DeferredPrefillCache.transaction` that also records what the caller keeps of the forward: the forward, the
+    slots it marks filled and the plan's progress are part of it, so a forward that fails or is interrupted
+    anywhere leaves nothing behind (its KV writes land in slots that stay unmarked and are rewritten by the retry;
+    GDN states go back to where they were).
     """
+    if not cache.in_transaction:
+        raise RuntimeError("run_rows runs inside `with cache.transaction():` (the forward and its bookkeeping commit "
+                           "together)")
     kv_len = max(cache.length, rows.max_slot + 1)
     device = rows.embeds.device
     cache.reserve(kv_len, device)
@@ -127,12 +142,12 @@ def run_rows(
         # entries and the rows before it, i.e. bottom-right causal attention over [cache | rows]. The keys are the
         # buffers' prefix when the rows fill slots contiguously, else the cache prefix with the rows' own keys.
         contiguous = rows.max_slot - old + 1 == rows.size
-        cache._compact_keys = -old - 1 if contiguous else old
+        compact_keys = -old - 1 if contiguous else old
         mask = CAUSAL_LOWER_RIGHT
     else:
-        cache._compact_keys = None
+        compact_keys = None
         mask = visibility_mask(
-            cache._filled,
+            cache.filled_prefix(width),
             rows.slots,
             rows.deferred if has_deferred else None,
             plan.boundary if has_deferred else 0,
@@ -141,15 +156,13 @@ def run_rows(
             width,
         )
         if backend == "flash":  # the keys' gather order per row block (attention/flash.py)
-            mask = flash_mask(mask, cache._filled[:width], rows.slots, rows.restored if has_deferred else 0, None,
+            mask = flash_mask(mask, cache.filled_prefix(width), rows.slots, rows.restored if has_deferred else 0, None,
                               plan.boundary if has_deferred else 0, visibility)
-    cache._write_slots, cache._kv_len = rows.slots, kv_len
-    cache._slots_by_device = {}
-    gdn_before = None
+    context = ForwardContext(write_slots=rows.slots, kv_len=kv_len, compact_keys=compact_keys)
     if adapter.gdn_glue is not None:
-        cache._gdn_step = gdn_step(cache, rows, plan, resolve_gdn_backend(cache.config.gdn_backend, device))
-        gdn_before = cache.gdn_snapshot()
+        context.gdn_step = gdn_step(cache, rows, plan, resolve_gdn_backend(cache.config.gdn_backend, device))
     try:
+        cache.begin_forward(context)
         with eager_sdpa_backends(device, rows.size):
             hidden = adapter.language_forward(
                 rows.embeds[None],
@@ -159,24 +172,13 @@ def run_rows(
                 rows.deepstack,
                 backend,
             )
-    except BaseException:
-        # a forward that fails (or is interrupted) half-way leaves nothing behind: KV writes land in slots that
-        # stay unmarked and are rewritten by the retry; GDN states go back to where they were
-        if gdn_before is not None:
-            cache.gdn_rollback(gdn_before)
-        raise
     finally:
-        cache._write_slots = None
-        cache._compact_keys = None
-        cache._slots_by_device = {}
-        cache._gdn_step = None
-    cache._filled.index_fill_(0, rows.slots, True)
+        cache.end_forward()
+    cache.mark_filled(rows.slots)
     if plan is not None and rows.restored:
-        plan.restored += rows.restored
+        plan.restored = plan.restored + rows.restored
         if plan.pending == 0:
-            plan.release_store()
-            if rows.checkpoint_plan is None:
-                cache.release_gdn_checkpoints()
+            release_finished_plan(cache, plan, keep_checkpoints=rows.checkpoint_plan is not None)
     if not want_logits:
         return None
     return adapter.lm_head(hidden[:, -1:])

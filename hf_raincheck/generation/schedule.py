@@ -1,4 +1,4 @@
-"""How many deferred tokens each decode step carries (DESIGN.md, rule 4)."""
+"""How many deferred tokens each decode step carries (docs/design.md, rule 4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""`RaincheckState`: what `enable_raincheck` keeps on a model instance (its adapter, the original methods...)."""
+"""`RaincheckState`: what `enable_raincheck` keeps on a model instance (its adapter, the original methods...).
+
+A module of its own so that everything that runs on an enabled model (`generate`, `complete_deferred`, the
+background worker, `RaincheckChat`) reads the state without importing `enable` (no import circle).
+"""
 
 from __future__ import annotations
 

@@ -37,6 +37,7 @@ class Turn:
     events: list = field(default_factory=list)
     static_step: object = None  # the compiled step (static caches), or None: eager steps
     rope_delta_tensor: torch.Tensor | None = None
+    media_grids: dict = field(default_factory=dict)  # grids of the whole conversation's media, by modality
 
 
 def _split_runs(runs: list[Span], counts: dict[str, list[int]]) -> list[Span]:
@@ -102,7 +103,6 @@ def _conversation_grids(adapter: ModelAdapter, cache: DeferredPrefillCache, ids:
                 f"input_ids holds {total} ({new} of them new); pass the processor outputs of the whole "
                 "conversation, or of its new part only"
             )
-    cache.pending_media_grids = {m: g for m, g in grids.items() if g is not None}
     return grids["image"], grids["video"], cover
 
 
@@ -136,6 +136,7 @@ def prepare_turn(
         raise ValueError("attention_mask with padding is not supported by Raincheck (batch size 1, no padding)")
 
     image_grid_thw, video_grid_thw, pixels_cover = _conversation_grids(adapter, cache, ids, old, model_inputs)
+    media_grids = {m: g for m, g in (("image", image_grid_thw), ("video", video_grid_thw)) if g is not None}
     image_counts, video_frame_counts = adapter.media_token_counts(image_grid_thw, video_grid_thw)
     runs = find_spans(ids, adapter.image_token_id, adapter.video_token_id)
     spans = _split_runs(runs, {"image": image_counts, "video": [n for v in video_frame_counts for n in v]})
@@ -306,4 +307,5 @@ def prepare_turn(
         rope_delta=rope_delta,
         schedule=schedule,
         backend=backend,
+        media_grids=media_grids,
     )

@@ -1,4 +1,4 @@
-"""Which cache slots each row of a Raincheck forward may attend to (DESIGN.md, semantics rule 2)."""
+"""Which cache slots each row of a Raincheck forward may attend to (docs/design.md, semantics rule 2)."""
 
 from __future__ import annotations
 

@@ -135,7 +135,7 @@ def init_position_code(model, seed: int = 0, std: float = 1.0) -> None:
     an image, so at the start nothing in the visual tokens says where a cell is, and every GridQA question needs
     that (a cell by row / column, a row listing, where an object is). Trained from that init, a 5.6M Qwen3-VL sat at
     the loss of a model that ignores the image (0.85 nats per answer token, ~5% exact answers) for 1900 steps x 128
-    dialogues on the H200. A strong, separable code makes "row r" and "column c" visible from step 0; the table
+    dialogues. A strong, separable code makes "row r" and "column c" visible from step 0; the table
     stays trainable.
     """
     table = model.model.visual.pos_embed.weight

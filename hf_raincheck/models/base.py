@@ -39,9 +39,22 @@ class VisionFeatures:
 
 
 class ModelAdapter:
-    """Interface of a per-family adapter. Subclasses implement every method."""
+    """Everything the generation code asks of a model family, declared here once.
+
+    A family's adapter (``hf_raincheck/models/<family>.py``) overrides every method that raises
+    `NotImplementedError` here and sets `text`; the others have defaults that fit attention-only models without
+    DeepStack. `get_adapter` picks the adapter by the model's ``config.model_type``.
+
+    Attributes:
+        family: the family's name (``"qwen3_vl"``...).
+        model: the wrapped ``...ForConditionalGeneration`` model.
+        text: the decoder's text model (``embed_tokens``, ``layers``, ``rotary_emb``, ``norm``, ``config``), which
+            `language_forward` runs layer by layer; set by the family's ``__init__``.
+        gdn_glue: a `hf_raincheck.gdn_state.GDNGlue` for families with Gated DeltaNet layers, else None.
+    """
 
     family: str = ""
+    text: torch.nn.Module | None = None
 
     def __init__(self, model):
         self.model = model
@@ -49,18 +62,27 @@ class ModelAdapter:
     # --- token ids
     @property
     def image_token_id(self) -> int:
-        raise NotImplementedError
+        """The image placeholder token's id (the processor writes one per merged patch)."""
+        raise NotImplementedError(f"{type(self).__name__} must define image_token_id")
 
     @property
     def video_token_id(self) -> int:
-        raise NotImplementedError
+        """The video placeholder token's id (one per merged patch of each frame)."""
+        raise NotImplementedError(f"{type(self).__name__} must define video_token_id")
+
+    def special_token_ids(self) -> set[int]:
+        """Template and special token ids that are never part of a question's text (vision start / end, eos,
+        pad, bos...): query-guided pruning selectors skip them when they collect the question's tokens."""
+        raise NotImplementedError(f"{type(self).__name__} must define special_token_ids")
 
     # --- modules
     def text_attention_modules(self):
-        raise NotImplementedError
+        """The decoder's full-attention modules, in layer order (Raincheck patches their attention function)."""
+        raise NotImplementedError(f"{type(self).__name__} must define text_attention_modules")
 
     def num_cache_layers(self) -> int:
-        raise NotImplementedError
+        """Layers of a `DeferredPrefillCache` for this model (one per decoder layer, indexed like them)."""
+        raise NotImplementedError(f"{type(self).__name__} must define num_cache_layers")
 
     def gdn_modules(self) -> dict:
         """Gated DeltaNet (linear-attention) modules by decoder layer index; empty for attention-only models."""
@@ -69,13 +91,14 @@ class ModelAdapter:
     gdn_glue = None  # a `hf_raincheck.gdn_state.GDNGlue` for families with GDN layers
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """Input embeddings ``[..., H]`` of token ids ``[...]``, on `input_device`."""
+        raise NotImplementedError(f"{type(self).__name__} must define embed_tokens")
 
     @property
     def input_device(self) -> torch.device:
         """Where the decoder's inputs start: the input embedding's execution device (with a multi-device
         ``device_map``, accelerate moves hidden states from layer to layer from there)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define input_device")
 
     def decoder_devices(self) -> list[torch.device]:
         """Distinct execution devices of the decoder's attention and GDN modules (several: a model split by a
@@ -96,18 +119,24 @@ class ModelAdapter:
         ``model_inputs`` is the whole dict of keyword inputs of the `generate` call (processor outputs), for
         family-specific inputs of the position code (e.g. Qwen2.5-VL's ``second_per_grid_ts``); may be None.
         """
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define logical_positions")
 
     def media_token_counts(self, image_grid_thw, video_grid_thw) -> tuple[list[int], list[list[int]]]:
-        """Placeholder tokens per image, and per frame of each video."""
-        raise NotImplementedError
+        """Placeholder tokens per image, and per frame of each video (either grid may be None: no such media)."""
+        raise NotImplementedError(f"{type(self).__name__} must define media_token_counts")
+
+    def span_grids(self, new_spans, image_grid_thw, video_grid_thw, all_spans) -> list[tuple[int, int, int]]:
+        """The merged-token grid ``(1, h, w)`` of each span of `new_spans` (an image, or one video frame), for the
+        pruning selectors' spatial layout. `all_spans` are the conversation's spans in order (`new_spans` among
+        them), the grids those of the whole conversation."""
+        raise NotImplementedError(f"{type(self).__name__} must define span_grids")
 
     def vision_features(self, modality: str, pixel_values, grid_thw, want: dict | None = None) -> VisionFeatures:
         """Runs the vision tower once. `want` (from `hf_raincheck.pruning.selector_requirements`) asks for
         ``VisionFeatures.extras`` computed in the same pass; adapters without that support leave `want` out of
         their signature (a selector needing it then raises a clear error). Everything returned is on
         `input_device`, wherever the tower runs."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define vision_features")
 
     @property
     def vision_depth(self) -> int | None:
@@ -137,9 +166,12 @@ class ModelAdapter:
         transformers' text-model loop (rotary embeddings, decoder layers, final norm) without its mask creation
         and with DeepStack added densely: `hf_raincheck.transformers_coupling.text_decoder_forward`.
         """
+        if self.text is None:
+            raise NotImplementedError(f"{type(self).__name__} must set `text` (the decoder's text model)")
         return hf.text_decoder_forward(
             self.text, embeds, positions, lambda i: self.layer_mask(i, mask), cache, deepstack, backend
         )
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """Logits ``[1, q, V]`` of final hidden states ``[1, q, H]``."""
+        raise NotImplementedError(f"{type(self).__name__} must define lm_head")
