@@ -128,7 +128,9 @@ def test_two_streamed_turns_update_the_side_panel(demo, uploads, monkeypatch, re
         return chunk(self, model, cache)
 
     monkeypatch.setattr(BackgroundCompletion, "_chunk", gated_chunk)
-    outs = ask(demo, "What is in the top left corner?", files=[image], max_new=18)
+    # chunks of 2 from the first step (the demo has no guard tokens): 17 steps restore 34 of the 44 deferred tokens
+    # during the answer, the background worker the other 10
+    outs = ask(demo, "What is in the top left corner?", files=[image], chunk=2, max_new=18)
     assert len(outs) >= 3  # the question, streamed pieces, the final panel
     box, history, stats, overlay, caption = outs[-1]
     assert [m["role"] for m in history] == ["user", "assistant"]
@@ -137,21 +139,21 @@ def test_two_streamed_turns_update_the_side_panel(demo, uploads, monkeypatch, re
     assert first.strip()
     pieces = [o[1][-1]["content"] for o in outs[1:-1]]
     assert len(pieces) >= 2 and pieces[-1] == first  # streamed: the answer grew over several yields
-    assert "| 1 | Raincheck 0.3/8 mmtok |" in stats
+    assert "| 1 | Raincheck 0.3/2 mmtok |" in stats
     assert isinstance(overlay, app.Image.Image) and overlay.width > overlay.height
     assert caption.startswith("Turn 1") and "kept at first: 20" in caption  # 64 tokens, 0.3 -> 20 kept
 
     session = demo.sessions.get("session-1")
     s = session.chat.stats[0]
-    assert s.deferred == 44 and s.new_tokens == 18 and s.restored_during_decode == 8  # step 17 of 17 carries 8
-    assert stats.splitlines()[2].endswith("| 8 | 0 |") and "Restoring the rest in the background" in stats
+    assert s.deferred == 44 and s.new_tokens == 18 and s.restored_during_decode == 34  # steps 1..17 carry 2 each
+    assert stats.splitlines()[2].endswith("| 34 | 0 |") and "Restoring the rest in the background" in stats
     # the timer's refresh: the panel follows the background worker, then skips while nothing changes
     assert demo.refresh(request()) == (gr.skip(), gr.skip(), gr.skip())  # still held: nothing new
     release.set()
     assert session.chat.wait(30)
     stats_now, _, caption_now = demo.refresh(request())
-    assert stats_now.splitlines()[2].endswith("| 8 | 36 |")  # during the answer, after it
-    assert "restored during the answer: 8 · restored after the answer: 36" in caption_now
+    assert stats_now.splitlines()[2].endswith("| 34 | 10 |")  # during the answer, after it
+    assert "restored during the answer: 34 · restored after the answer: 10" in caption_now
     assert demo.refresh(request()) == (gr.skip(), gr.skip(), gr.skip())
     outs = ask(demo, "And the bottom right?", history=history, policy="Hard", max_new=6)
     _, history, stats, _, _ = outs[-1]
@@ -161,9 +163,9 @@ def test_two_streamed_turns_update_the_side_panel(demo, uploads, monkeypatch, re
     cells = rows[0].split("|")[3:9]  # TTFT, TPOT, tokens, deferred, in prefill, during
     assert all(c.strip().replace(".", "").isdigit() for c in cells), rows[0]
     stats_now = session.chat.stats
-    assert stats_now[0].restored_after_answer == 36 and stats_now[1].restored_in_prefill == 0
+    assert stats_now[0].restored_after_answer == 10 and stats_now[1].restored_in_prefill == 0
     panel = demo.side_panel(session)
-    assert "restored during the answer: 8" in panel[2] and "not restored yet" not in panel[2]
+    assert "restored during the answer: 34" in panel[2] and "not restored yet" not in panel[2]
 
 
 def test_stop_ends_the_answer_at_the_next_step(demo, uploads):
