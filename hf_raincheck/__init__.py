@@ -1,6 +1,6 @@
 """hf_raincheck: deferred multimodal prefill ("Raincheck") for Hugging Face transformers VLMs."""
 
-from .cache import DeferralPlan, DeferredPrefillCache, TurnRestore, release_static_buffers
+from .cache import BatchedDeferredPrefillCache, DeferralPlan, DeferredPrefillCache, TurnRestore, release_static_buffers
 from .chat import RaincheckChat, TurnStats
 from .config import RaincheckConfig
 from .generation import FixedChunkSchedule, complete_deferred, disable_raincheck, enable_raincheck
@@ -12,6 +12,7 @@ __all__ = [
     "enable_raincheck",
     "disable_raincheck",
     "DeferredPrefillCache",
+    "BatchedDeferredPrefillCache",
     "DeferralPlan",
     "complete_deferred",
     "FixedChunkSchedule",

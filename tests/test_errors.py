@@ -60,10 +60,14 @@ def _gen(model, inputs, **kw):
     return model.generate(**inputs, **kw)
 
 
-def test_batch_size_above_one(model, inputs):
+def test_batch_whose_grids_miss_a_rows_images(model, inputs):
     batch = dict(inputs)
-    batch["input_ids"] = inputs["input_ids"].repeat(2, 1)
-    with pytest.raises(ValueError, match="batch size must be 1"):
+    batch["input_ids"] = inputs["input_ids"].repeat(2, 1)  # two rows with an image each, grids of one image
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(1, \d+\), input_ids \(2, \d+\)"):
+        _gen(model, batch)
+    batch["attention_mask"] = inputs["attention_mask"].repeat(2, 1)
+    batch["mm_token_type_ids"] = inputs["mm_token_type_ids"].repeat(2, 1)
+    with pytest.raises(ValueError, match="image_grid_thw does not match the image placeholders of row 1"):
         _gen(model, batch)
 
 

@@ -84,6 +84,16 @@ class DeferredPrefillCache(DynamicCache):
         stats: `RestoreStats` over the cache's life.
         turn_stats: one `TurnRestore` per `generate` call on the cache.
 
+    Batches: a cache holds one conversation (batch size 1). A batched ``generate(raincheck_config=...)`` (B > 1
+    rows, left-padded) runs every row as its own conversation and returns a `BatchedDeferredPrefillCache`
+    (``hf_raincheck.cache.batched``) holding one such cache per row, padding removed. Its per-row views:
+    ``batch_size``, ``rows``, ``row_pending`` (``list[int]``), ``row_total_deferred``, ``row_plans`` (each row's
+    plans), ``row_turn_stats`` (each row's `TurnRestore` list), ``pending`` (the sum), ``wait()`` / ``cancel()``
+    (every row's worker) and ``split()``: the B row caches, each continuing exactly like a batch-1 conversation
+    (a batch's next turn goes through them, one conversation per call). On a batch-1 cache (``batch_size`` stays
+    transformers' own), ``row_pending`` is ``[pending]``, ``row_plans`` ``[plans]``, ``row_turn_stats`` ``[turn_stats]`` and
+    ``split()`` returns ``[self]``.
+
     Interrupts and errors: a forward and everything recorded about it (the slots it filled, the plan's progress,
     the conversation's tokens, plan and grids, the counters) form one `transaction`, committed whole or not at
     all; an interrupted `generate` leaves the cache as after its last whole step, and ``token_ids`` holds what
@@ -163,6 +173,27 @@ class DeferredPrefillCache(DynamicCache):
         """Records a decode step's input token ``[1, 1]`` (kept on its device until `token_ids` is read)."""
         ids, tail = self._tokens
         self._tokens = (ids, tail + (token.reshape(1),))
+
+    # ------------------------------------------------------------------ per-row views (batch size 1; see "Batches")
+    @property
+    def row_pending(self) -> list[int]:
+        return [self.pending]
+
+    @property
+    def row_total_deferred(self) -> list[int]:
+        return [self.total_deferred]
+
+    @property
+    def row_plans(self) -> list[list[DeferralPlan]]:
+        return [list(self.plans)]
+
+    @property
+    def row_turn_stats(self) -> list[list[TurnRestore]]:
+        return [list(self.turn_stats)]
+
+    def split(self) -> list["DeferredPrefillCache"]:
+        """``[self]``: a batch-1 cache is its own only row."""
+        return [self]
 
     @property
     def total_deferred(self) -> int:

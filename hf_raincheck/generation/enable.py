@@ -14,6 +14,7 @@ from ..config import RaincheckConfig
 from . import config_source
 from .install import install
 from .background import start_background_completion
+from .batch import generate_batch
 from .completion import prefill_pending
 from .rows import run_rows
 from .schedule import FixedChunkSchedule
@@ -81,16 +82,17 @@ def _validate(model, input_ids, kwargs: dict, gen_config) -> None:
             raise ValueError(f"generate(raincheck_config=...): {what} is not supported with Raincheck")
     if input_ids is None:
         raise ValueError("generate(raincheck_config=...): pass input_ids (the processor's output)")
-    if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+    if input_ids.ndim != 2 or input_ids.shape[0] < 1:
         raise ValueError(
-            f"generate(raincheck_config=...): batch size must be 1, got input_ids of shape {tuple(input_ids.shape)}"
+            "generate(raincheck_config=...): input_ids must be [batch, length] with batch >= 1, got shape "
+            f"{tuple(input_ids.shape)}"
         )
     if (gen_config.num_beams or 1) > 1:
         raise ValueError(f"generate(raincheck_config=...): beam search is not supported (num_beams={gen_config.num_beams})")
     if (gen_config.num_return_sequences or 1) > 1:
         raise ValueError(
             "generate(raincheck_config=...): num_return_sequences must be 1, got "
-            f"{gen_config.num_return_sequences}"
+            f"{gen_config.num_return_sequences} (expanded rows sharing the prompt's plan are not implemented yet)"
         )
     if getattr(gen_config, "prefill_chunk_size", None) is not None:
         raise ValueError("generate(raincheck_config=...): prefill_chunk_size is not supported")
@@ -119,6 +121,10 @@ def _generate(model, *args, raincheck_config: RaincheckConfig | None = config_so
             f"generate(raincheck_config=...): cache_implementation must be 'dynamic' or 'static', "
             f"got {cache_implementation!r}"
         )
+    if input_ids.shape[0] > 1:  # every row its own conversation (generation/batch.py)
+        if args:
+            raise ValueError("generate(raincheck_config=...) with a batch: pass generate's arguments by keyword")
+        return generate_batch(model, state, raincheck_config, kwargs, gen_config, cache_implementation)
 
     if past is None:
         static = cache_implementation == "static"

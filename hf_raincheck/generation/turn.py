@@ -133,7 +133,8 @@ def prepare_turn(
         )
     attention_mask = model_inputs.get("attention_mask")
     if attention_mask is not None and not bool(attention_mask.bool().all()):
-        raise ValueError("attention_mask with padding is not supported by Raincheck (batch size 1, no padding)")
+        raise ValueError("attention_mask: a single row must not be padded (pass it unpadded; padding is for batches "
+                         "of several rows, left-padded)")
 
     image_grid_thw, video_grid_thw, pixels_cover = _conversation_grids(adapter, cache, ids, old, model_inputs)
     media_grids = {m: g for m, g in (("image", image_grid_thw), ("video", video_grid_thw)) if g is not None}

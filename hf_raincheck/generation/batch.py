@@ -1,0 +1,181 @@
+"""Batched ``generate(raincheck_config=...)`` (B > 1 rows, left-padded): every row is its own conversation.
+
+The batch is split into its rows, padding removed (each row's tokens, ``mm_token_type_ids``, and the pixels and
+grids of its own images / videos), and each row runs the batch-1 Raincheck path: its own spans, budgets,
+selection, plan, boundary, pending set, completion and accounting, at the logical positions transformers computes
+for it with the attention mask (M-RoPE of the unpadded row). The outputs are assembled as transformers' batched
+``generate`` lays them out: the left-padded prompt, then each row's new tokens, padded on the right with
+``pad_token_id`` after a row stopped. ``past_key_values`` of a ``return_dict_in_generate`` output is a
+`BatchedDeferredPrefillCache` (one batch-1 cache per row; ``split()`` continues a row alone).
+
+The rows run one after the other (no fused multi-row forward yet): each row's tokens and logits are those of its
+own batch-1 run. What is not supported at B > 1 raises a `ValueError` (`check_batch_supported`).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from ..cache.batched import BatchedDeferredPrefillCache
+
+#: generate arguments that a batched Raincheck call refuses, and why
+_UNSUPPORTED_AT_BATCH = {
+    "streamer": "a streamer (it takes one row at a time)",
+    "output_scores": "output_scores (per-step scores of a batch)",
+    "output_logits": "output_logits (per-step logits of a batch)",
+    "output_attentions": "output_attentions",
+    "output_hidden_states": "output_hidden_states",
+}
+
+
+def check_batch_supported(model, state, kwargs: dict, gen_config, cache_implementation, past) -> None:
+    """Raises `ValueError` for what batched Raincheck does not do yet (see the module docstring)."""
+    where = "generate(raincheck_config=...) with a batch of more than one row"
+    if state.adapter.gdn_glue is not None:
+        raise ValueError(
+            f"{where}: not supported for {type(model).__name__} (Gated DeltaNet layers: per-row "
+            "boundary checkpoints and P_tail are not batched yet); generate one row at a time"
+        )
+    if cache_implementation == "static":
+        raise ValueError(f"{where}: cache_implementation='static' is not supported yet (use 'dynamic')")
+    if past is not None:
+        raise ValueError(
+            f"{where}: past_key_values is not supported (a batch's next turn is not batched yet); continue each "
+            "conversation through the row caches of BatchedDeferredPrefillCache.split()"
+        )
+    for name, what in _UNSUPPORTED_AT_BATCH.items():
+        value = kwargs.get(name, getattr(gen_config, name, None))
+        if value:
+            raise ValueError(f"{where}: {what} is not supported yet")
+
+
+def _row_mask(input_ids: torch.Tensor, attention_mask) -> torch.Tensor:
+    """bool ``[B, L]``: the real tokens; checks the padding is on the left."""
+    if attention_mask is None:
+        return torch.ones_like(input_ids, dtype=torch.bool)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"generate(raincheck_config=...): attention_mask has shape {tuple(attention_mask.shape)}, "
+            f"input_ids {tuple(input_ids.shape)}"
+        )
+    mask = attention_mask.bool().cpu()
+    for i, row in enumerate(mask):
+        n = int(row.sum())
+        if n == 0:
+            raise ValueError(f"generate(raincheck_config=...): row {i} of attention_mask masks every token")
+        if not bool(row[-n:].all()):
+            raise ValueError(
+                f"generate(raincheck_config=...): row {i} of attention_mask is not left-padded; batched Raincheck "
+                "needs left padding (processor(..., padding=True, padding_side='left'); for a pipeline with "
+                "batch_size > 1: processor.tokenizer.padding_side = 'left' before building it)"
+            )
+    return mask
+
+
+def _media_per_row(adapter, row_ids: list[torch.Tensor], kwargs: dict) -> list[dict]:
+    """Each row's pixels, grids (and ``second_per_grid_ts``), cut from the batch's concatenated processor outputs."""
+    out = [dict() for _ in row_ids]
+    for modality, token, grid_key, pixel_key in (
+        ("image", adapter.image_token_id, "image_grid_thw", "pixel_values"),
+        ("video", adapter.video_token_id, "video_grid_thw", "pixel_values_videos"),
+    ):
+        grid = kwargs.get(grid_key)
+        placeholders = [int((ids == token).sum()) for ids in row_ids]
+        if grid is None:
+            if any(placeholders):
+                raise ValueError(f"generate(raincheck_config=...): input_ids holds {modality} placeholders but "
+                                 f"`{grid_key}` was not passed")
+            continue
+        counts = adapter.media_token_counts(grid if modality == "image" else None,
+                                            grid if modality == "video" else None)
+        per_item = counts[0] if modality == "image" else [sum(v) for v in counts[1]]
+        patches = grid.prod(-1).tolist()
+        pixels = kwargs.get(pixel_key)
+        seconds = kwargs.get("second_per_grid_ts") if modality == "video" else None
+        item = row_start = 0
+        for i, need in enumerate(placeholders):
+            first = item
+            got = 0
+            while got < need and item < len(per_item):
+                got += per_item[item]
+                item += 1
+            if got != need:
+                raise ValueError(
+                    f"generate(raincheck_config=...): {grid_key} does not match the {modality} placeholders of "
+                    f"row {i} ({need} placeholder tokens); pass the processor's outputs for the same batch"
+                )
+            if item == first:
+                continue
+            rows = sum(patches[first:item])
+            out[i][grid_key] = grid[first:item]
+            if pixels is not None:
+                out[i][pixel_key] = pixels[row_start:row_start + rows]
+            row_start += rows
+            if seconds is not None:
+                out[i]["second_per_grid_ts"] = seconds[first:item]
+        if item != len(per_item):
+            raise ValueError(
+                f"generate(raincheck_config=...): {grid_key} describes {len(per_item)} {modality}s but input_ids "
+                f"holds placeholders for {item}"
+            )
+    return out
+
+
+def _pad_token_id(gen_config) -> int:
+    pad = gen_config.pad_token_id
+    if pad is None:
+        eos = gen_config.eos_token_id
+        pad = eos[0] if isinstance(eos, (list, tuple)) else eos
+    if pad is None:
+        raise ValueError(
+            "generate(raincheck_config=...) with a batch: set pad_token_id (or eos_token_id) in the generation "
+            "config; it pads the rows that stopped early"
+        )
+    return int(pad.item() if torch.is_tensor(pad) else pad)
+
+
+_MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+
+
+def generate_batch(model, state, raincheck_config, kwargs: dict, gen_config, cache_implementation):
+    """Runs each row of a left-padded batch as its own batch-1 Raincheck conversation (module docstring)."""
+    check_batch_supported(model, state, kwargs, gen_config, cache_implementation, kwargs.get("past_key_values"))
+    input_ids = kwargs.pop("input_ids")
+    mask = _row_mask(input_ids, kwargs.pop("attention_mask", None))
+    batch, width = input_ids.shape
+    ids_cpu = input_ids.cpu()
+    row_ids = [ids_cpu[i][mask[i]] for i in range(batch)]
+    media = _media_per_row(state.adapter, row_ids, kwargs)
+    mm_types = kwargs.pop("mm_token_type_ids", None)
+    for key in _MEDIA_KEYS:
+        kwargs.pop(key, None)
+    kwargs.pop("past_key_values", None)
+    return_dict = bool(kwargs.pop("return_dict_in_generate", gen_config.return_dict_in_generate))
+    # lengths count the padded prompt in transformers' batched generate: keep that meaning for every row
+    if gen_config.max_new_tokens is None:
+        kwargs["max_new_tokens"] = max(gen_config.max_length - width, 1)
+    kwargs.pop("max_length", None)
+    if gen_config.min_length:
+        kwargs["min_new_tokens"] = max(gen_config.min_new_tokens or 0, gen_config.min_length - width)
+        kwargs["min_length"] = 0
+    pad = _pad_token_id(gen_config)
+    new_parts, caches = [], []
+    for i in range(batch):
+        row = dict(kwargs)
+        row.update(media[i])
+        row["input_ids"] = row_ids[i][None].to(input_ids.device)
+        row["attention_mask"] = torch.ones_like(row["input_ids"])
+        if mm_types is not None:
+            row["mm_token_type_ids"] = mm_types[i][mask[i].to(mm_types.device)][None]
+        out = model.generate(**row, raincheck_config=raincheck_config, return_dict_in_generate=True)
+        new_parts.append(out.sequences[0, row_ids[i].numel():])
+        caches.append(out.past_key_values)
+    longest = max(p.numel() for p in new_parts)
+    new = torch.full((batch, longest), pad, dtype=input_ids.dtype, device=input_ids.device)
+    for i, part in enumerate(new_parts):
+        new[i, : part.numel()] = part.to(new.device)
+    sequences = torch.cat([input_ids, new], dim=1)
+    if not return_dict:
+        return sequences
+    return GenerateDecoderOnlyOutput(sequences=sequences, past_key_values=BatchedDeferredPrefillCache(caches))

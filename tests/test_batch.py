@@ -1,0 +1,265 @@
+"""Batched ``generate(raincheck_config=...)``: a left-padded batch of conversations, each row its own plan.
+
+Every row of a mixed batch (different image counts and sizes, a text-only row, different lengths) must give what
+the same conversation gives alone (batch 1): tokens, plan, accounting; ``retention=1.0`` / ``policy="full"``
+must give plain batched ``generate``'s tokens; each row's deferred tokens are prefilled exactly once under every
+completion mode (a row that stops early included); ``split()`` caches continue like batch-1 caches; what is not
+supported raises a clear ValueError.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import TextStreamer
+
+from hf_raincheck import DeferredPrefillCache, RaincheckConfig, enable_raincheck
+from hf_raincheck.cache.batched import BatchedDeferredPrefillCache
+from hf_raincheck.conversation import next_turn_inputs
+from hf_raincheck.testing import load_tiny_qwen2_5_vl, load_tiny_qwen3_5, load_tiny_qwen3_vl, make_image
+
+N = 10
+
+
+def _messages(images, text):
+    content = [{"type": "image", "image": image} for image in images] + [{"type": "text", "text": text}]
+    return [{"role": "user", "content": content}]
+
+
+CONVERSATIONS = [
+    _messages([make_image(0)], "What is in the picture?"),
+    _messages([make_image(1, (96, 160)), make_image(2)], "Compare the two pictures, please, in some detail"),
+    _messages([], "Hi"),
+    _messages([make_image(3, (64, 64))], "Colours?"),
+]
+
+
+def _inputs(processor, conversations):
+    return processor.apply_chat_template(
+        conversations, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt",
+        processor_kwargs={"padding": True, "padding_side": "left"},
+    )
+
+
+def _gen(model, inputs, cfg=None, n=N, **kw):
+    kw = {**dict(max_new_tokens=n, do_sample=False, return_dict_in_generate=True), **kw}
+    if cfg is not None:
+        kw["raincheck_config"] = cfg
+    with torch.no_grad():
+        return model.generate(**inputs, **kw)
+
+
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen2_5_vl"])
+def family(request, tiny_vl_path, tiny_qwen2_5_vl_path):
+    if request.param == "qwen3_vl":
+        model, processor = load_tiny_qwen3_vl(tiny_vl_path)
+    else:
+        model, processor = load_tiny_qwen2_5_vl(tiny_qwen2_5_vl_path)
+    return enable_raincheck(model), processor
+
+
+CFG = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion="blocking")
+
+
+@pytest.mark.parametrize("pruning", ["uniform", "mmtok"])
+def test_every_row_equals_its_batch1_run(family, pruning):
+    model, processor = family
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion="blocking", pruning=pruning)
+    batch = _inputs(processor, CONVERSATIONS)
+    assert not bool(batch["attention_mask"][:, 0].all()) and bool(batch["attention_mask"][:, -1].all())  # left padding
+    out = _gen(model, batch, cfg)
+    cache = out.past_key_values
+    assert isinstance(cache, BatchedDeferredPrefillCache) and cache.batch_size == len(CONVERSATIONS)
+    width = batch["input_ids"].shape[1]
+    assert torch.equal(out.sequences[:, :width], batch["input_ids"])
+    for i, conversation in enumerate(CONVERSATIONS):
+        alone = _inputs(processor, [conversation])
+        ref = _gen(model, alone, cfg, output_logits=True)
+        ref_new = ref.sequences[0, alone["input_ids"].shape[1]:]
+        assert out.sequences[i, width:width + ref_new.numel()].tolist() == ref_new.tolist(), f"row {i}"
+        row, ref_cache = cache.split()[i], ref.past_key_values
+        assert isinstance(row, DeferredPrefillCache)
+        assert row.token_ids == ref_cache.token_ids
+        assert [p.deferred.tolist() for p in cache.row_plans[i]] == [p.deferred.tolist() for p in ref_cache.plans]
+        assert [p.boundary for p in cache.row_plans[i]] == [p.boundary for p in ref_cache.plans]
+        assert cache.row_turn_stats[i] == ref_cache.turn_stats
+        for a, b in zip(row.layers, ref_cache.layers):
+            torch.testing.assert_close(a.keys, b.keys, atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(a.values, b.values, atol=2e-5, rtol=1e-4)
+    assert cache.row_total_deferred[2] == 0 and not cache.row_plans[2]  # the text-only row defers nothing
+    assert all(t > 0 for k, t in enumerate(cache.row_total_deferred) if k != 2)
+    assert cache.row_pending == [0] * len(CONVERSATIONS)
+
+
+@pytest.mark.parametrize("cfg", [RaincheckConfig(retention=1.0), RaincheckConfig(retention=0.3, policy="full")],
+                         ids=["retention1", "full"])
+def test_baselines_equal_plain_batched_generate(family, cfg):
+    model, processor = family
+    batch = _inputs(processor, CONVERSATIONS)
+    plain = _gen(model, batch, output_logits=True)
+    ours = _gen(model, batch, cfg)
+    assert torch.equal(ours.sequences, plain.sequences)
+    assert ours.past_key_values.row_total_deferred == [0] * len(CONVERSATIONS)
+
+
+@pytest.mark.parametrize("completion", ["blocking", "background", "next_turn"])
+def test_exactly_once_per_row_with_an_early_stop(family, completion):
+    model, processor = family
+    batch = _inputs(processor, CONVERSATIONS[:2])
+    width = batch["input_ids"].shape[1]
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion=completion)
+    probe = _gen(model, batch, RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion="blocking"))
+    new = probe.sequences[:, width:].tolist()
+    stop = next(t for t in new[0][1:] if t not in new[1])  # row 0 stops early on this token, row 1 does not
+    steps0 = new[0].index(stop) + 1
+    pad = 0
+    out = _gen(model, batch, cfg, eos_token_id=stop, pad_token_id=pad)
+    cache = out.past_key_values
+    seq = out.sequences[:, width:].tolist()
+    assert seq[0][:steps0] == new[0][:steps0] and all(t == pad for t in seq[0][steps0:])
+    assert seq[1] == new[1][: len(seq[1])] and len(seq[1]) == N
+    stats = cache.row_turn_stats
+    for i in range(2):
+        record = stats[i][0]
+        assert record.deferred > 0 and record.deferred == cache.rows[i].plans[0].total_deferred
+        assert record.deferred == record.restored_during_decode + record.pending_at_answer_end, f"row {i}"
+    assert stats[0][0].pending_at_answer_end > 0  # the early row stopped with deferred tokens left
+    if completion == "background":
+        assert cache.wait(timeout=120)
+    if completion in ("blocking", "background"):
+        assert cache.row_pending == [0, 0]
+        for i in range(2):
+            record = stats[i][0]
+            assert cache.rows[i].turn_stats[0].restored_after_answer == record.pending_at_answer_end
+            assert bool(cache.rows[i].filled_prefix(cache.rows[i].length).all())  # every slot restored
+    else:  # next_turn: the next turn of each row folds exactly what was left
+        pending = cache.row_pending
+        assert pending[0] == stats[0][0].pending_at_answer_end
+        lengths = [steps0, N]
+        for i, row in enumerate(cache.split()):
+            prompt = batch["input_ids"][i][batch["attention_mask"][i].bool()]
+            row_seq = torch.cat([prompt, out.sequences[i, width:width + lengths[i]]])[None]
+            assert row.token_ids == row_seq[0, :-1].tolist()  # (the last generated token is never fed)
+            turn2 = next_turn_inputs(processor, row_seq, [{"role": "user", "content": "Why?"}])
+            out2 = _gen(model, turn2, cfg, n=2, past_key_values=row)
+            assert out2.past_key_values is row
+            assert row.turn_stats[1].restored_in_prefill == pending[i]
+            assert row.turn_stats[0].restored_after_answer == 0
+            assert row.pending == 0 and bool(row.filled_prefix(row.length).all())
+
+
+def test_split_caches_continue_like_batch1(family):
+    model, processor = family
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion="next_turn")
+    batch = _inputs(processor, CONVERSATIONS)
+    width = batch["input_ids"].shape[1]
+    out = _gen(model, batch, cfg)
+    for i, row in enumerate(out.past_key_values.split()):
+        alone = _inputs(processor, [CONVERSATIONS[i]])
+        ref = _gen(model, alone, cfg)
+        ref_seq = ref.sequences
+        n_new = ref_seq.shape[1] - alone["input_ids"].shape[1]
+        row_seq = torch.cat([alone["input_ids"], out.sequences[i:i + 1, width:width + n_new]], dim=1)
+        assert torch.equal(row_seq, ref_seq)
+        message = [{"role": "user", "content": [{"type": "image", "image": make_image(9)},
+                                                {"type": "text", "text": "And this one?"}]}]
+        turn2 = next_turn_inputs(processor, row_seq, message)
+        a = _gen(model, turn2, cfg, past_key_values=row, output_logits=True)
+        b = _gen(model, turn2, cfg, past_key_values=ref.past_key_values, output_logits=True)
+        assert torch.equal(a.sequences, b.sequences), f"row {i}"
+        for x, y in zip(a.logits, b.logits):
+            torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-4)
+        assert row.turn_stats == ref.past_key_values.turn_stats
+
+
+def test_unsupported_batches_raise(family):
+    model, processor = family
+    batch = _inputs(processor, CONVERSATIONS[:2])
+    for kw, message in [
+        (dict(cache_implementation="static"), "cache_implementation='static' is not supported yet"),
+        (dict(output_logits=True), "output_logits"),
+        (dict(output_scores=True), "output_scores"),
+        (dict(streamer=TextStreamer(processor.tokenizer)), "streamer"),
+        (dict(num_return_sequences=2, do_sample=True), "num_return_sequences must be 1"),
+        (dict(num_beams=2), "beam search is not supported"),
+        (dict(past_key_values=DeferredPrefillCache(2)), "past_key_values is not supported"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            _gen(model, batch, CFG, n=2, **kw)
+    right = dict(batch)
+    right["attention_mask"] = batch["attention_mask"].flip(1)
+    with pytest.raises(ValueError, match="not left-padded"):
+        _gen(model, right, CFG, n=2)
+
+
+def test_gdn_family_batch_raises(tiny_qwen3_5_path):
+    model, processor = load_tiny_qwen3_5(tiny_qwen3_5_path)
+    enable_raincheck(model)
+    batch = _inputs(processor, CONVERSATIONS[:2])
+    with pytest.raises(ValueError, match="Gated DeltaNet"):
+        _gen(model, batch, CFG, n=2)
+
+
+def test_batch1_cache_has_the_row_views(family):
+    model, processor = family
+    out = _gen(model, _inputs(processor, CONVERSATIONS[:1]), RaincheckConfig(retention=0.3, completion="next_turn"))
+    cache = out.past_key_values
+    assert isinstance(cache, DeferredPrefillCache) and cache.split() == [cache]
+    assert cache.row_pending == [cache.pending] and cache.pending > 0
+    assert cache.row_total_deferred == [cache.total_deferred]
+    assert cache.row_plans == [cache.plans] and cache.row_turn_stats == [cache.turn_stats]
+
+
+def test_pipeline_batch_size_two(tiny_vl_path):
+    from transformers import pipeline
+
+    model, processor = load_tiny_qwen3_vl(tiny_vl_path)
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion="blocking")
+    kw = dict(generate_kwargs={"raincheck_config": cfg, "do_sample": False, "max_new_tokens": 6})
+    texts = [CONVERSATIONS[0], CONVERSATIONS[3]]
+    processor.tokenizer.padding_side = "right"
+    pipe = enable_raincheck(pipeline("image-text-to-text", model=model, processor=processor))
+    with pytest.raises(ValueError, match="not left-padded"):
+        pipe(text=texts, batch_size=2, **kw)
+    processor.tokenizer.padding_side = "left"
+    batched = pipe(text=texts, batch_size=2, **kw)
+    alone = pipe(text=texts, batch_size=1, **kw)
+    answers = [[x[0]["generated_text"][-1]["content"] for x in out] for out in (batched, alone)]
+    assert answers[0] == answers[1] and all(answers[0])
+
+
+def test_qwen2_5_vl_batch_with_videos_equals_batch1(tiny_qwen2_5_vl_path):
+    """Videos cut per row (their pixels, grids and ``second_per_grid_ts``: 0.25 fps and 1 fps, so a wrong cut
+    moves the temporal positions), next to an image row."""
+    from transformers.video_utils import VideoMetadata
+
+    from hf_raincheck.testing import make_video
+
+    model, processor = load_tiny_qwen2_5_vl(tiny_qwen2_5_vl_path)
+    enable_raincheck(model)
+    video = [{"role": "user", "content": [{"type": "video", "video": make_video(5)}, {"type": "text", "text": "What?"}]}]
+    video2 = [{"role": "user", "content": [{"type": "video", "video": make_video(6)},
+                                           {"type": "text", "text": "What happens here, then?"}]}]
+    conversations = [video, CONVERSATIONS[0], video2]
+    metas = [VideoMetadata(total_num_frames=4, fps=0.25), VideoMetadata(total_num_frames=4, fps=1.0)]
+
+    def inputs(convs, meta):
+        return processor.apply_chat_template(
+            convs, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt",
+            processor_kwargs={"padding": True, "padding_side": "left", "video_metadata": meta})
+
+    batch = inputs(conversations, metas)
+    assert batch["second_per_grid_ts"].tolist() == [8.0, 2.0]
+    out = _gen(model, batch, CFG)
+    width = batch["input_ids"].shape[1]
+    for i, (conversation, meta) in enumerate(zip(conversations, [metas[:1], None, metas[1:]])):
+        alone = inputs([conversation], meta) if meta else _inputs(processor, [conversation])
+        ref = _gen(model, alone, CFG)
+        ref_new = ref.sequences[0, alone["input_ids"].shape[1]:].tolist()
+        assert out.sequences[i, width:width + len(ref_new)].tolist() == ref_new, f"row {i}"
+        assert out.past_key_values.row_turn_stats[i] == ref.past_key_values.turn_stats
+        row, ref_cache = out.past_key_values.rows[i], ref.past_key_values
+        assert row.rope_delta == ref_cache.rope_delta  # (the temporal positions move it)
+        assert [p.deferred.tolist() for p in row.plans] == [p.deferred.tolist() for p in ref_cache.plans]
+        for a, b in zip(row.layers, ref_cache.layers):
+            torch.testing.assert_close(a.keys, b.keys, atol=2e-5, rtol=1e-4)
