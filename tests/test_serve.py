@@ -356,3 +356,22 @@ def test_command_line_refuses_a_model_without_raincheck_support(tmp_path, capsys
     with pytest.raises(SystemExit) as exit_info:
         main([str(tmp_path / "no-such-model"), "--port", "0"])
     assert exit_info.value.code == 2 and "cannot serve" in capsys.readouterr().err
+
+
+def test_a_16_bit_image_url_is_scaled_to_8_bit_not_clipped():
+    """A 16-bit PNG sent as a data: URL decodes to the pixels of its 8-bit original (not an all-white image)."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from hf_raincheck.serve.images import ImageLoader
+
+    gray = make_dialogue(3).image().convert("L")
+    wide = Image.fromarray((np.asarray(gray).astype(np.uint16) * 257))  # the same values on 16 bits
+    buffer = io.BytesIO()
+    wide.save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    image, _ = ImageLoader().load(url, "messages[0].content[0]")
+    assert np.array_equal(np.asarray(image), np.asarray(gray.convert("RGB")))

@@ -11,6 +11,7 @@ from urllib.parse import unquote, urlparse
 
 from PIL import Image, ImageOps
 
+from ..images import eight_bit
 from .errors import RequestError
 
 #: the largest encoded image accepted (bytes) and the most pixels a decoded image may have
@@ -91,7 +92,8 @@ class ImageLoader:
                     raise RequestError(f"{where}: image of {opened.width}x{opened.height} pixels is larger than "
                                        f"{MAX_IMAGE_PIXELS} pixels", status=413)
                 opened.load()
-                image = ImageOps.exif_transpose(opened).convert("RGB")
+                # a 16-bit, int32 or float image is scaled to 8 bits (as RaincheckChat does), not clipped to white
+                image = eight_bit(ImageOps.exif_transpose(opened), where).convert("RGB")
         except RequestError:
             raise
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
