@@ -46,6 +46,11 @@ class TurnRestore:
     restored_after_answer: int = 0  # restored after the answer and before the next call (any completion)
 
 
+#: `record_restored`'s ``when`` -> the `TurnRestore` field it counts in (built once: it runs every decode step)
+_TURN_FIELD = {"during_prefill": "restored_in_prefill", "during_decode": "restored_during_decode",
+               "after_answer": "restored_after_answer"}
+
+
 def _values(record) -> tuple:
     """A counters dataclass's field values, in field order (flat ints: no deep copy)."""
     return tuple(getattr(record, f.name) for f in dataclasses.fields(record))
@@ -225,8 +230,7 @@ class DeferredPrefillCache(DynamicCache):
         (call it inside the `transaction` that restored them). During the answer (``"during_prefill"``,
         ``"during_decode"``, also with `count` 0) the call's record's ``pending_at_answer_end`` follows
         ``pending``, so it holds the pending count when the answer ends, however it ends."""
-        field_name = {"during_prefill": "restored_in_prefill", "during_decode": "restored_during_decode",
-                      "after_answer": "restored_after_answer"}[when]
+        field_name = _TURN_FIELD[when]
         if count:
             setattr(self.stats, when, getattr(self.stats, when) + count)
         if self.turn_stats:
