@@ -65,3 +65,31 @@ def next_turn_inputs(processor, sequences: torch.Tensor, new_messages: list[dict
         types[ids == getattr(processor, "video_token_id", -1)] = 2
         inputs["mm_token_type_ids"] = types
     return BatchFeature(inputs)
+
+
+def batch_inputs(rows: list, pad_token_id: int) -> BatchFeature:
+    """One left-padded batch from per-row model inputs (e.g. each row's `next_turn_inputs`): ``input_ids``,
+    ``attention_mask`` and ``mm_token_type_ids`` padded on the left (``pad_token_id``, 0), the media tensors
+    (``pixel_values``, grids, ...) concatenated in row order, as the processor lays out a batch. Pass the result
+    to ``generate(..., past_key_values=BatchedDeferredPrefillCache(row_caches))`` to continue every row at once."""
+    if not rows:
+        raise ValueError("batch_inputs: rows must be a non-empty list of model inputs")
+    width = max(int(r["input_ids"].shape[-1]) for r in rows)
+    out: dict = {}
+    for key, fill in (("input_ids", pad_token_id), ("attention_mask", 0), ("mm_token_type_ids", 0)):
+        if key == "mm_token_type_ids" and not any(key in r for r in rows):
+            continue
+        padded = []
+        for r in rows:
+            ids = r["input_ids"].reshape(1, -1)
+            value = r.get(key)
+            if value is None:
+                value = torch.ones_like(ids) if key == "attention_mask" else torch.zeros_like(ids)
+            value = value.reshape(1, -1)
+            padded.append(torch.cat([value.new_full((1, width - value.shape[1]), fill), value], 1))
+        out[key] = torch.cat(padded)
+    media = sorted({k for r in rows for k in r if k not in ("input_ids", "attention_mask", "mm_token_type_ids")})
+    for key in media:
+        parts = [r[key] for r in rows if r.get(key) is not None]
+        out[key] = torch.cat([torch.as_tensor(p) for p in parts])
+    return BatchFeature(out)

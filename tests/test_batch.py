@@ -15,7 +15,7 @@ from transformers import TextStreamer
 
 from hf_raincheck import DeferredPrefillCache, RaincheckConfig, enable_raincheck
 from hf_raincheck.cache.batched import BatchedDeferredPrefillCache
-from hf_raincheck.conversation import next_turn_inputs
+from hf_raincheck.conversation import batch_inputs, next_turn_inputs
 from hf_raincheck.testing import load_tiny_qwen2_5_vl, load_tiny_qwen3_5, load_tiny_qwen3_vl, make_image
 
 N = 10
@@ -172,6 +172,40 @@ def test_split_caches_continue_like_batch1(family):
         assert row.turn_stats == ref.past_key_values.turn_stats
 
 
+@pytest.mark.parametrize("completion", ["next_turn", "blocking"])
+def test_batched_next_turn_equals_each_row_alone(family, completion):
+    """Turn 2 of a batch continues every row from its row cache in one call (a new conversation joins in a row
+    whose cache is None), with what each row left pending folded in: every row equals its batch-1 next turn."""
+    model, processor = family
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion=completion)
+    first = CONVERSATIONS[:3]
+    batch = _inputs(processor, first)
+    width = batch["input_ids"].shape[1]
+    out = _gen(model, batch, cfg, n=4)
+    follow = [{"role": "user", "content": [{"type": "image", "image": make_image(9)},
+                                           {"type": "text", "text": "And this one?"}]}]
+    rows = out.past_key_values.split()
+    turn2, refs, row_inputs = [], [], []
+    for i, conversation in enumerate(first):
+        alone = _inputs(processor, [conversation])
+        ref = _gen(model, alone, cfg, n=4)
+        seq = ref.sequences
+        assert seq[0, alone["input_ids"].shape[1]:].tolist() == out.sequences[i, width:width + 4].tolist()
+        row_inputs.append(next_turn_inputs(processor, seq, follow))
+        refs.append(ref.past_key_values)
+    row_inputs.append(_inputs(processor, [CONVERSATIONS[3]]))  # a new conversation joins the batch
+    batch2 = batch_inputs(row_inputs, processor.tokenizer.pad_token_id)
+    out2 = _gen(model, batch2, cfg, n=4, past_key_values=BatchedDeferredPrefillCache(rows + [None]))
+    width2 = batch2["input_ids"].shape[1]
+    assert out2.past_key_values.rows[:3] == rows  # the same row caches, continued
+    for i, inputs in enumerate(row_inputs):
+        ref = _gen(model, inputs, cfg, n=4, past_key_values=refs[i] if i < 3 else None)
+        ref_new = ref.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+        assert out2.sequences[i, width2:width2 + len(ref_new)].tolist() == ref_new, f"row {i}"
+        assert out2.past_key_values.row_turn_stats[i] == ref.past_key_values.turn_stats, f"row {i}"
+        assert out2.past_key_values.rows[i].token_ids == ref.past_key_values.token_ids
+
+
 def test_unsupported_batches_raise(family):
     model, processor = family
     batch = _inputs(processor, CONVERSATIONS[:2])
@@ -182,7 +216,8 @@ def test_unsupported_batches_raise(family):
         (dict(streamer=TextStreamer(processor.tokenizer)), "streamer"),
         (dict(num_return_sequences=2, do_sample=True), "num_return_sequences must be 1"),
         (dict(num_beams=2), "beam search is not supported"),
-        (dict(past_key_values=DeferredPrefillCache(2)), "past_key_values is not supported"),
+        (dict(past_key_values=DeferredPrefillCache(2)), "past_key_values must be a BatchedDeferredPrefillCache"),
+        (dict(past_key_values=BatchedDeferredPrefillCache([None])), "holds 1 rows but input_ids has 2"),
     ]:
         with pytest.raises(ValueError, match=message):
             _gen(model, batch, CFG, n=2, **kw)

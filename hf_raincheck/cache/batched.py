@@ -24,9 +24,16 @@ class BatchedDeferredPrefillCache:
         wait(timeout=None) / cancel(): every row's background completion worker (``completion="background"``).
     """
 
-    def __init__(self, rows: list[DeferredPrefillCache]):
-        if not rows or not all(isinstance(r, DeferredPrefillCache) for r in rows):
-            raise ValueError("BatchedDeferredPrefillCache: rows must be a non-empty list of DeferredPrefillCache")
+    def __init__(self, rows: list[DeferredPrefillCache | None]):
+        if not isinstance(rows, (list, tuple)) or not rows or not all(
+            r is None or isinstance(r, DeferredPrefillCache) for r in rows
+        ):
+            raise ValueError(
+                "BatchedDeferredPrefillCache: rows must be a non-empty list of DeferredPrefillCache or None (None: "
+                "a new conversation in that row)"
+            )
+        if len({id(r) for r in rows if r is not None}) != sum(r is not None for r in rows):
+            raise ValueError("BatchedDeferredPrefillCache: the same DeferredPrefillCache appears in two rows")
         self.rows = list(rows)
 
     @property

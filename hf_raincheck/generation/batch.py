@@ -29,7 +29,7 @@ _UNSUPPORTED_AT_BATCH = {
 }
 
 
-def check_batch_supported(model, state, kwargs: dict, gen_config, cache_implementation, past) -> None:
+def check_batch_supported(model, state, kwargs: dict, gen_config, cache_implementation, past, batch_size: int) -> None:
     """Raises `ValueError` for what batched Raincheck does not do yet (see the module docstring)."""
     where = "generate(raincheck_config=...) with a batch of more than one row"
     if state.adapter.gdn_glue is not None:
@@ -39,10 +39,14 @@ def check_batch_supported(model, state, kwargs: dict, gen_config, cache_implemen
         )
     if cache_implementation == "static":
         raise ValueError(f"{where}: cache_implementation='static' is not supported yet (use 'dynamic')")
-    if past is not None:
+    if past is not None and not isinstance(past, BatchedDeferredPrefillCache):
         raise ValueError(
-            f"{where}: past_key_values is not supported (a batch's next turn is not batched yet); continue each "
-            "conversation through the row caches of BatchedDeferredPrefillCache.split()"
+            f"{where}: past_key_values must be a BatchedDeferredPrefillCache (one row cache per row, None for a "
+            f"new conversation), got {type(past).__name__}"
+        )
+    if past is not None and past.batch_size != batch_size:
+        raise ValueError(
+            f"{where}: past_key_values holds {past.batch_size} rows but input_ids has {batch_size}"
         )
     for name, what in _UNSUPPORTED_AT_BATCH.items():
         value = kwargs.get(name, getattr(gen_config, name, None))
@@ -73,23 +77,28 @@ def _row_mask(input_ids: torch.Tensor, attention_mask) -> torch.Tensor:
     return mask
 
 
-def _media_per_row(adapter, row_ids: list[torch.Tensor], kwargs: dict) -> list[dict]:
-    """Each row's pixels, grids (and ``second_per_grid_ts``), cut from the batch's concatenated processor outputs."""
+def _media_per_row(adapter, row_ids: list[torch.Tensor], kwargs: dict, cached: list[int]) -> list[dict]:
+    """Each row's pixels, grids (and ``second_per_grid_ts``), cut from the batch's concatenated processor outputs.
+
+    The outputs describe either every row's whole conversation or only what is new in each row (the tokens past
+    ``cached[i]``, what row i's cache already holds), as for a batch-1 call."""
     out = [dict() for _ in row_ids]
     for modality, token, grid_key, pixel_key in (
         ("image", adapter.image_token_id, "image_grid_thw", "pixel_values"),
         ("video", adapter.video_token_id, "video_grid_thw", "pixel_values_videos"),
     ):
         grid = kwargs.get(grid_key)
-        placeholders = [int((ids == token).sum()) for ids in row_ids]
+        every = [int((ids == token).sum()) for ids in row_ids]
+        new = [int((ids[c:] == token).sum()) for ids, c in zip(row_ids, cached)]
         if grid is None:
-            if any(placeholders):
-                raise ValueError(f"generate(raincheck_config=...): input_ids holds {modality} placeholders but "
+            if any(new):
+                raise ValueError(f"generate(raincheck_config=...): input_ids holds new {modality} placeholders but "
                                  f"`{grid_key}` was not passed")
             continue
         counts = adapter.media_token_counts(grid if modality == "image" else None,
                                             grid if modality == "video" else None)
         per_item = counts[0] if modality == "image" else [sum(v) for v in counts[1]]
+        placeholders = every if sum(per_item) == sum(every) else new
         patches = grid.prod(-1).tolist()
         pixels = kwargs.get(pixel_key)
         seconds = kwargs.get("second_per_grid_ts") if modality == "video" else None
@@ -103,7 +112,8 @@ def _media_per_row(adapter, row_ids: list[torch.Tensor], kwargs: dict) -> list[d
             if got != need:
                 raise ValueError(
                     f"generate(raincheck_config=...): {grid_key} does not match the {modality} placeholders of "
-                    f"row {i} ({need} placeholder tokens); pass the processor's outputs for the same batch"
+                    f"row {i} ({need} placeholder tokens); pass the processor's outputs for the same batch (every "
+                    "row's whole conversation, or only what is new in each row)"
                 )
             if item == first:
                 continue
@@ -140,17 +150,18 @@ _MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_g
 
 def generate_batch(model, state, raincheck_config, kwargs: dict, gen_config, cache_implementation):
     """Runs each row of a left-padded batch as its own batch-1 Raincheck conversation (module docstring)."""
-    check_batch_supported(model, state, kwargs, gen_config, cache_implementation, kwargs.get("past_key_values"))
+    past = kwargs.pop("past_key_values", None)
+    check_batch_supported(model, state, kwargs, gen_config, cache_implementation, past, kwargs["input_ids"].shape[0])
     input_ids = kwargs.pop("input_ids")
     mask = _row_mask(input_ids, kwargs.pop("attention_mask", None))
     batch, width = input_ids.shape
     ids_cpu = input_ids.cpu()
     row_ids = [ids_cpu[i][mask[i]] for i in range(batch)]
-    media = _media_per_row(state.adapter, row_ids, kwargs)
+    cached = [0 if past is None or past.rows[i] is None else past.rows[i].length for i in range(batch)]
+    media = _media_per_row(state.adapter, row_ids, kwargs, cached)
     mm_types = kwargs.pop("mm_token_type_ids", None)
     for key in _MEDIA_KEYS:
         kwargs.pop(key, None)
-    kwargs.pop("past_key_values", None)
     return_dict = bool(kwargs.pop("return_dict_in_generate", gen_config.return_dict_in_generate))
     # lengths count the padded prompt in transformers' batched generate: keep that meaning for every row
     if gen_config.max_new_tokens is None:
@@ -168,6 +179,8 @@ def generate_batch(model, state, raincheck_config, kwargs: dict, gen_config, cac
         row["attention_mask"] = torch.ones_like(row["input_ids"])
         if mm_types is not None:
             row["mm_token_type_ids"] = mm_types[i][mask[i].to(mm_types.device)][None]
+        if past is not None and past.rows[i] is not None:
+            row["past_key_values"] = past.rows[i]
         out = model.generate(**row, raincheck_config=raincheck_config, return_dict_in_generate=True)
         new_parts.append(out.sequences[0, row_ids[i].numel():])
         caches.append(out.past_key_values)
