@@ -206,16 +206,82 @@ def test_batched_next_turn_equals_each_row_alone(family, completion):
         assert out2.past_key_values.rows[i].token_ids == ref.past_key_values.token_ids
 
 
+def test_step_logits_and_expanded_rows_equal_batch1(family):
+    """``output_logits`` of a shared-step batch: each row's step logits equal its batch-1 run's (while it runs);
+    ``num_return_sequences=2`` (sampling with top_k=1, so the copies can be checked) gives each prompt's copies
+    the prompt's plan and its batch-1 answer."""
+    model, processor = family
+    conversations = [CONVERSATIONS[0], CONVERSATIONS[3]]
+    batch = _inputs(processor, conversations)
+    width = batch["input_ids"].shape[1]
+    out = _gen(model, batch, CFG, output_logits=True)
+    expanded = _gen(model, batch, CFG, num_return_sequences=2, do_sample=True, top_k=1)
+    assert expanded.sequences.shape[0] == 4
+    for i, conversation in enumerate(conversations):
+        alone = _inputs(processor, [conversation])
+        ref = _gen(model, alone, CFG, output_logits=True)
+        ref_new = ref.sequences[0, alone["input_ids"].shape[1]:].tolist()
+        for step, (a, b) in enumerate(zip(out.logits[: len(ref_new)], ref.logits)):
+            torch.testing.assert_close(a[i], b[0], atol=2e-5, rtol=1e-4, msg=f"row {i} step {step}")
+        for copy in (2 * i, 2 * i + 1):
+            assert expanded.sequences[copy, width:width + len(ref_new)].tolist() == ref_new, f"copy {copy}"
+            plans = expanded.past_key_values.row_plans[copy]
+            assert [p.deferred.tolist() for p in plans] == [p.deferred.tolist() for p in ref.past_key_values.plans]
+
+
+def test_carry_counts_share_the_budget():
+    from hf_raincheck.generation.shared_batch import carry_counts
+
+    assert carry_counts([31, 31, 0, 5], None) == [31, 31, 0, 5]
+    assert carry_counts([31, 31, 0, 5], 100) == [31, 31, 0, 5]  # a budget that does not bind changes nothing
+    assert carry_counts([31, 31, 0, 5], 45) == [20, 20, 0, 5]  # small asks met first, the rest split evenly
+    assert carry_counts([31, 31, 31], 64) == [22, 21, 21]  # the remainder to the earlier rows
+    assert carry_counts([3, 3, 3], 2) == [1, 1, 0]
+    for wanted, budget in [([31] * 16, 128), ([7, 31, 2, 31, 31], 50), ([1] * 5, 3)]:
+        counts = carry_counts(wanted, budget)
+        assert sum(counts) == min(budget, sum(wanted)) and all(0 <= c <= w for c, w in zip(counts, wanted))
+
+
+def test_a_binding_step_budget_equals_batch1_fed_the_same_counts(family, monkeypatch):
+    """docs/design.md, Batches: a row whose carry is cut by ``step_deferred_budget`` equals a batch-1 run of the
+    same row fed the same counts step by step (a schedule replaying them)."""
+    import hf_raincheck.generation.shared_batch as shared_batch
+
+    model, processor = family
+    conversations = [CONVERSATIONS[0], CONVERSATIONS[1], CONVERSATIONS[3]]
+    cfg = RaincheckConfig(retention=0.3, chunk_size=4, guard_tokens=1, completion="blocking", step_deferred_budget=5)
+    seen = []
+    real = shared_batch.carry_counts
+    monkeypatch.setattr(shared_batch, "carry_counts", lambda wanted, budget: seen.append(real(wanted, budget)) or seen[-1])
+    batch = _inputs(processor, conversations)
+    width = batch["input_ids"].shape[1]
+    out = _gen(model, batch, cfg)
+    assert all(sum(c) <= 5 for c in seen)
+    assert any(0 < c < 4 for counts in seen for c in counts)  # the budget did bind
+    for i, conversation in enumerate(conversations):
+        counts = [c[i] for c in seen]
+        replay = RaincheckConfig(retention=0.3, completion="blocking",
+                                 schedule=lambda step, pending, counts=counts: counts[step - 1] if step <= len(counts) else 0)
+        alone = _inputs(processor, [conversation])
+        ref = _gen(model, alone, replay)
+        ref_new = ref.sequences[0, alone["input_ids"].shape[1]:].tolist()
+        assert out.sequences[i, width:width + len(ref_new)].tolist() == ref_new, f"row {i}"
+        assert out.past_key_values.row_turn_stats[i] == ref.past_key_values.turn_stats, f"row {i}"
+        for a, b in zip(out.past_key_values.rows[i].layers, ref.past_key_values.layers):
+            n = ref.past_key_values.length
+            torch.testing.assert_close(a.keys[:, :, :n], b.keys[:, :, :n], atol=2e-5, rtol=1e-4)
+
+
 def test_unsupported_batches_raise(family):
     model, processor = family
     batch = _inputs(processor, CONVERSATIONS[:2])
     for kw, message in [
-        (dict(cache_implementation="static"), "cache_implementation='static' is not supported yet"),
-        (dict(output_logits=True), "output_logits"),
-        (dict(output_scores=True), "output_scores"),
-        (dict(streamer=TextStreamer(processor.tokenizer)), "streamer"),
-        (dict(num_return_sequences=2, do_sample=True), "num_return_sequences must be 1"),
+        (dict(streamer=TextStreamer(processor.tokenizer)), "only supports batch size 1"),  # (transformers' own)
+        (dict(output_attentions=True), "output_attentions"),
         (dict(num_beams=2), "beam search is not supported"),
+        (dict(num_return_sequences=2, do_sample=True, past_key_values=BatchedDeferredPrefillCache([None, None])),
+         "num_return_sequences > 1 starts new conversations"),
+        (dict(cache_implementation="static", output_logits=True), "output_logits .* not supported when the rows run"),
         (dict(past_key_values=DeferredPrefillCache(2)), "past_key_values must be a BatchedDeferredPrefillCache"),
         (dict(past_key_values=BatchedDeferredPrefillCache([None])), "holds 1 rows but input_ids has 2"),
     ]:
@@ -227,12 +293,26 @@ def test_unsupported_batches_raise(family):
         _gen(model, right, CFG, n=2)
 
 
-def test_gdn_family_batch_raises(tiny_qwen3_5_path):
-    model, processor = load_tiny_qwen3_5(tiny_qwen3_5_path)
-    enable_raincheck(model)
-    batch = _inputs(processor, CONVERSATIONS[:2])
-    with pytest.raises(ValueError, match="Gated DeltaNet"):
-        _gen(model, batch, CFG, n=2)
+@pytest.mark.parametrize("where", ["qwen3_5", "static"])
+def test_rows_one_after_the_other_equal_batch1(where, tiny_qwen3_5_path, family):
+    """Gated DeltaNet models and static caches run a batch's rows one after the other through the batch-1 path."""
+    if where == "qwen3_5":
+        model, processor = load_tiny_qwen3_5(tiny_qwen3_5_path)
+        enable_raincheck(model)
+        kw = {}
+    else:
+        model, processor = family
+        kw = dict(cache_implementation="static")
+    conversations = CONVERSATIONS[:3]
+    batch = _inputs(processor, conversations)
+    out = _gen(model, batch, CFG, n=6, **kw)
+    width = batch["input_ids"].shape[1]
+    for i, conversation in enumerate(conversations):
+        alone = _inputs(processor, [conversation])
+        ref = _gen(model, alone, CFG, n=6, **kw)
+        ref_new = ref.sequences[0, alone["input_ids"].shape[1]:].tolist()
+        assert out.sequences[i, width:width + len(ref_new)].tolist() == ref_new, f"row {i}"
+        assert out.past_key_values.row_turn_stats[i] == ref.past_key_values.turn_stats
 
 
 def test_batch1_cache_has_the_row_views(family):
