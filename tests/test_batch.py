@@ -21,6 +21,21 @@ from hf_raincheck.testing import load_tiny_qwen2_5_vl, load_tiny_qwen3_5, load_t
 N = 10
 
 
+def assert_same_cache(row, ref, length=None):
+    """Row cache `row` holds what batch-1 cache `ref` holds (up to float rounding): every written layer's keys
+    and values over the conversation, and every Gated DeltaNet layer's recurrent state and conv window."""
+    n = ref.length if length is None else length
+    for a, b in zip(row.layers, ref.layers):
+        assert a.is_initialized == b.is_initialized
+        if b.is_initialized:
+            torch.testing.assert_close(a.keys[:, :, :n], b.keys[:, :, :n], atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(a.values[:, :, :n], b.values[:, :, :n], atol=2e-5, rtol=1e-4)
+    assert row.gdn_states.keys() == ref.gdn_states.keys()
+    for idx, state in ref.gdn_states.items():
+        torch.testing.assert_close(row.gdn_states[idx].state, state.state, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(row.gdn_states[idx].conv, state.conv, atol=2e-5, rtol=1e-4)
+
+
 def _messages(images, text):
     content = [{"type": "image", "image": image} for image in images] + [{"type": "text", "text": text}]
     return [{"role": "user", "content": content}]
@@ -49,10 +64,12 @@ def _gen(model, inputs, cfg=None, n=N, **kw):
         return model.generate(**inputs, **kw)
 
 
-@pytest.fixture(scope="module", params=["qwen3_vl", "qwen2_5_vl"])
-def family(request, tiny_vl_path, tiny_qwen2_5_vl_path):
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen2_5_vl", "qwen3_5"])
+def family(request, tiny_vl_path, tiny_qwen2_5_vl_path, tiny_qwen3_5_path):
     if request.param == "qwen3_vl":
         model, processor = load_tiny_qwen3_vl(tiny_vl_path)
+    elif request.param == "qwen3_5":
+        model, processor = load_tiny_qwen3_5(tiny_qwen3_5_path)
     else:
         model, processor = load_tiny_qwen2_5_vl(tiny_qwen2_5_vl_path)
     return enable_raincheck(model), processor
@@ -83,9 +100,7 @@ def test_every_row_equals_its_batch1_run(family, pruning):
         assert [p.deferred.tolist() for p in cache.row_plans[i]] == [p.deferred.tolist() for p in ref_cache.plans]
         assert [p.boundary for p in cache.row_plans[i]] == [p.boundary for p in ref_cache.plans]
         assert cache.row_turn_stats[i] == ref_cache.turn_stats
-        for a, b in zip(row.layers, ref_cache.layers):
-            torch.testing.assert_close(a.keys, b.keys, atol=2e-5, rtol=1e-4)
-            torch.testing.assert_close(a.values, b.values, atol=2e-5, rtol=1e-4)
+        assert_same_cache(row, ref_cache)
     assert cache.row_total_deferred[2] == 0 and not cache.row_plans[2]  # the text-only row defers nothing
     assert all(t > 0 for k, t in enumerate(cache.row_total_deferred) if k != 2)
     assert cache.row_pending == [0] * len(CONVERSATIONS)
@@ -204,6 +219,8 @@ def test_batched_next_turn_equals_each_row_alone(family, completion):
         assert out2.sequences[i, width2:width2 + len(ref_new)].tolist() == ref_new, f"row {i}"
         assert out2.past_key_values.row_turn_stats[i] == ref.past_key_values.turn_stats, f"row {i}"
         assert out2.past_key_values.rows[i].token_ids == ref.past_key_values.token_ids
+        if completion == "blocking":
+            assert_same_cache(out2.past_key_values.rows[i], ref.past_key_values)
 
 
 def test_step_logits_and_expanded_rows_equal_batch1(family):
@@ -267,9 +284,7 @@ def test_a_binding_step_budget_equals_batch1_fed_the_same_counts(family, monkeyp
         ref_new = ref.sequences[0, alone["input_ids"].shape[1]:].tolist()
         assert out.sequences[i, width:width + len(ref_new)].tolist() == ref_new, f"row {i}"
         assert out.past_key_values.row_turn_stats[i] == ref.past_key_values.turn_stats, f"row {i}"
-        for a, b in zip(out.past_key_values.rows[i].layers, ref.past_key_values.layers):
-            n = ref.past_key_values.length
-            torch.testing.assert_close(a.keys[:, :, :n], b.keys[:, :, :n], atol=2e-5, rtol=1e-4)
+        assert_same_cache(out.past_key_values.rows[i], ref.past_key_values)
 
 
 def test_unsupported_batches_raise(family):
@@ -293,16 +308,10 @@ def test_unsupported_batches_raise(family):
         _gen(model, right, CFG, n=2)
 
 
-@pytest.mark.parametrize("where", ["qwen3_5", "static"])
-def test_rows_one_after_the_other_equal_batch1(where, tiny_qwen3_5_path, family):
-    """Gated DeltaNet models and static caches run a batch's rows one after the other through the batch-1 path."""
-    if where == "qwen3_5":
-        model, processor = load_tiny_qwen3_5(tiny_qwen3_5_path)
-        enable_raincheck(model)
-        kw = {}
-    else:
-        model, processor = family
-        kw = dict(cache_implementation="static")
+def test_static_batch_rows_one_after_the_other_equal_batch1(family):
+    """Static caches run a batch's rows one after the other through the batch-1 path."""
+    model, processor = family
+    kw = dict(cache_implementation="static")
     conversations = CONVERSATIONS[:3]
     batch = _inputs(processor, conversations)
     out = _gen(model, batch, CFG, n=6, **kw)

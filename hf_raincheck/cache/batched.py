@@ -110,28 +110,33 @@ class BatchedDeferredPrefillCache(DynamicCache):
             return False
         for i, row in enumerate(self.rows):
             for layer, keys in zip(row.layers, self.keys):
-                if not layer.is_initialized or layer.keys.data_ptr() != keys[i].data_ptr() or layer.keys.shape[2] != keys.shape[2]:
+                if keys is None:
+                    if layer.is_initialized:
+                        return False
+                elif not layer.is_initialized or layer.keys.data_ptr() != keys[i].data_ptr() \
+                        or layer.keys.shape[2] != keys.shape[2]:
                     return False
         return True
 
     def share_buffers(self, needed: int) -> None:
-        """Puts every row's KV entries into shared buffers of at least `needed` slots (and the scratch rows the
-        caller adds) and points each row cache's layers at its row (a no-op when they already are, with room).
+        """Puts every row's KV entries into shared buffers of at least `needed` slots and points each row cache's
+        layers at its row (a no-op when they already are, with room).
 
-        Rows whose layers were never written (a new conversation) get zero views; every row must hold KV of the
-        same layer count, dtype and device."""
+        A layer that no row has written yet (a new conversation; a Gated DeltaNet layer, which keeps no KV) gets
+        its shared buffer at its first write. Every row must hold KV of the same shapes, dtype and device."""
         if self._views_current() and needed <= self.capacity:
             return
-        template = next((r.layers for r in self.rows if r.layers[0].is_initialized), None)
-        if template is None:
-            self.keys, self.values, self.capacity = [], [], 0
-            self._pending_capacity = needed
-            return
-        capacity = max(needed, self.capacity, max(r.layers[0].keys.shape[2] if r.layers[0].is_initialized else 0
-                                                  for r in self.rows))
+        layers = len(self.rows[0].layers)
+        if any(len(r.layers) != layers for r in self.rows):
+            raise ValueError("BatchedDeferredPrefillCache: the row caches have different layer counts")
+        capacity = max([needed, self.capacity] + [layer.keys.shape[2] for r in self.rows for layer in r.layers
+                                                   if layer.is_initialized])
         capacity = -(-max(capacity, _GROWTH) // _GROWTH) * _GROWTH
-        keys, values = [], []
-        for idx, ref in enumerate(template):
+        keys, values = [None] * layers, [None] * layers
+        for idx in range(layers):
+            ref = next((r.layers[idx] for r in self.rows if r.layers[idx].is_initialized), None)
+            if ref is None:
+                continue
             k = ref.keys.new_zeros((self.batch_size, ref.keys.shape[1], capacity, ref.keys.shape[3]))
             v = ref.values.new_zeros((self.batch_size, ref.values.shape[1], capacity, ref.values.shape[3]))
             for i, row in enumerate(self.rows):
@@ -140,28 +145,20 @@ class BatchedDeferredPrefillCache(DynamicCache):
                     n = min(layer.keys.shape[2], capacity)
                     k[i, :, :n] = layer.keys[0, :, :n]
                     v[i, :, :n] = layer.values[0, :, :n]
-            keys.append(k)
-            values.append(v)
-        self._point_rows(keys, values, capacity)
-
-    def _point_rows(self, keys, values, capacity: int) -> None:
-        for i, row in enumerate(self.rows):
-            for idx, layer in enumerate(row.layers):
-                layer.dtype, layer.device = keys[idx].dtype, keys[idx].device
-                layer.keys, layer.values = keys[idx][i : i + 1], values[idx][i : i + 1]  # (one line: they match)
-                layer.capacity = capacity
-                layer.is_initialized = True
+            keys[idx], values[idx] = k, v
         self.keys, self.values, self.capacity = keys, values, capacity
+        for idx in range(layers):
+            if keys[idx] is not None:
+                self._point_layer(idx)
 
-    def _first_write(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """No row had KV yet (every row new): the shared buffers are made at the first layer's write."""
-        capacity = -(-max(getattr(self, "_pending_capacity", 0), _GROWTH) // _GROWTH) * _GROWTH
-        n_layers = len(self.rows[0].layers)
-        b, h, _, dk = key_states.shape
-        dv = value_states.shape[-1]
-        keys = [key_states.new_zeros((b, h, capacity, dk)) for _ in range(n_layers)]
-        values = [value_states.new_zeros((b, h, capacity, dv)) for _ in range(n_layers)]
-        self._point_rows(keys, values, capacity)
+    def _point_layer(self, idx: int) -> None:
+        keys, values = self.keys[idx], self.values[idx]
+        for i, row in enumerate(self.rows):
+            layer = row.layers[idx]
+            layer.dtype, layer.device = keys.dtype, keys.device
+            layer.keys, layer.values = keys[i : i + 1], values[i : i + 1]  # (one line: they always match)
+            layer.capacity = self.capacity
+            layer.is_initialized = True
 
     # ------------------------------------------------------------------ the running call and forward
     @property
@@ -232,8 +229,11 @@ class BatchedDeferredPrefillCache(DynamicCache):
                 "this BatchedDeferredPrefillCache is written only by Raincheck's batched forwards; pass it to "
                 "generate(raincheck_config=...) with a batch"
             )
-        if not self.keys:
-            self._first_write(layer_idx, key_states, value_states)
+        if self.keys[layer_idx] is None:  # the layer's first write in any row: its shared buffers now
+            b, h, _, dk = key_states.shape
+            self.keys[layer_idx] = key_states.new_zeros((b, h, self.capacity, dk))
+            self.values[layer_idx] = value_states.new_zeros((b, h, self.capacity, value_states.shape[-1]))
+            self._point_layer(layer_idx)
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         slots = context.slots_on(key_states.device)  # [B, q]
         index = slots[:, None, :, None]

@@ -167,8 +167,6 @@ def _expand(input_ids, mask, row_ids, media, mm_types, n: int):
 
 def shared_steps_supported(state, cache_implementation, backend: str, past) -> str | None:
     """None when the shared-step engine runs this batch, else why the rows run one after the other."""
-    if state.adapter.gdn_glue is not None:
-        return "Gated DeltaNet layers (per-row boundary checkpoints and P_tail are not batched yet)"
     if cache_implementation == "static":
         return "cache_implementation='static' (compiled steps are built for one row)"
     if backend == "flash":

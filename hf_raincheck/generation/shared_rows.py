@@ -15,7 +15,9 @@ import torch
 from ..attention.sdpa import eager_sdpa_backends
 from ..cache import DeferralPlan, DeferredPrefillCache, ForwardContext
 from ..cache.batched import BatchedDeferredPrefillCache
-from .rows import Rows, release_finished_plan
+from ..gdn_state import resolve as resolve_gdn_backend
+from ..gdn_state.layer import SharedGDNSteps
+from .rows import Rows, gdn_step, release_finished_plan
 from .visibility import visibility_mask
 
 
@@ -68,8 +70,9 @@ def run_shared_rows(
     n_deepstack = next((len(rows.deepstack) for _, rows in present if rows.deepstack is not None), 0)
     if n_deepstack:
         deepstack = [embeds.new_zeros((batch, q, hidden_size)) for _ in range(n_deepstack)]
+    starts = {}
     for b, rows in present:
-        start = q - rows.size
+        start = starts[b] = q - rows.size
         plan = items[b][1]
         has_deferred = plan is not None and rows.restored > 0
         embeds[b, start:] = rows.embeds.to(embeds.dtype)
@@ -90,6 +93,13 @@ def run_shared_rows(
                 layer[b, start:] = feature.to(layer.dtype)
 
     context = ForwardContext(write_slots=slots, kv_len=width)
+    if adapter.gdn_glue is not None:  # Gated DeltaNet layers: each row on its own states (docs/design.md rule 3)
+        gdn_backend = resolve_gdn_backend(caches[0].config.gdn_backend, device)
+        context.gdn_step = SharedGDNSteps(rows=[
+            None if b not in starts else (starts[b], gdn_step(caches[b], items[b][0], items[b][1], gdn_backend),
+                                          caches[b].gdn_state)
+            for b in range(batch)
+        ])
     try:
         group.begin_forward(context)
         with eager_sdpa_backends(device, q):
