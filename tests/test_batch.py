@@ -200,7 +200,7 @@ def test_batched_next_turn_equals_each_row_alone(family, completion):
     follow = [{"role": "user", "content": [{"type": "image", "image": make_image(9)},
                                            {"type": "text", "text": "And this one?"}]}]
     rows = out.past_key_values.split()
-    turn2, refs, row_inputs = [], [], []
+    refs, row_inputs = [], []
     for i, conversation in enumerate(first):
         alone = _inputs(processor, [conversation])
         ref = _gen(model, alone, cfg, n=4)
@@ -387,3 +387,25 @@ def test_qwen2_5_vl_batch_with_videos_equals_batch1(tiny_qwen2_5_vl_path):
         assert [p.deferred.tolist() for p in row.plans] == [p.deferred.tolist() for p in ref_cache.plans]
         for a, b in zip(row.layers, ref_cache.layers):
             torch.testing.assert_close(a.keys, b.keys, atol=2e-5, rtol=1e-4)
+
+
+def test_complete_deferred_of_a_batch(family):
+    """``complete_deferred`` on a `BatchedDeferredPrefillCache`: every row's pending tokens, in shared forwards,
+    ``max_tokens`` per row; the rows then hold what a batch-1 blocking run holds."""
+    from hf_raincheck import complete_deferred
+
+    model, processor = family
+    conversations = [CONVERSATIONS[0], CONVERSATIONS[2], CONVERSATIONS[1]]
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion="next_turn")
+    out = _gen(model, _inputs(processor, conversations), cfg, n=3)
+    group = out.past_key_values
+    pending = group.row_pending
+    assert pending[0] > 2 and pending[1] == 0 and pending[2] > 2
+    assert complete_deferred(model, group, max_tokens=2) == 4
+    assert group.row_pending == [pending[0] - 2, 0, pending[2] - 2]
+    assert complete_deferred(model, group) == sum(pending) - 4 and group.pending == 0
+    for i, conversation in enumerate(conversations):
+        ref = _gen(model, _inputs(processor, [conversation]), RaincheckConfig(
+            retention=0.3, chunk_size=3, guard_tokens=2, completion="blocking"), n=3)
+        assert group.rows[i].turn_stats[0].restored_after_answer == pending[i]
+        assert_same_cache(group.rows[i], ref.past_key_values)

@@ -1,15 +1,16 @@
 """Batched ``generate(raincheck_config=...)`` (B > 1 rows, left-padded): every row is its own conversation.
 
 The batch is split into its rows, padding removed (each row's tokens, ``mm_token_type_ids``, and the pixels and
-grids of its own images / videos), and each row runs the batch-1 Raincheck path: its own spans, budgets,
-selection, plan, boundary, pending set, completion and accounting, at the logical positions transformers computes
-for it with the attention mask (M-RoPE of the unpadded row). The outputs are assembled as transformers' batched
-``generate`` lays them out: the left-padded prompt, then each row's new tokens, padded on the right with
-``pad_token_id`` after a row stopped. ``past_key_values`` of a ``return_dict_in_generate`` output is a
-`BatchedDeferredPrefillCache` (one batch-1 cache per row; ``split()`` continues a row alone).
+grids of its own images / videos, of the whole conversation or only its new part), expanded for
+``num_return_sequences``. Then either:
 
-The rows run one after the other (no fused multi-row forward yet): each row's tokens and logits are those of its
-own batch-1 run. What is not supported at B > 1 raises a `ValueError` (`check_batch_supported`).
+* shared forwards (`shared_batch`, the default): each row prepared as its batch-1 call would be, and every forward
+  (prefill, fused decode steps, blocking completion) run once for all rows (`shared_rows`);
+* one row after the other through the batch-1 path (static caches, ``attn_backend="flash"``), assembled as
+  transformers' batched ``generate`` lays out its outputs.
+
+``past_key_values`` (given and returned) is a `BatchedDeferredPrefillCache` of batch-1 row caches. What is not
+supported raises a `ValueError` (`check_batch_supported`).
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ def check_batch_supported(model, state, kwargs: dict, gen_config, cache_implemen
     for name, what in unsupported.items():
         value = kwargs.get(name, getattr(gen_config, name, None))
         if value:
-            suffix = "" if shared else (" when the rows run one after the other (Gated DeltaNet models, static "
-                                        "caches, attn_backend='flash')")
+            suffix = "" if shared else (" when the rows run one after the other (static caches, "
+                                        "attn_backend='flash')")
             raise ValueError(f"{where}: {what} is not supported{suffix}")
 
 

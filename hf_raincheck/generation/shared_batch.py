@@ -12,7 +12,6 @@ batch ends is completed per row as the config says (``"blocking"``: in shared fo
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -20,10 +19,11 @@ import torch
 from ..cache import DeferredPrefillCache, TurnRestore
 from ..cache.batched import BatchedDeferredPrefillCache
 from .background import start_background_completion
+from .completion import complete_shared
 from .row_stops import RowStopsSlot
 from .rows import Rows, concat_rows, deferred_rows
 from .schedule import FixedChunkSchedule, carried_tokens
-from .shared_rows import run_shared_rows
+from .shared_rows import row_transactions, run_shared_rows
 from .turn import Turn, prepare_turn
 
 
@@ -83,13 +83,6 @@ def _live_rows(adapter, cache: DeferredPrefillCache, embeds: torch.Tensor) -> Ro
     )
 
 
-def _transactions(caches: list[DeferredPrefillCache]) -> contextlib.ExitStack:
-    stack = contextlib.ExitStack()
-    for cache in caches:
-        stack.enter_context(cache.transaction())
-    return stack
-
-
 def prepare_batch_turn(adapter, group: BatchedDeferredPrefillCache, config, row_inputs: list[dict], backend: str,
                        stops: RowStopsSlot) -> BatchTurn:
     """Every row's `Turn` (row b: ``row_inputs[b]``, its unpadded ``input_ids [1, L_b]`` and its own media)."""
@@ -108,7 +101,7 @@ def shared_step(adapter, group: BatchedDeferredPrefillCache, bturn: BatchTurn, i
     caches = group.rows
     if not bturn.prefill_done:
         records = [TurnRestore(deferred=t.plan.total_deferred if t.plan is not None else 0) for t in bturn.turns]
-        with _transactions(caches):
+        with row_transactions(caches):
             logits = run_shared_rows(adapter, group, [(t.prefill, t.prefill_plan) for t in bturn.turns],
                                      bturn.backend, config.visibility, want_logits=True)
             for cache, turn, record in zip(caches, bturn.turns, records):
@@ -135,7 +128,7 @@ def shared_step(adapter, group: BatchedDeferredPrefillCache, bturn: BatchTurn, i
     counts = carry_counts(wanted, config.step_deferred_budget)
     tokens = input_ids[:, -1:].to(bturn.turns[0].positions.device)
     embeds = adapter.embed_tokens(tokens)  # [B, 1, H]
-    with _transactions(caches):
+    with row_transactions(caches):
         items = []
         for b, (cache, count, done) in enumerate(zip(caches, counts, stopped)):
             plan = cache.plan
@@ -151,20 +144,6 @@ def shared_step(adapter, group: BatchedDeferredPrefillCache, bturn: BatchTurn, i
                 cache.record_restored("during_decode", count)
                 cache.append_fed_token(tokens[b : b + 1])
     return logits
-
-
-@torch.no_grad()
-def complete_shared(adapter, group: BatchedDeferredPrefillCache, config, backend: str) -> None:
-    """Blocking completion of every row: shared forwards of up to ``completion_chunk_size`` deferred rows per row,
-    until nothing is pending (each chunk one transaction per row cache)."""
-    caches = group.rows
-    while any(c.pending for c in caches):
-        counts = [min(config.completion_chunk_size, c.pending) for c in caches]
-        with _transactions(caches):
-            items = [(deferred_rows(c.plan, n), c.plan) if n else (None, None) for c, n in zip(caches, counts)]
-            run_shared_rows(adapter, group, items, backend, config.visibility, want_logits=False)
-            for cache, n in zip(caches, counts):
-                cache.record_restored("after_answer", n)
 
 
 def finish_batch(model, adapter, group: BatchedDeferredPrefillCache, config, backend: str) -> None:

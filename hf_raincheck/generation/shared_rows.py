@@ -10,6 +10,8 @@ what its batch-1 forward computes, up to float rounding.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..attention.sdpa import eager_sdpa_backends
@@ -19,6 +21,15 @@ from ..gdn_state import resolve as resolve_gdn_backend
 from ..gdn_state.layer import SharedGDNSteps
 from .rows import Rows, gdn_step, release_finished_plan
 from .visibility import visibility_mask
+
+
+def row_transactions(caches: list[DeferredPrefillCache]) -> contextlib.ExitStack:
+    """Every row cache's `transaction`, entered in row order (exits in reverse: each rolls its row back on an
+    error or interrupt)."""
+    stack = contextlib.ExitStack()
+    for cache in caches:
+        stack.enter_context(cache.transaction())
+    return stack
 
 
 def run_shared_rows(
