@@ -146,18 +146,20 @@ class Bench:
 
     def __init__(self, model, name: str, args, cuda: bool):
         self.model, self.name, self.args, self.cuda = model, name, args, cuda
+        self.device = torch.device(args.device)
         self._static_caches: dict[int, StaticCache] = {}
 
     def sync(self) -> None:
         if self.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
 
     def reset_peak_memory(self) -> None:
         if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def peak_memory_gib(self) -> float | None:
-        return torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None
+        """Peak allocated memory of the model's GPU (weights included); None on the CPU."""
+        return torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else None
 
     def rows_why(self, method: Method, batch_size: int) -> str | None:
         """Why a Raincheck method runs the rows of a batch of `batch_size` one after the other (None: it does not),
@@ -542,7 +544,7 @@ def meta(args, cuda: bool, methods: list[Method]) -> dict:
     return dict(
         command=" ".join([os.path.basename(sys.executable)] + sys.argv),
         torch=torch.__version__, transformers=transformers.__version__, hf_raincheck=hf_raincheck.__version__,
-        gpu=torch.cuda.get_device_name() if cuda else None, cpu=platform.processor() or platform.machine(),
+        gpu=torch.cuda.get_device_name(torch.device(args.device)) if cuda else None, cpu=platform.processor() or platform.machine(),
         device=args.device, dtype="bfloat16" if cuda else "float32",
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), quick=args.quick,
         settings=dict(models=args.models, cache=args.cache, batch_sizes=args.batch_sizes,
