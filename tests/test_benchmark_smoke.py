@@ -342,3 +342,31 @@ def test_batch_bad_arguments_name_the_option(capsys):
         with pytest.raises(SystemExit):
             batch.parse_args(["--quick", *argv])
         assert f"error: {option}" in capsys.readouterr().err, argv
+
+
+def test_batch_budget_scales_the_previous_batch_size():
+    """`batch.Budget`: a batch size's warm-ups and first round are estimated from the previous one's, x B where the
+    rows run one by one, x sqrt(B) where they share forwards; a batch size that does not fit is refused."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import batch
+
+    class FakeBench:
+        args = batch.parse_args(["--quick"])
+
+        @staticmethod
+        def rows(method, size):
+            return "batched" if method.name == "plain" else "batch-1" if size == 1 else (
+                "one by one" if method.name == "hard" else "shared")
+
+    budget = batch.Budget(1000.0)
+    full, hard, plain = (batch.Method(name, None) for name in ("full", "hard", "plain"))
+    budget.record("m", 4, "full", "shared", 2.0, 10.0)
+    budget.record("m", 4, "hard", "one by one", 2.0, 10.0)
+    budget.record("m", 1, "plain", "batched", 1.0, 5.0)
+    assert math.isclose(budget.estimate("m", 16, full, FakeBench), 2.0 * 2 + 10.0 * 2 * 1.1)
+    assert math.isclose(budget.estimate("m", 16, hard, FakeBench), 2.0 * 4 + 10.0 * 4 * 1.1)
+    assert math.isclose(budget.estimate("m", 4, plain, FakeBench), 1.0 * 2 + 5.0 * 2 * 1.1)
+    assert budget.estimate("other", 4, full, FakeBench) is None
+    assert budget.fits_group("m", 16, [full, hard, plain], FakeBench)
+    budget.model_deadline = time.perf_counter() + 50.0  # 24 + 48 s do not fit in 50
+    assert not budget.fits_group("m", 16, [full, hard], FakeBench) and budget.fits_group("m", 16, [full], FakeBench)
