@@ -272,7 +272,8 @@ def test_batch_quick_shared_engine(tmp_path):
     assert "| model | cache | B | method | rows |" in out and "| model | cache | B | ratio |" in out
     report = json.loads((tmp_path / "batch.json").read_text())
     meta, records = report["meta"], report["records"]
-    assert {"command", "torch", "transformers", "hf_raincheck", "gpu"} <= set(meta) and "batch.py" in meta["command"]
+    assert {"command", "torch", "transformers", "hf_raincheck", "gpu"} <= set(meta)
+    assert "batch.py" in meta["command"]
     assert meta["errors"] == [] and meta["skipped"] == [] and meta["configs"]["plain"] is None
     assert meta["configs"]["raincheck"]["completion"] == "blocking"
     assert meta["configs"]["raincheck"]["step_deferred_budget"] == 20
@@ -307,6 +308,7 @@ def test_batch_quick_shared_engine(tmp_path):
         top, bottom = (by[(b, m)] for m in pair.split("/"))
         expected = statistics.median(x / y for x, y in zip(top["tpot_ms_rounds"], bottom["tpot_ms_rounds"]))
         assert abs(ratio["tpot"] - expected) < 1e-3
+        assert abs(ratio["ttft"] - top["ttft_ms"] / bottom["ttft_ms"]) < 1e-3  # medians over every first-token call
     targets = {(t["batch_size"], t["target"]) for t in report["targets"]}
     assert targets == {(1, "TPOT <= 1.05 x full"), (1, "tokens/s >= 0.95 x full"), (3, "TPOT <= 1.05 x full"),
                        (3, "tokens/s >= 0.95 x full")}  # the TTFT target starts at B = 4
