@@ -1,8 +1,9 @@
 """Batches (issue 28): Full, Hard, Raincheck and plain transformers ``generate`` on the same left-padded batch.
 
-    python benchmarks/batch.py --device cuda --save                    # Qwen3-VL-8B, B = 1 4 8 16, eager (dynamic)
+    python benchmarks/batch.py --device cuda --save --budget-s 400     # Qwen3-VL-8B, B = 1 4 8 16, eager (dynamic)
+    python benchmarks/batch.py --device cuda --save --models qwen3.5-9b --batch-sizes 1 4 --rounds 1
     python benchmarks/batch.py --device cuda --save --cache static --batch-sizes 1 4   # compiled steps
-    python benchmarks/batch.py --quick                                 # tiny shapes on the CPU, seconds (smoke run)
+    python benchmarks/batch.py --quick                                 # tiny Qwen3-VL on the CPU, B = 1 3 (smoke run)
 
 Random-weight models of the real shapes (``shapes.py``: Qwen3-VL-8B, Qwen3.5-9B), bf16 on CUDA. Per model and batch
 size B (``--batch-sizes``, default 1 4 8 16) one left-padded batch of B rows, each its own conversation: ~40 text
