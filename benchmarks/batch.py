@@ -18,10 +18,9 @@ pixels and text drawn from its own seed (different images). Answers of ``--new-t
   ``step_deferred_budget`` 128; each overridable) except ``completion="blocking"``, so that a call's end includes
   every row's deferred tokens restored (as ``latency.py``). Full and Hard are blocking too (nothing to complete).
 
-Cache kinds (``--cache``): ``dynamic`` (default; eager decode): Qwen3-VL / Qwen2.5-VL batches run in the shared
-engine (every row in each forward); ``static`` (``cache_implementation="static"``, compiled steps): the Raincheck
-methods run the batch's rows one after the other through the batch-1 path for now (so do Qwen3.5's on either cache:
-Gated DeltaNet layers). Each record says how its rows ran (``rows``: ``batched`` for plain generate, ``batch-1``,
+Cache kinds (``--cache``): ``dynamic`` (default; eager decode): batches run in the shared engine (every row in each
+forward; Qwen3.5 too); ``static`` (``cache_implementation="static"``, compiled steps): the Raincheck methods run the
+batch's rows one after the other through the batch-1 path for now. Each record says how its rows ran (``rows``: ``batched`` for plain generate, ``batch-1``,
 ``shared`` or ``one by one``; ``rows_why`` says why). Plain generate on a static cache gets one ``StaticCache`` per
 batch size (emptied before each call, so its compiled decode step records one graph per B).
 
