@@ -95,7 +95,7 @@ RECORD_KEYS = ("model", "cache", "batch_size", "method", "rows", "rows_why", "im
                "new_tokens",
                "ttft_ms", "ttft_ms_calls", "ttft_ms_rounds", "tpot_ms", "tpot_ms_rounds", "tpot_from",
                "tokens_per_s", "tokens_per_s_rounds", "e2e_ms", "e2e_ms_rounds", "peak_mem_gib", "rounds",
-               "warmup_s", "answer_ttft_ms", "step_ms", "restore_step_ms", "decode_step_ms", "restored_at_token",
+               "warmup_s", "answer_ttft_ms", "step_ms", "step_p50_ms", "restore_step_ms", "decode_step_ms", "restored_at_token",
                "deferred_per_row", "restored_during_decode", "pending_at_answer_end", "restored_after_answer",
                "replay_matches")
 
@@ -287,7 +287,7 @@ def answer_run(bench: Bench, method: Method, batch: dict) -> dict:
     del out
     e2e = end - start
     run = dict(e2e_ms=1e3 * e2e, tokens_per_s=size * n / e2e, peak_mem_gib=peak, tpot_ms=None, answer_ttft_ms=None,
-               step_ms=None, restore_step_ms=None, decode_step_ms=None, **restored)
+               step_ms=None, step_p50_ms=None, restore_step_ms=None, decode_step_ms=None, **restored)
     if timer is not None:
         tokens = timer.times[1:]
         if len(tokens) != n:
@@ -295,7 +295,7 @@ def answer_run(bench: Bench, method: Method, batch: dict) -> dict:
         steps = [b - a for a, b in zip(tokens, tokens[1:])]  # steps[j-1]: decode step j
         counts = restored["counts"] or [0] * len(steps)
         run.update(tpot_ms=1e3 * (tokens[-1] - tokens[0]) / (n - 1), answer_ttft_ms=1e3 * (tokens[0] - start),
-                   step_ms=[round(1e3 * s, 3) for s in steps],
+                   step_ms=[round(1e3 * s, 3) for s in steps], step_p50_ms=1e3 * statistics.median(steps),
                    restore_step_ms=mean_ms([s for s, c in zip(steps, counts) if c]),
                    decode_step_ms=mean_ms([s for s, c in zip(steps, counts) if not c]))
     return run
@@ -347,7 +347,7 @@ def make_record(bench: Bench, entry: Entry, batch_size: int, prompt_tokens: list
         peak_mem_gib=max((a["peak_mem_gib"] for a in answers if a["peak_mem_gib"] is not None), default=None),
         rounds=len(answers), warmup_s=round(entry.warmup_s, 2),
         answer_ttft_ms=[None if a["answer_ttft_ms"] is None else round(a["answer_ttft_ms"], 2) for a in answers],
-        step_ms=middle["step_ms"],
+        step_ms=middle["step_ms"], step_p50_ms=median_or_none([a["step_p50_ms"] for a in answers]),
         restore_step_ms=median_or_none([a["restore_step_ms"] for a in answers]),
         decode_step_ms=median_or_none([a["decode_step_ms"] for a in answers]),
         restored_at_token=middle["restored_at_token"], deferred_per_row=middle["deferred_per_row"],
@@ -381,6 +381,7 @@ def pair_ratios(records: list[dict]) -> list[dict]:
                         tokens_per_s=paired(a["tokens_per_s_rounds"], b["tokens_per_s_rounds"]),
                         ttft_paired=paired(a["ttft_ms_rounds"], b["ttft_ms_rounds"]),
                         tpot_of_medians=rounded_ratio(a["tpot_ms"], b["tpot_ms"]),
+                        step_p50=rounded_ratio(a["step_p50_ms"], b["step_p50_ms"]),
                         tokens_per_s_of_medians=rounded_ratio(a["tokens_per_s"], b["tokens_per_s"])))
     return out
 
@@ -577,20 +578,21 @@ def fmt(value, digits=1) -> str:
 def markdown_tables(report: dict) -> str:
     order = {name: i for i, name in enumerate(TABLE_ORDER)}
     records = sorted(report["records"], key=lambda r: (r["model"], r["cache"], r["batch_size"], order[r["method"]]))
-    lines = ["| model | cache | B | method | rows | TTFT ms | TPOT ms | tokens/s | E2E s | peak GiB | restored at |",
-             "| " + " | ".join(["---"] * 11) + " |"]
+    lines = ["| model | cache | B | method | rows | TTFT ms | TPOT ms | step p50 ms | tokens/s | E2E s | peak GiB | "
+             "restored at |", "| " + " | ".join(["---"] * 12) + " |"]
     for r in records:
         lines.append("| " + " | ".join([
             r["model"], r["cache"], str(r["batch_size"]), r["method"], r["rows"], fmt(r["ttft_ms"]),
-            fmt(r["tpot_ms"], 2) + ("" if r["tpot_from"] == "streamer" else " *"), fmt(r["tokens_per_s"]),
+            fmt(r["tpot_ms"], 2) + ("" if r["tpot_from"] == "streamer" else " *"), fmt(r["step_p50_ms"], 2),
+            fmt(r["tokens_per_s"]),
             fmt(r["e2e_ms"] / 1e3, 2), fmt(r["peak_mem_gib"], 2), fmt(r["restored_at_token"], 0)]) + " |")
     if any(r["tpot_from"] != "streamer" for r in records):
         lines.append("\n\\* rows one by one: (answer call - first-token call) / (new tokens - 1)")
-    lines += ["", "| model | cache | B | ratio | TTFT | TPOT | tokens/s |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "| model | cache | B | ratio | TTFT | TPOT | step p50 | tokens/s |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in sorted(report["ratios"], key=lambda r: (r["model"], r["cache"], r["batch_size"], r["pair"])):
         lines.append(f"| {r['model']} | {r['cache']} | {r['batch_size']} | {r['pair']} | {fmt(r['ttft'], 3)} | "
-                     f"{fmt(r['tpot'], 3)} | {fmt(r['tokens_per_s'], 3)} |")
+                     f"{fmt(r['tpot'], 3)} | {fmt(r.get('step_p50'), 3)} | {fmt(r['tokens_per_s'], 3)} |")
     lines += ["", "| model | cache | B | target | value | met |", "| --- | --- | --- | --- | --- | --- |"]
     for c in report["targets"]:
         lines.append(f"| {c['model']} | {c['cache']} | {c['batch_size']} | {c['target']} | {c['value']:.3f} | "
