@@ -62,6 +62,10 @@ torch and accelerate private names (not transformers, but the same kind of coupl
 15. ``GenerationMixin._get_stopping_criteria`` (`STOPPING_CRITERIA_METHOD`): wrapped on an enabled instance so a
     batched Raincheck generate knows which rows stopped (`hf_raincheck.generation.row_stops`); ``_sample`` must
     still build the criteria once per call and AND their result into ``unfinished_sequences`` every step.
+16. ``<Family>Model.rope_deltas`` (`forget_rope_deltas`): the Qwen-VL models keep the last call's M-RoPE deltas
+    (``[B, 1]``) and add them to a continued call's text positions in ``_prepare_position_ids_for_generation``;
+    from a call with another batch size that addition fails. Raincheck computes positions itself, so it clears
+    them before each of its calls (transformers then computes text positions, which the Raincheck forward ignores).
 
 Off the inference path, kept where they are (tests/test_transformers_coupling.py lists them as the only exceptions):
 
@@ -153,6 +157,13 @@ def config_with_attention(config, implementation: str):
 
 
 # ----------------------------------------------------------------------------------------------- text decoder loop
+def forget_rope_deltas(model) -> None:
+    """Coupling point 16: clears the M-RoPE deltas a Qwen-VL model keeps from its last call (``model.model``)."""
+    inner = getattr(model, "model", None)
+    if getattr(inner, "rope_deltas", None) is not None:
+        inner.rope_deltas = None
+
+
 #: coupling point 15: transformers' private method that builds a generate call's stopping criteria (an enabled
 #: instance wraps it; finished rows are fed padding by transformers, which must not reach their caches)
 STOPPING_CRITERIA_METHOD = "_get_stopping_criteria"

@@ -430,3 +430,24 @@ def test_shared_steps_on_cuda_equal_batch1(family):
             assert_same_cache(out.past_key_values.rows[i], ref.past_key_values)
     finally:
         model.cpu()
+
+
+def test_consecutive_calls_of_other_batch_sizes_continue(family):
+    """transformers keeps the last call's M-RoPE deltas on the model and adds them to a continued call's positions;
+    a continued call of another batch size (3 rows, then 2 of them, then 1 alone) must not trip on them."""
+    model, processor = family
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion="next_turn")
+    batch = _inputs(processor, CONVERSATIONS[:3])
+    width = batch["input_ids"].shape[1]
+    out = _gen(model, batch, cfg, n=3)
+    rows = out.past_key_values.split()
+    follow = [{"role": "user", "content": "Why?"}]
+    histories = [torch.cat([batch["input_ids"][i][batch["attention_mask"][i].bool()], out.sequences[i, width:]])[None]
+                 for i in range(2)]
+    turn2 = batch_inputs([next_turn_inputs(processor, h, follow) for h in histories], processor.tokenizer.pad_token_id)
+    out2 = _gen(model, turn2, cfg, n=3, past_key_values=BatchedDeferredPrefillCache(rows[:2]))
+    assert out2.sequences.shape[0] == 2 and rows[0].pending == 0 and rows[1].pending == 0
+    width2 = turn2["input_ids"].shape[1]
+    alone = torch.cat([turn2["input_ids"][0][turn2["attention_mask"][0].bool()], out2.sequences[0, width2:]])[None]
+    out3 = _gen(model, next_turn_inputs(processor, alone, follow), cfg, n=2, past_key_values=rows[0])
+    assert out3.past_key_values is rows[0] and len(rows[0].turn_stats) == 3

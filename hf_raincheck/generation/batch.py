@@ -20,6 +20,7 @@ import contextlib
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .. import transformers_coupling as hf
 from ..cache import DeferredPrefillCache
 from ..cache.batched import BatchedDeferredPrefillCache
 from .row_stops import RowStopsSlot
@@ -248,6 +249,7 @@ def _generate_shared_locked(model, state, config, kwargs, rows, past, backend):
     stops = RowStopsSlot()
     bturn = prepare_batch_turn(state.adapter, past, config, rows, backend, stops)
     state.row_stops.slot = stops
+    hf.forget_rope_deltas(model)  # (deltas of a call with another batch size break transformers' position ids)
     past.begin_turn(bturn)
     try:
         output = state.original_generate(**kwargs)

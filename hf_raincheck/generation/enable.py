@@ -174,6 +174,7 @@ def _generate_locked(model, state: RaincheckState, past: DeferredPrefillCache, r
     kwargs["attention_mask"] = torch.ones_like(input_ids)
     past.config = raincheck_config
     past.tidy()  # (what an interrupted clean-up left: a finished plan's store, GDN checkpoints)
+    hf.forget_rope_deltas(model)  # (deltas of a call with another batch size break transformers' position ids)
     past.begin_turn(turn)
     try:
         output = state.original_generate(*args, **kwargs)
