@@ -18,6 +18,7 @@ import torch
 
 from ..cache import DeferredPrefillCache, TurnRestore
 from ..cache.batched import BatchedDeferredPrefillCache
+from ..pruning import selector_requirements
 from .background import start_background_completion
 from .completion import complete_shared
 from .row_stops import RowStopsSlot
@@ -90,13 +91,47 @@ def _live_rows(adapter, cache: DeferredPrefillCache, embeds: torch.Tensor) -> Ro
     )
 
 
+_MEDIA = (("image", "image_grid_thw", "pixel_values"), ("video", "video_grid_thw", "pixel_values_videos"))
+
+
+def encode_rows(adapter, config, caches: list[DeferredPrefillCache], row_inputs: list[dict]) -> list[dict] | None:
+    """Every row's new images (and videos) through the vision tower in one call per modality, as transformers'
+    batched generate does, split back into rows: ``[{modality: VisionFeatures}]``, or None when a row continues a
+    conversation (its new media are then found by its own `prepare_turn`). The tower treats every image alone
+    (its attention stays within one image), so each row gets what its own call would give, up to float rounding."""
+    if any(c.length for c in caches):
+        return None
+    want = {}
+    if config.policy != "full" and config.retention < 1.0:
+        want = selector_requirements(config.pruning, config.pruning_options, adapter.vision_depth)
+    out = [dict() for _ in row_inputs]
+    device = adapter.input_device
+    for modality, grid_key, pixel_key in _MEDIA:
+        rows = [i for i, r in enumerate(row_inputs) if r.get(grid_key) is not None and r.get(pixel_key) is not None]
+        if not rows:
+            continue
+        grids = [row_inputs[i][grid_key] for i in rows]
+        counts = []
+        for grid in grids:
+            image_counts, video_counts = adapter.media_token_counts(
+                grid if modality == "image" else None, grid if modality == "video" else None)
+            counts.append(sum(image_counts) if modality == "image" else sum(sum(v) for v in video_counts))
+        pixels = torch.cat([row_inputs[i][pixel_key] for i in rows]).to(device)
+        feats = adapter.vision_features(modality, pixels, torch.cat(grids).to(device), want=want or None)
+        for i, part in zip(rows, feats.split(counts)):
+            out[i][modality] = part
+    return out
+
+
 def prepare_batch_turn(adapter, group: BatchedDeferredPrefillCache, config, row_inputs: list[dict], backend: str,
                        stops: RowStopsSlot) -> BatchTurn:
     """Every row's `Turn` (row b: ``row_inputs[b]``, its unpadded ``input_ids [1, L_b]`` and its own media)."""
     turns = []
-    for cache, inputs in zip(group.rows, row_inputs):
+    vision = encode_rows(adapter, config, group.rows, row_inputs)
+    for b, (cache, inputs) in enumerate(zip(group.rows, row_inputs)):
         schedule = config.schedule or FixedChunkSchedule(config.chunk_size, config.guard_tokens)
-        turns.append(prepare_turn(adapter, cache, config, inputs["input_ids"], inputs, schedule, backend))
+        turns.append(prepare_turn(adapter, cache, config, inputs["input_ids"], inputs, schedule, backend,
+                                  vision=None if vision is None else vision[b]))
     return BatchTurn(turns=turns, config=config, backend=backend, stops=stops, stopped=[False] * len(turns))
 
 

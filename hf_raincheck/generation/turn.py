@@ -114,7 +114,10 @@ def prepare_turn(
     model_inputs: dict,
     schedule,
     backend: str,
+    vision: dict | None = None,
 ) -> Turn:
+    """The `Turn` of one call. `vision`: the vision tower's output for this call's new media, by modality, when
+    the caller encoded them already (a batch's rows share one tower call: `shared_batch.encode_rows`)."""
     device = adapter.input_device
     ids = input_ids[0].tolist()
     old = cache.length
@@ -194,6 +197,9 @@ def prepare_turn(
         pixels = model_inputs.get(pixel_key)
         if pixels is None:
             raise ValueError(f"input_ids holds new {modality} placeholders but `{pixel_key}` was not passed")
+        if vision is not None and modality in vision:
+            placeholder_embeds.append((modality, vision[modality]))
+            continue
         patches = grid.prod(-1).tolist()
         first_row = sum(patches[:n_old]) if pixels_cover[modality] == "conversation" else 0
         feats = adapter.vision_features(modality, pixels[first_row:].to(device), grid[n_old:].to(device), want=want or None)

@@ -37,6 +37,28 @@ class VisionFeatures:
     # "vision_hidden": [n, D_vit]} (see hf_raincheck.pruning.base)
     extras: dict = field(default_factory=dict)
 
+    def split(self, counts: list[int]) -> list["VisionFeatures"]:
+        """The features of consecutive groups of ``counts[i]`` placeholders (e.g. each batch row's images, encoded
+        in one tower call): every per-placeholder tensor cut along its first dimension."""
+        out, start = [], 0
+        for n in counts:
+            cut = slice(start, start + n)
+            extras = {}
+            for key, value in self.extras.items():
+                if isinstance(value, dict):
+                    extras[key] = {k: v[cut] for k, v in value.items()}
+                elif torch.is_tensor(value):
+                    extras[key] = value[cut]
+                else:
+                    extras[key] = value
+            out.append(VisionFeatures(embeds=self.embeds[cut],
+                                      deepstack=None if self.deepstack is None else [f[cut] for f in self.deepstack],
+                                      extras=extras))
+            start += n
+        if start != self.embeds.shape[0]:
+            raise RuntimeError(f"VisionFeatures.split: {start} placeholders asked, {self.embeds.shape[0]} held")
+        return out
+
 
 class ModelAdapter:
     """Everything the generation code asks of a model family, declared here once.
