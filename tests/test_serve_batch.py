@@ -126,6 +126,79 @@ def test_concurrent_conversations_share_batched_calls_and_equal_raincheck_chat(r
     assert not srv.scheduler.running
 
 
+def ask_streamed(client, messages):
+    pieces, usage = [], None
+    for chunk in client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, stream=True,
+                                                max_tokens=MAX_TOKENS, temperature=0):
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        usage = chunk.usage or usage
+    return "".join(pieces), usage
+
+
+def streaming_engine(model, monkeypatch):
+    """Makes the served model's batched generate accept a streamer, as the shared-step engine will: it runs the
+    batch, then streams it as transformers does (the prompt [B, L], then [B] tokens per step, the end)."""
+    real_generate = model.generate
+
+    def generate(*args, **kwargs):
+        streamer = kwargs.pop("streamer", None)
+        if streamer is None or kwargs["input_ids"].shape[0] == 1:
+            return real_generate(*args, **kwargs, **({"streamer": streamer} if streamer is not None else {}))
+        out = real_generate(*args, **kwargs)
+        width = kwargs["input_ids"].shape[1]
+        streamer.put(kwargs["input_ids"].cpu())
+        for step in range(width, out.sequences.shape[1]):
+            streamer.put(out.sequences[:, step].cpu())
+        streamer.end()
+        return out
+
+    monkeypatch.setattr(model, "generate", generate)
+
+
+@needs_model
+@pytest.mark.parametrize("engine", ["as-is", "streaming-at-batch"])
+def test_streamed_requests_in_batches(reference, monkeypatch, engine):
+    """With `batch.STREAM_IN_BATCHES` on, streamed requests join batches (a `FanOutStreamer` hands each its
+    tokens) where the batched generate accepts a streamer (``streaming-at-batch``: simulated on top of the
+    engine here); where it refuses one (the engine of ec784f4), the batch runs one request at a time. Either
+    way every stream is RaincheckChat's answer."""
+    from hf_raincheck.serve import batch
+
+    monkeypatch.setattr(batch, "STREAM_IN_BATCHES", True)
+    model, processor = reference
+    images = gridqa_images([80, 81, 82])
+    chats = [[("what is in C3?", images[80]), ("what is in D4?", None)],
+             [("list row B.", images[81]), ("what is in A1?", None)],
+             [("what is in E5?", images[82]), ("list row C.", None)]]
+    expected = [chat_reference(model, processor, CONFIG, turns, MAX_TOKENS) for turns in chats]
+    with RaincheckServer(raincheck_config=CONFIG, port=0, cache_budget_mb=256, batch_window_ms=WINDOW_MS) as srv:
+        if engine == "streaming-at-batch":
+            streaming_engine(srv.model, monkeypatch)
+        client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
+        histories = [[] for _ in chats]
+
+        def send(request):
+            i, t = request
+            text, image = chats[i][t]
+            histories[i].append(user(text, data_url(image) if image is not None else None))
+            # conversation 2 is not streamed: streamed and plain rows in one batch
+            answer, usage = (ask_streamed if i < 2 else ask)(client, histories[i])
+            histories[i].append({"role": "assistant", "content": answer})
+            return answer, usage
+
+        results = rounds(srv, [[(i, t) for i in range(3)] for t in range(2)], send)
+        assert [[r[i][0] for r in results] for i in range(3)] == expected
+        sizes = [r[i][1].raincheck["batch_size"] for r in results for i in range(3)]
+        batches = stats(srv)["batches"]
+        if engine == "streaming-at-batch" or batches["fallbacks"] == 0:  # the engine took the fan-out streamer
+            assert batches["fallbacks"] == 0 and sizes == [3] * 6
+        else:  # it refused a streamer at B > 1: each round's batch failed at once and ran one at a time
+            assert batches["fallbacks"] == 2 and sizes == [1] * 6
+        assert [r[i][1].raincheck["conversation_cache"] for r in results for i in range(3)] == ["new"] * 3 + \
+            ["reused"] * 3
+
+
 # ---------------------------------------------------------------------------------------------- a bad row
 POISON = "please explode"
 
