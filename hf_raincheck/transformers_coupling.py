@@ -59,6 +59,9 @@ torch and accelerate private names (not transformers, but the same kind of coupl
 12. accelerate's ``module._hf_hook`` (its ``execution_device``, ``SequentialHook.hooks``) and
     ``module._old_forward`` (`accelerate_hooks`, `hooked_forward_name`): where a ``device_map``-dispatched module
     computes and where its own forward sits under the hook.
+15. ``GenerationMixin._get_stopping_criteria`` (`STOPPING_CRITERIA_METHOD`): wrapped on an enabled instance so a
+    batched Raincheck generate knows which rows stopped (`hf_raincheck.generation.row_stops`); ``_sample`` must
+    still build the criteria once per call and AND their result into ``unfinished_sequences`` every step.
 
 Off the inference path, kept where they are (tests/test_transformers_coupling.py lists them as the only exceptions):
 
@@ -150,11 +153,16 @@ def config_with_attention(config, implementation: str):
 
 
 # ----------------------------------------------------------------------------------------------- text decoder loop
+#: coupling point 15: transformers' private method that builds a generate call's stopping criteria (an enabled
+#: instance wraps it; finished rows are fed padding by transformers, which must not reach their caches)
+STOPPING_CRITERIA_METHOD = "_get_stopping_criteria"
+
+
 def text_decoder_forward(text, embeds, positions, layer_mask, cache, deepstack, backend):
-    """The text model's decoder loop over rows ``embeds [1, q, H]`` -> final hidden states ``[1, q, H]``.
+    """The text model's decoder loop over rows ``embeds [B, q, H]`` -> final hidden states ``[B, q, H]``.
 
     ``text``: the family's text model (``rotary_emb``, ``layers``, ``norm``, ``config.num_hidden_layers``);
-    ``layer_mask(i)``: the attention mask of decoder layer i; ``deepstack[k]`` ``[q, H]`` (zeros on non-visual
+    ``layer_mask(i)``: the attention mask of decoder layer i; ``deepstack[k]`` ``[q, H]`` or ``[B, q, H]`` (zeros on non-visual
     rows) is added to the output of layer k, which equals transformers' boolean-indexed add without its
     data-dependent shapes (no host sync, one graph for torch.compile). ``raincheck_backend`` reaches the
     attention function (`hf_raincheck.attention.dispatch`) through the layers' ``**kwargs``.
@@ -172,7 +180,8 @@ def text_decoder_forward(text, embeds, positions, layer_mask, cache, deepstack, 
             raincheck_backend=backend,
         )
         if deepstack is not None and i < len(deepstack):
-            hidden = hidden + deepstack[i].to(hidden.device, hidden.dtype)[None]
+            feature = deepstack[i].to(hidden.device, hidden.dtype)
+            hidden = hidden + (feature if feature.dim() == 3 else feature[None])  # [B, q, H] or one row's [q, H]
     return text.norm(hidden)
 
 

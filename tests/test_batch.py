@@ -21,6 +21,21 @@ from hf_raincheck.testing import load_tiny_qwen2_5_vl, load_tiny_qwen3_5, load_t
 N = 10
 
 
+def assert_same_cache(row, ref, length=None):
+    """Row cache `row` holds what batch-1 cache `ref` holds (up to float rounding): every written layer's keys
+    and values over the conversation, and every Gated DeltaNet layer's recurrent state and conv window."""
+    n = ref.length if length is None else length
+    for a, b in zip(row.layers, ref.layers):
+        assert a.is_initialized == b.is_initialized
+        if b.is_initialized:
+            torch.testing.assert_close(a.keys[:, :, :n], b.keys[:, :, :n], atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(a.values[:, :, :n], b.values[:, :, :n], atol=2e-5, rtol=1e-4)
+    assert row.gdn_states.keys() == ref.gdn_states.keys()
+    for idx, state in ref.gdn_states.items():
+        torch.testing.assert_close(row.gdn_states[idx].state, state.state, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(row.gdn_states[idx].conv, state.conv, atol=2e-5, rtol=1e-4)
+
+
 def _messages(images, text):
     content = [{"type": "image", "image": image} for image in images] + [{"type": "text", "text": text}]
     return [{"role": "user", "content": content}]
@@ -49,10 +64,12 @@ def _gen(model, inputs, cfg=None, n=N, **kw):
         return model.generate(**inputs, **kw)
 
 
-@pytest.fixture(scope="module", params=["qwen3_vl", "qwen2_5_vl"])
-def family(request, tiny_vl_path, tiny_qwen2_5_vl_path):
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen2_5_vl", "qwen3_5"])
+def family(request, tiny_vl_path, tiny_qwen2_5_vl_path, tiny_qwen3_5_path):
     if request.param == "qwen3_vl":
         model, processor = load_tiny_qwen3_vl(tiny_vl_path)
+    elif request.param == "qwen3_5":
+        model, processor = load_tiny_qwen3_5(tiny_qwen3_5_path)
     else:
         model, processor = load_tiny_qwen2_5_vl(tiny_qwen2_5_vl_path)
     return enable_raincheck(model), processor
@@ -83,9 +100,7 @@ def test_every_row_equals_its_batch1_run(family, pruning):
         assert [p.deferred.tolist() for p in cache.row_plans[i]] == [p.deferred.tolist() for p in ref_cache.plans]
         assert [p.boundary for p in cache.row_plans[i]] == [p.boundary for p in ref_cache.plans]
         assert cache.row_turn_stats[i] == ref_cache.turn_stats
-        for a, b in zip(row.layers, ref_cache.layers):
-            torch.testing.assert_close(a.keys, b.keys, atol=2e-5, rtol=1e-4)
-            torch.testing.assert_close(a.values, b.values, atol=2e-5, rtol=1e-4)
+        assert_same_cache(row, ref_cache)
     assert cache.row_total_deferred[2] == 0 and not cache.row_plans[2]  # the text-only row defers nothing
     assert all(t > 0 for k, t in enumerate(cache.row_total_deferred) if k != 2)
     assert cache.row_pending == [0] * len(CONVERSATIONS)
@@ -185,7 +200,7 @@ def test_batched_next_turn_equals_each_row_alone(family, completion):
     follow = [{"role": "user", "content": [{"type": "image", "image": make_image(9)},
                                            {"type": "text", "text": "And this one?"}]}]
     rows = out.past_key_values.split()
-    turn2, refs, row_inputs = [], [], []
+    refs, row_inputs = [], []
     for i, conversation in enumerate(first):
         alone = _inputs(processor, [conversation])
         ref = _gen(model, alone, cfg, n=4)
@@ -204,18 +219,84 @@ def test_batched_next_turn_equals_each_row_alone(family, completion):
         assert out2.sequences[i, width2:width2 + len(ref_new)].tolist() == ref_new, f"row {i}"
         assert out2.past_key_values.row_turn_stats[i] == ref.past_key_values.turn_stats, f"row {i}"
         assert out2.past_key_values.rows[i].token_ids == ref.past_key_values.token_ids
+        if completion == "blocking":
+            assert_same_cache(out2.past_key_values.rows[i], ref.past_key_values)
+
+
+def test_step_logits_and_expanded_rows_equal_batch1(family):
+    """``output_logits`` of a shared-step batch: each row's step logits equal its batch-1 run's (while it runs);
+    ``num_return_sequences=2`` (sampling with top_k=1, so the copies can be checked) gives each prompt's copies
+    the prompt's plan and its batch-1 answer."""
+    model, processor = family
+    conversations = [CONVERSATIONS[0], CONVERSATIONS[3]]
+    batch = _inputs(processor, conversations)
+    width = batch["input_ids"].shape[1]
+    out = _gen(model, batch, CFG, output_logits=True)
+    expanded = _gen(model, batch, CFG, num_return_sequences=2, do_sample=True, top_k=1)
+    assert expanded.sequences.shape[0] == 4
+    for i, conversation in enumerate(conversations):
+        alone = _inputs(processor, [conversation])
+        ref = _gen(model, alone, CFG, output_logits=True)
+        ref_new = ref.sequences[0, alone["input_ids"].shape[1]:].tolist()
+        for step, (a, b) in enumerate(zip(out.logits[: len(ref_new)], ref.logits)):
+            torch.testing.assert_close(a[i], b[0], atol=2e-5, rtol=1e-4, msg=f"row {i} step {step}")
+        for copy in (2 * i, 2 * i + 1):
+            assert expanded.sequences[copy, width:width + len(ref_new)].tolist() == ref_new, f"copy {copy}"
+            plans = expanded.past_key_values.row_plans[copy]
+            assert [p.deferred.tolist() for p in plans] == [p.deferred.tolist() for p in ref.past_key_values.plans]
+
+
+def test_carry_counts_share_the_budget():
+    from hf_raincheck.generation.shared_batch import carry_counts
+
+    assert carry_counts([31, 31, 0, 5], None) == [31, 31, 0, 5]
+    assert carry_counts([31, 31, 0, 5], 100) == [31, 31, 0, 5]  # a budget that does not bind changes nothing
+    assert carry_counts([31, 31, 0, 5], 45) == [20, 20, 0, 5]  # small asks met first, the rest split evenly
+    assert carry_counts([31, 31, 31], 64) == [22, 21, 21]  # the remainder to the earlier rows
+    assert carry_counts([3, 3, 3], 2) == [1, 1, 0]
+    for wanted, budget in [([31] * 16, 128), ([7, 31, 2, 31, 31], 50), ([1] * 5, 3)]:
+        counts = carry_counts(wanted, budget)
+        assert sum(counts) == min(budget, sum(wanted)) and all(0 <= c <= w for c, w in zip(counts, wanted))
+
+
+def test_a_binding_step_budget_equals_batch1_fed_the_same_counts(family, monkeypatch):
+    """docs/design.md, Batches: a row whose carry is cut by ``step_deferred_budget`` equals a batch-1 run of the
+    same row fed the same counts step by step (a schedule replaying them)."""
+    import hf_raincheck.generation.shared_batch as shared_batch
+
+    model, processor = family
+    conversations = [CONVERSATIONS[0], CONVERSATIONS[1], CONVERSATIONS[3]]
+    cfg = RaincheckConfig(retention=0.3, chunk_size=4, guard_tokens=1, completion="blocking", step_deferred_budget=5)
+    seen = []
+    real = shared_batch.carry_counts
+    monkeypatch.setattr(shared_batch, "carry_counts", lambda wanted, budget: seen.append(real(wanted, budget)) or seen[-1])
+    batch = _inputs(processor, conversations)
+    width = batch["input_ids"].shape[1]
+    out = _gen(model, batch, cfg)
+    assert all(sum(c) <= 5 for c in seen)
+    assert any(0 < c < 4 for counts in seen for c in counts)  # the budget did bind
+    for i, conversation in enumerate(conversations):
+        counts = [c[i] for c in seen]
+        replay = RaincheckConfig(retention=0.3, completion="blocking",
+                                 schedule=lambda step, pending, counts=counts: counts[step - 1] if step <= len(counts) else 0)
+        alone = _inputs(processor, [conversation])
+        ref = _gen(model, alone, replay)
+        ref_new = ref.sequences[0, alone["input_ids"].shape[1]:].tolist()
+        assert out.sequences[i, width:width + len(ref_new)].tolist() == ref_new, f"row {i}"
+        assert out.past_key_values.row_turn_stats[i] == ref.past_key_values.turn_stats, f"row {i}"
+        assert_same_cache(out.past_key_values.rows[i], ref.past_key_values)
 
 
 def test_unsupported_batches_raise(family):
     model, processor = family
     batch = _inputs(processor, CONVERSATIONS[:2])
     for kw, message in [
-        (dict(cache_implementation="static"), "cache_implementation='static' is not supported yet"),
-        (dict(output_logits=True), "output_logits"),
-        (dict(output_scores=True), "output_scores"),
-        (dict(streamer=TextStreamer(processor.tokenizer)), "streamer"),
-        (dict(num_return_sequences=2, do_sample=True), "num_return_sequences must be 1"),
+        (dict(streamer=TextStreamer(processor.tokenizer)), "only supports batch size 1"),  # (transformers' own)
+        (dict(output_attentions=True), "output_attentions"),
         (dict(num_beams=2), "beam search is not supported"),
+        (dict(num_return_sequences=2, do_sample=True, past_key_values=BatchedDeferredPrefillCache([None, None])),
+         "num_return_sequences > 1 starts new conversations"),
+        (dict(cache_implementation="static", output_logits=True), "output_logits .* not supported when the rows run"),
         (dict(past_key_values=DeferredPrefillCache(2)), "past_key_values must be a BatchedDeferredPrefillCache"),
         (dict(past_key_values=BatchedDeferredPrefillCache([None])), "holds 1 rows but input_ids has 2"),
     ]:
@@ -227,12 +308,20 @@ def test_unsupported_batches_raise(family):
         _gen(model, right, CFG, n=2)
 
 
-def test_gdn_family_batch_raises(tiny_qwen3_5_path):
-    model, processor = load_tiny_qwen3_5(tiny_qwen3_5_path)
-    enable_raincheck(model)
-    batch = _inputs(processor, CONVERSATIONS[:2])
-    with pytest.raises(ValueError, match="Gated DeltaNet"):
-        _gen(model, batch, CFG, n=2)
+def test_static_batch_rows_one_after_the_other_equal_batch1(family):
+    """Static caches run a batch's rows one after the other through the batch-1 path."""
+    model, processor = family
+    kw = dict(cache_implementation="static")
+    conversations = CONVERSATIONS[:3]
+    batch = _inputs(processor, conversations)
+    out = _gen(model, batch, CFG, n=6, **kw)
+    width = batch["input_ids"].shape[1]
+    for i, conversation in enumerate(conversations):
+        alone = _inputs(processor, [conversation])
+        ref = _gen(model, alone, CFG, n=6, **kw)
+        ref_new = ref.sequences[0, alone["input_ids"].shape[1]:].tolist()
+        assert out.sequences[i, width:width + len(ref_new)].tolist() == ref_new, f"row {i}"
+        assert out.past_key_values.row_turn_stats[i] == ref.past_key_values.turn_stats
 
 
 def test_batch1_cache_has_the_row_views(family):
@@ -298,3 +387,25 @@ def test_qwen2_5_vl_batch_with_videos_equals_batch1(tiny_qwen2_5_vl_path):
         assert [p.deferred.tolist() for p in row.plans] == [p.deferred.tolist() for p in ref_cache.plans]
         for a, b in zip(row.layers, ref_cache.layers):
             torch.testing.assert_close(a.keys, b.keys, atol=2e-5, rtol=1e-4)
+
+
+def test_complete_deferred_of_a_batch(family):
+    """``complete_deferred`` on a `BatchedDeferredPrefillCache`: every row's pending tokens, in shared forwards,
+    ``max_tokens`` per row; the rows then hold what a batch-1 blocking run holds."""
+    from hf_raincheck import complete_deferred
+
+    model, processor = family
+    conversations = [CONVERSATIONS[0], CONVERSATIONS[2], CONVERSATIONS[1]]
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion="next_turn")
+    out = _gen(model, _inputs(processor, conversations), cfg, n=3)
+    group = out.past_key_values
+    pending = group.row_pending
+    assert pending[0] > 2 and pending[1] == 0 and pending[2] > 2
+    assert complete_deferred(model, group, max_tokens=2) == 4
+    assert group.row_pending == [pending[0] - 2, 0, pending[2] - 2]
+    assert complete_deferred(model, group) == sum(pending) - 4 and group.pending == 0
+    for i, conversation in enumerate(conversations):
+        ref = _gen(model, _inputs(processor, [conversation]), RaincheckConfig(
+            retention=0.3, chunk_size=3, guard_tokens=2, completion="blocking"), n=3)
+        assert group.rows[i].turn_stats[0].restored_after_answer == pending[i]
+        assert_same_cache(group.rows[i], ref.past_key_values)

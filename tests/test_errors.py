@@ -75,7 +75,6 @@ def test_batch_whose_grids_miss_a_rows_images(model, inputs):
     "kwargs,message",
     [
         (dict(num_beams=2), "beam search is not supported"),
-        (dict(num_return_sequences=2, do_sample=True), "num_return_sequences must be 1"),
         (dict(prompt_lookup_num_tokens=3), "prompt-lookup decoding is not supported"),
         (dict(use_cache=False), "use_cache=False is not supported"),
         (dict(cache_implementation="offloaded"), "cache_implementation must be 'dynamic' or 'static'"),

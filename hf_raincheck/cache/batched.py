@@ -1,19 +1,32 @@
-"""`BatchedDeferredPrefillCache`: the per-row caches of one batched Raincheck `generate` call."""
+"""`BatchedDeferredPrefillCache`: the row caches of a batched Raincheck `generate`, and their shared KV buffers."""
 
 from __future__ import annotations
 
+import torch
+from transformers.cache_utils import DynamicCache
+
 from .deferred_cache import DeferredPrefillCache
+from .forward_context import ForwardContext
+from .slot_layer import _GROWTH
 
 
-class BatchedDeferredPrefillCache:
-    """What a batched ``generate(raincheck_config=...)`` returns as ``past_key_values``: one batch-1
+class BatchedDeferredPrefillCache(DynamicCache):
+    """What a batched ``generate(raincheck_config=...)`` takes and returns as ``past_key_values``: one batch-1
     `DeferredPrefillCache` per row, padding removed (see `DeferredPrefillCache`'s "Batches" section).
 
     Each row has its own plan, boundary, pending set and accounting, exactly as if it had been generated alone.
+    Build one to continue rows together: ``BatchedDeferredPrefillCache([cache_a, None, cache_c])`` (None: a new
+    conversation in that row) with a left-padded batch whose row i extends ``rows[i].token_ids``.
+
+    Shared steps: while a batched `generate` runs one forward for all rows, the rows' key/value entries live in
+    one buffer per layer, ``[B, H, capacity, D]``, and each row cache's layers are views of its row of it (a row's
+    slot i holds its logical index i, as in a batch-1 cache). The views stay valid afterwards: a row continued
+    alone (``split()``) writes into its view, and moves to a buffer of its own when it outgrows it. The shared
+    buffer is freed once no row uses it.
 
     Attributes / views:
         batch_size: the number of rows.
-        rows: the row caches (``rows[i]`` is row i's `DeferredPrefillCache`).
+        rows: the row caches (``rows[i]`` is row i's `DeferredPrefillCache`, None for a row not started yet).
         row_pending: ``list[int]``, deferred tokens still pending per row.
         row_total_deferred: ``list[int]``, deferred tokens of each row's current plan.
         row_plans: ``list[list[DeferralPlan]]``, every plan of each row.
@@ -22,6 +35,10 @@ class BatchedDeferredPrefillCache:
         split(): the row caches as a list; each continues exactly like a batch-1 conversation
             (``model.generate(**next_inputs_of_row_i, past_key_values=caches[i], raincheck_config=cfg)``).
         wait(timeout=None) / cancel(): every row's background completion worker (``completion="background"``).
+
+    For the generation code: `share_buffers` (the shared buffers and the rows' views), `reserve`,
+    `begin_forward` / `end_forward` (a `ForwardContext` whose ``write_slots`` are ``[B, q]``), `update` (the
+    decoder layers' writes), `active_turn` (`begin_turn` / `end_turn`).
     """
 
     def __init__(self, rows: list[DeferredPrefillCache | None]):
@@ -34,27 +51,35 @@ class BatchedDeferredPrefillCache:
             )
         if len({id(r) for r in rows if r is not None}) != sum(r is not None for r in rows):
             raise ValueError("BatchedDeferredPrefillCache: the same DeferredPrefillCache appears in two rows")
+        super().__init__()
         self.rows = list(rows)
+        self.layers = []
+        self.keys: list[torch.Tensor] = []  # per layer [B, H, capacity, D] while rows share buffers
+        self.values: list[torch.Tensor] = []
+        self.capacity = 0
+        self._context: ForwardContext | None = None
+        self._turn = None
 
+    # ------------------------------------------------------------------ per-row views
     @property
     def batch_size(self) -> int:
         return len(self.rows)
 
     @property
     def row_pending(self) -> list[int]:
-        return [r.pending for r in self.rows]
+        return [0 if r is None else r.pending for r in self.rows]
 
     @property
     def row_total_deferred(self) -> list[int]:
-        return [r.total_deferred for r in self.rows]
+        return [0 if r is None else r.total_deferred for r in self.rows]
 
     @property
     def row_plans(self) -> list[list]:
-        return [list(r.plans) for r in self.rows]
+        return [[] if r is None else list(r.plans) for r in self.rows]
 
     @property
     def row_turn_stats(self) -> list[list]:
-        return [list(r.turn_stats) for r in self.rows]
+        return [[] if r is None else list(r.turn_stats) for r in self.rows]
 
     @property
     def pending(self) -> int:
@@ -66,14 +91,152 @@ class BatchedDeferredPrefillCache:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Waits for every row's background worker; True when nothing is pending in any row."""
-        return all([r.wait(timeout) for r in self.rows])
+        return all([r.wait(timeout) for r in self.rows if r is not None])
 
     def cancel(self) -> None:
         for r in self.rows:
-            r.cancel()
+            if r is not None:
+                r.cancel()
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __repr__(self) -> str:
         return f"BatchedDeferredPrefillCache(batch_size={self.batch_size}, row_pending={self.row_pending})"
+
+    # ------------------------------------------------------------------ shared buffers
+    def _views_current(self) -> bool:
+        if not self.keys:
+            return False
+        for i, row in enumerate(self.rows):
+            for layer, keys in zip(row.layers, self.keys):
+                if keys is None:
+                    if layer.is_initialized:
+                        return False
+                elif not layer.is_initialized or layer.keys.data_ptr() != keys[i].data_ptr() \
+                        or layer.keys.shape[2] != keys.shape[2]:
+                    return False
+        return True
+
+    def share_buffers(self, needed: int) -> None:
+        """Puts every row's KV entries into shared buffers of at least `needed` slots and points each row cache's
+        layers at its row (a no-op when they already are, with room).
+
+        A layer that no row has written yet (a new conversation; a Gated DeltaNet layer, which keeps no KV) gets
+        its shared buffer at its first write. Every row must hold KV of the same shapes, dtype and device."""
+        if self._views_current() and needed <= self.capacity:
+            return
+        layers = len(self.rows[0].layers)
+        if any(len(r.layers) != layers for r in self.rows):
+            raise ValueError("BatchedDeferredPrefillCache: the row caches have different layer counts")
+        capacity = max([needed, self.capacity] + [layer.keys.shape[2] for r in self.rows for layer in r.layers
+                                                   if layer.is_initialized])
+        capacity = -(-max(capacity, _GROWTH) // _GROWTH) * _GROWTH
+        keys, values = [None] * layers, [None] * layers
+        for idx in range(layers):
+            ref = next((r.layers[idx] for r in self.rows if r.layers[idx].is_initialized), None)
+            if ref is None:
+                continue
+            k = ref.keys.new_zeros((self.batch_size, ref.keys.shape[1], capacity, ref.keys.shape[3]))
+            v = ref.values.new_zeros((self.batch_size, ref.values.shape[1], capacity, ref.values.shape[3]))
+            for i, row in enumerate(self.rows):
+                layer = row.layers[idx]
+                if layer.is_initialized:
+                    n = min(layer.keys.shape[2], capacity)
+                    k[i, :, :n] = layer.keys[0, :, :n]
+                    v[i, :, :n] = layer.values[0, :, :n]
+            keys[idx], values[idx] = k, v
+        self.keys, self.values, self.capacity = keys, values, capacity
+        for idx in range(layers):
+            if keys[idx] is not None:
+                self._point_layer(idx)
+
+    def _point_layer(self, idx: int) -> None:
+        keys, values = self.keys[idx], self.values[idx]
+        for i, row in enumerate(self.rows):
+            layer = row.layers[idx]
+            layer.dtype, layer.device = keys.dtype, keys.device
+            layer.keys, layer.values = keys[i : i + 1], values[i : i + 1]  # (one line: they always match)
+            layer.capacity = self.capacity
+            layer.is_initialized = True
+
+    # ------------------------------------------------------------------ the running call and forward
+    @property
+    def forward_context(self) -> ForwardContext | None:
+        return self._context
+
+    def begin_forward(self, context: ForwardContext) -> None:
+        """Installs `context` (``write_slots`` ``[B, q]``) for one shared forward; pair with `end_forward`."""
+        self._context = context
+
+    def end_forward(self) -> None:
+        self._context = None
+
+    @property
+    def active_turn(self):
+        """The batched turn running on these rows (None between calls)."""
+        return self._turn
+
+    def begin_turn(self, turn) -> None:
+        self._turn = turn
+
+    def end_turn(self) -> None:
+        self._turn = None
+
+    # ------------------------------------------------------------------ transformers Cache interface
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The longest row's cached length (transformers cuts the prompt with it; the shared forwards read each
+        row's own tokens)."""
+        return max((r.length for r in self.rows if r is not None), default=0)
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        context = self._context
+        return (context.kv_len if context is not None else self.get_seq_length() + query_length), 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a BatchedDeferredPrefillCache cannot be cropped")
+
+    def reset(self) -> None:
+        raise NotImplementedError("start new conversations with new caches instead of reset()")
+
+    def reorder_cache(self, beam_idx):
+        raise NotImplementedError("a BatchedDeferredPrefillCache does not support beam search")
+
+    def batch_repeat_interleave(self, repeats: int):
+        if repeats != 1:
+            raise NotImplementedError("expand a batch before a Raincheck generate, not its cache")
+
+    def batch_select_indices(self, indices):
+        raise NotImplementedError("a BatchedDeferredPrefillCache keeps every row (use split())")
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """Writes row b's ``key_states[b, :, r]`` to its slot ``write_slots[b, r]`` and returns the shared keys and
+        values of the forward's first ``kv_len`` slots."""
+        context = self._context
+        if context is None or context.write_slots is None:
+            raise RuntimeError(
+                "this BatchedDeferredPrefillCache is written only by Raincheck's batched forwards; pass it to "
+                "generate(raincheck_config=...) with a batch"
+            )
+        if self.keys[layer_idx] is None:  # the layer's first write in any row: its shared buffers now
+            b, h, _, dk = key_states.shape
+            self.keys[layer_idx] = key_states.new_zeros((b, h, self.capacity, dk))
+            self.values[layer_idx] = value_states.new_zeros((b, h, self.capacity, value_states.shape[-1]))
+            self._point_layer(layer_idx)
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        slots = context.slots_on(key_states.device)  # [B, q]
+        index = slots[:, None, :, None]
+        keys.scatter_(2, index.expand(-1, keys.shape[1], -1, keys.shape[3]), key_states.to(keys.dtype))
+        values.scatter_(2, index.expand(-1, values.shape[1], -1, values.shape[3]), value_states.to(values.dtype))
+        return keys[:, :, : context.kv_len], values[:, :, : context.kv_len]

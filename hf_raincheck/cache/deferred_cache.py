@@ -90,14 +90,14 @@ class DeferredPrefillCache(DynamicCache):
         turn_stats: one `TurnRestore` per `generate` call on the cache.
 
     Batches: a cache holds one conversation (batch size 1). A batched ``generate(raincheck_config=...)`` (B > 1
-    rows, left-padded) runs every row as its own conversation and returns a `BatchedDeferredPrefillCache`
-    (``hf_raincheck.cache.batched``) holding one such cache per row, padding removed. Its per-row views:
-    ``batch_size``, ``rows``, ``row_pending`` (``list[int]``), ``row_total_deferred``, ``row_plans`` (each row's
-    plans), ``row_turn_stats`` (each row's `TurnRestore` list), ``pending`` (the sum), ``wait()`` / ``cancel()``
-    (every row's worker) and ``split()``: the B row caches, each continuing exactly like a batch-1 conversation
-    (a batch's next turn goes through them, one conversation per call). On a batch-1 cache (``batch_size`` stays
-    transformers' own), ``row_pending`` is ``[pending]``, ``row_plans`` ``[plans]``, ``row_turn_stats`` ``[turn_stats]`` and
-    ``split()`` returns ``[self]``.
+    rows, left-padded) takes and returns a `BatchedDeferredPrefillCache` (``hf_raincheck.cache.batched``) holding
+    one such cache per row, padding removed; while rows run together their layers are views of shared ``[B, ...]``
+    buffers. Its per-row views: ``batch_size``, ``rows``, ``row_pending`` (``list[int]``), ``row_total_deferred``,
+    ``row_plans`` (each row's plans), ``row_turn_stats`` (each row's `TurnRestore` list), ``pending`` (the sum),
+    ``wait()`` / ``cancel()`` (every row's worker) and ``split()``: the B row caches, each continuing exactly like a
+    batch-1 conversation (alone, or with others in a new `BatchedDeferredPrefillCache`). On a batch-1 cache
+    (``batch_size`` stays transformers' own), ``row_pending`` is ``[pending]``, ``row_plans`` ``[plans]``,
+    ``row_turn_stats`` ``[turn_stats]`` and ``split()`` returns ``[self]``.
 
     Interrupts and errors: a forward and everything recorded about it (the slots it filled, the plan's progress,
     the conversation's tokens, plan and grids, the counters) form one `transaction`, committed whole or not at

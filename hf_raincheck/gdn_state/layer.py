@@ -142,6 +142,30 @@ def gdn_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layer: GDNLaye
 
 
 @dataclass
+class SharedGDNSteps:
+    """The rows of a forward shared by a batch's rows (`hf_raincheck.generation.shared_rows`): per batch row, None
+    (nothing of it in this forward) or ``(start, step, layers)``: its rows are positions ``start:`` (right-aligned;
+    the positions before them are padding), split as `step` says, over its own states ``layers(layer_idx)``."""
+
+    rows: list
+
+
+def gdn_shared_forward(glue: GDNGlue, module, hidden: torch.Tensor, steps: SharedGDNSteps):
+    """`gdn_rows_forward` for each batch row of a shared forward, on its own states; padding positions get zeros
+    (no row sees them: their attention keys go to scratch slots)."""
+    out = None
+    for b, item in enumerate(steps.rows):
+        if item is None:
+            continue
+        start, step, layers = item
+        row_out = gdn_rows_forward(glue, module, hidden[b : b + 1, start:], layers(module.layer_idx), step)
+        if out is None:
+            out = row_out.new_zeros((hidden.shape[0], hidden.shape[1], row_out.shape[-1]))
+        out[b, start:] = row_out[0]
+    return out
+
+
+@dataclass
 class GDNGraphStep:
     """The rows of a compiled static step, for every GDN layer (tensors and shapes only, see `gdn_rows_forward_graph`).
 

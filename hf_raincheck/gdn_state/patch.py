@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 
 from ..transformers_coupling import hooked_forward_name
-from .layer import GDNGraphStep, gdn_rows_forward, gdn_rows_forward_graph
+from .layer import GDNGraphStep, SharedGDNSteps, gdn_rows_forward, gdn_rows_forward_graph, gdn_shared_forward
 
 
 def _raincheck_gdn_forward(original, glue, module, hidden_states, cache_params=None, attention_mask=None, **kwargs):
@@ -18,6 +18,8 @@ def _raincheck_gdn_forward(original, glue, module, hidden_states, cache_params=N
     step = context.gdn_step if context is not None else None
     if step is None:
         return original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+    if isinstance(step, SharedGDNSteps):  # a batch's rows in one forward, each on its own row cache's states
+        return gdn_shared_forward(glue, module, hidden_states, step)
     layer = cache_params.gdn_state(module.layer_idx)
     if isinstance(step, GDNGraphStep):
         return gdn_rows_forward_graph(glue, module, hidden_states, layer, step)

@@ -1,44 +1,47 @@
 """Batched ``generate(raincheck_config=...)`` (B > 1 rows, left-padded): every row is its own conversation.
 
 The batch is split into its rows, padding removed (each row's tokens, ``mm_token_type_ids``, and the pixels and
-grids of its own images / videos), and each row runs the batch-1 Raincheck path: its own spans, budgets,
-selection, plan, boundary, pending set, completion and accounting, at the logical positions transformers computes
-for it with the attention mask (M-RoPE of the unpadded row). The outputs are assembled as transformers' batched
-``generate`` lays them out: the left-padded prompt, then each row's new tokens, padded on the right with
-``pad_token_id`` after a row stopped. ``past_key_values`` of a ``return_dict_in_generate`` output is a
-`BatchedDeferredPrefillCache` (one batch-1 cache per row; ``split()`` continues a row alone).
+grids of its own images / videos, of the whole conversation or only its new part), expanded for
+``num_return_sequences``. Then either:
 
-The rows run one after the other (no fused multi-row forward yet): each row's tokens and logits are those of its
-own batch-1 run. What is not supported at B > 1 raises a `ValueError` (`check_batch_supported`).
+* shared forwards (`shared_batch`, the default): each row prepared as its batch-1 call would be, and every forward
+  (prefill, fused decode steps, blocking completion) run once for all rows (`shared_rows`);
+* one row after the other through the batch-1 path (static caches, ``attn_backend="flash"``), assembled as
+  transformers' batched ``generate`` lays out its outputs.
+
+``past_key_values`` (given and returned) is a `BatchedDeferredPrefillCache` of batch-1 row caches. What is not
+supported raises a `ValueError` (`check_batch_supported`).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from ..cache import DeferredPrefillCache
 from ..cache.batched import BatchedDeferredPrefillCache
+from .row_stops import RowStopsSlot
+from .shared_batch import finish_batch, prepare_batch_turn
 
 #: generate arguments that a batched Raincheck call refuses, and why
-_UNSUPPORTED_AT_BATCH = {
-    "streamer": "a streamer (it takes one row at a time)",
-    "output_scores": "output_scores (per-step scores of a batch)",
-    "output_logits": "output_logits (per-step logits of a batch)",
+_UNSUPPORTED_ALWAYS = {
     "output_attentions": "output_attentions",
     "output_hidden_states": "output_hidden_states",
 }
+#: ... and those the rows-one-after-the-other path refuses besides (the shared steps give them per step)
+_UNSUPPORTED_ONE_BY_ONE = {
+    "streamer": "a streamer",
+    "output_scores": "output_scores (per-step scores of a batch)",
+    "output_logits": "output_logits (per-step logits of a batch)",
+}
 
 
-def check_batch_supported(model, state, kwargs: dict, gen_config, cache_implementation, past, batch_size: int) -> None:
-    """Raises `ValueError` for what batched Raincheck does not do yet (see the module docstring)."""
+def check_batch_supported(model, state, kwargs: dict, gen_config, cache_implementation, past, batch_size: int,
+                          shared: bool) -> None:
+    """Raises `ValueError` for what batched Raincheck does not do (see the module docstring)."""
     where = "generate(raincheck_config=...) with a batch of more than one row"
-    if state.adapter.gdn_glue is not None:
-        raise ValueError(
-            f"{where}: not supported for {type(model).__name__} (Gated DeltaNet layers: per-row "
-            "boundary checkpoints and P_tail are not batched yet); generate one row at a time"
-        )
-    if cache_implementation == "static":
-        raise ValueError(f"{where}: cache_implementation='static' is not supported yet (use 'dynamic')")
     if past is not None and not isinstance(past, BatchedDeferredPrefillCache):
         raise ValueError(
             f"{where}: past_key_values must be a BatchedDeferredPrefillCache (one row cache per row, None for a "
@@ -48,10 +51,15 @@ def check_batch_supported(model, state, kwargs: dict, gen_config, cache_implemen
         raise ValueError(
             f"{where}: past_key_values holds {past.batch_size} rows but input_ids has {batch_size}"
         )
-    for name, what in _UNSUPPORTED_AT_BATCH.items():
+    unsupported = dict(_UNSUPPORTED_ALWAYS)
+    if not shared:
+        unsupported.update(_UNSUPPORTED_ONE_BY_ONE)
+    for name, what in unsupported.items():
         value = kwargs.get(name, getattr(gen_config, name, None))
         if value:
-            raise ValueError(f"{where}: {what} is not supported yet")
+            suffix = "" if shared else (" when the rows run one after the other (static caches, "
+                                        "attn_backend='flash')")
+            raise ValueError(f"{where}: {what} is not supported{suffix}")
 
 
 def _row_mask(input_ids: torch.Tensor, attention_mask) -> torch.Tensor:
@@ -148,13 +156,45 @@ def _pad_token_id(gen_config) -> int:
 _MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
 
 
+def _expand(input_ids, mask, row_ids, media, mm_types, n: int):
+    """``num_return_sequences = n``: each row repeated n times in place (its media too), as transformers expands
+    a batch; the copies get the prompt's plan (the same selection) and sample on their own from the first step."""
+    if n == 1:
+        return input_ids, mask, row_ids, media, mm_types
+    repeat = lambda t: None if t is None else t.repeat_interleave(n, dim=0)  # noqa: E731
+    return (repeat(input_ids), repeat(mask), [r for r in row_ids for _ in range(n)],
+            [dict(m) for m in media for _ in range(n)], repeat(mm_types))
+
+
+def shared_steps_supported(state, cache_implementation, backend: str, past) -> str | None:
+    """None when the shared-step engine runs this batch, else why the rows run one after the other."""
+    if cache_implementation == "static":
+        return "cache_implementation='static' (compiled steps are built for one row)"
+    if backend == "flash":
+        return "attn_backend='flash' (its key gather is built for one row)"
+    if isinstance(past, BatchedDeferredPrefillCache) and any(r is not None and r.static for r in past.rows):
+        return "a static row cache"
+    return None
+
+
 def generate_batch(model, state, raincheck_config, kwargs: dict, gen_config, cache_implementation):
-    """Runs each row of a left-padded batch as its own batch-1 Raincheck conversation (module docstring)."""
+    """A left-padded batch (B > 1 rows, or one row with ``num_return_sequences > 1``): each row its own
+    conversation, in shared forwards (`shared_batch`) where supported, else one row after the other through the
+    batch-1 path (module docstring)."""
     past = kwargs.pop("past_key_values", None)
-    check_batch_supported(model, state, kwargs, gen_config, cache_implementation, past, kwargs["input_ids"].shape[0])
     input_ids = kwargs.pop("input_ids")
+    n_return = gen_config.num_return_sequences or 1
+    if n_return > 1 and past is not None:
+        raise ValueError(
+            "generate(raincheck_config=...): num_return_sequences > 1 starts new conversations; it cannot continue "
+            "past_key_values (continue each returned row through BatchedDeferredPrefillCache.split())"
+        )
+    backend = state.backend(raincheck_config)
+    why_not_shared = shared_steps_supported(state, cache_implementation, backend, past)
+    check_batch_supported(model, state, kwargs, gen_config, cache_implementation, past, input_ids.shape[0],
+                          shared=why_not_shared is None)
     mask = _row_mask(input_ids, kwargs.pop("attention_mask", None))
-    batch, width = input_ids.shape
+    batch = input_ids.shape[0]
     ids_cpu = input_ids.cpu()
     row_ids = [ids_cpu[i][mask[i]] for i in range(batch)]
     cached = [0 if past is None or past.rows[i] is None else past.rows[i].length for i in range(batch)]
@@ -162,6 +202,64 @@ def generate_batch(model, state, raincheck_config, kwargs: dict, gen_config, cac
     mm_types = kwargs.pop("mm_token_type_ids", None)
     for key in _MEDIA_KEYS:
         kwargs.pop(key, None)
+    input_ids, mask, row_ids, media, mm_types = _expand(input_ids, mask, row_ids, media, mm_types, n_return)
+    kwargs.pop("num_return_sequences", None)
+    rows = []
+    for i in range(input_ids.shape[0]):
+        row = dict(media[i])
+        row["input_ids"] = row_ids[i][None].to(input_ids.device)
+        row["attention_mask"] = torch.ones_like(row["input_ids"])
+        if mm_types is not None:
+            row["mm_token_type_ids"] = mm_types[i][mask[i].to(mm_types.device)][None]
+        rows.append(row)
+    if why_not_shared is None:
+        return _generate_shared(model, state, raincheck_config, kwargs, input_ids, mask, rows, past, backend)
+    return _generate_one_by_one(model, raincheck_config, kwargs, gen_config, input_ids, rows, past)
+
+
+def _generate_shared(model, state, config, kwargs: dict, input_ids, mask, rows: list[dict], past, backend: str):
+    adapter = state.adapter
+    if past is None:
+        past = BatchedDeferredPrefillCache([None] * input_ids.shape[0])
+    for i, row in enumerate(past.rows):
+        if row is None:
+            past.rows[i] = DeferredPrefillCache(adapter.num_cache_layers())
+    for row in past.rows:
+        row.bind_model(model)
+        state.register_cache(row)
+        row.stop_completion()
+        row.raise_completion_error()
+        row.check_usable("generate")
+    kwargs["input_ids"] = input_ids
+    kwargs["attention_mask"] = mask.to(device=input_ids.device, dtype=torch.long)
+    kwargs["past_key_values"] = past
+    kwargs.pop("compile_config", None)
+    kwargs["disable_compile"] = True
+    with contextlib.ExitStack() as locks:
+        for row in sorted(past.rows, key=id):  # (one order everywhere: no deadlock between two batches)
+            locks.enter_context(row.lock)
+        return _generate_shared_locked(model, state, config, kwargs, rows, past, backend)
+
+
+def _generate_shared_locked(model, state, config, kwargs, rows, past, backend):
+    for row in past.rows:
+        row.config = config
+        row.tidy()
+    stops = RowStopsSlot()
+    bturn = prepare_batch_turn(state.adapter, past, config, rows, backend, stops)
+    state.row_stops.slot = stops
+    past.begin_turn(bturn)
+    try:
+        output = state.original_generate(**kwargs)
+    finally:
+        past.end_turn()
+        state.row_stops.slot = None
+    finish_batch(model, state.adapter, past, config, backend)
+    return output
+
+
+def _generate_one_by_one(model, raincheck_config, kwargs: dict, gen_config, input_ids, rows: list[dict], past):
+    width = input_ids.shape[1]
     return_dict = bool(kwargs.pop("return_dict_in_generate", gen_config.return_dict_in_generate))
     # lengths count the padded prompt in transformers' batched generate: keep that meaning for every row
     if gen_config.max_new_tokens is None:
@@ -172,20 +270,16 @@ def generate_batch(model, state, raincheck_config, kwargs: dict, gen_config, cac
         kwargs["min_length"] = 0
     pad = _pad_token_id(gen_config)
     new_parts, caches = [], []
-    for i in range(batch):
+    for i, inputs in enumerate(rows):
         row = dict(kwargs)
-        row.update(media[i])
-        row["input_ids"] = row_ids[i][None].to(input_ids.device)
-        row["attention_mask"] = torch.ones_like(row["input_ids"])
-        if mm_types is not None:
-            row["mm_token_type_ids"] = mm_types[i][mask[i].to(mm_types.device)][None]
+        row.update(inputs)
         if past is not None and past.rows[i] is not None:
             row["past_key_values"] = past.rows[i]
         out = model.generate(**row, raincheck_config=raincheck_config, return_dict_in_generate=True)
-        new_parts.append(out.sequences[0, row_ids[i].numel():])
+        new_parts.append(out.sequences[0, inputs["input_ids"].numel():])
         caches.append(out.past_key_values)
     longest = max(p.numel() for p in new_parts)
-    new = torch.full((batch, longest), pad, dtype=input_ids.dtype, device=input_ids.device)
+    new = torch.full((len(rows), longest), pad, dtype=input_ids.dtype, device=input_ids.device)
     for i, part in enumerate(new_parts):
         new[i, : part.numel()] = part.to(new.device)
     sequences = torch.cat([input_ids, new], dim=1)

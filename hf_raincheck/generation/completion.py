@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import torch
 
+import contextlib
+
 from ..cache import DeferredPrefillCache
+from ..cache.batched import BatchedDeferredPrefillCache
 from .state import raincheck_state
 from .rows import deferred_rows, run_rows
+from .shared_rows import row_transactions, run_shared_rows
 
 
 @torch.no_grad()
@@ -36,6 +40,9 @@ def prefill_pending(state, cache: DeferredPrefillCache, budget: int, chunk_size:
 def complete_deferred(model, cache: DeferredPrefillCache, max_tokens: int | None = None) -> int:
     """Prefills the deferred tokens of `cache` that are still pending, in ``completion_chunk_size`` chunks.
 
+    `cache` may also be a `BatchedDeferredPrefillCache` (a batch's rows): every row's pending tokens are prefilled
+    in forwards shared by the rows (`max_tokens` then caps each row).
+
     A background worker still running on the cache is stopped first (after its current chunk); an error it
     raised is raised here (chained), once.
 
@@ -47,8 +54,13 @@ def complete_deferred(model, cache: DeferredPrefillCache, max_tokens: int | None
     Returns:
         How many deferred tokens were prefilled now.
     """
+    if isinstance(cache, BatchedDeferredPrefillCache):
+        return _complete_rows(model, cache, max_tokens)
     if not isinstance(cache, DeferredPrefillCache):
-        raise ValueError(f"complete_deferred: cache must be a DeferredPrefillCache, got {type(cache).__name__}")
+        raise ValueError(
+            "complete_deferred: cache must be a DeferredPrefillCache or a BatchedDeferredPrefillCache, got "
+            f"{type(cache).__name__}"
+        )
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0):
         raise ValueError(f"complete_deferred: max_tokens must be None or an int >= 0, got {max_tokens!r}")
     state = raincheck_state(model, "complete_deferred")
@@ -65,3 +77,42 @@ def _complete_locked(state, cache: DeferredPrefillCache, max_tokens: int | None)
         return 0
     budget = cache.pending if max_tokens is None else max_tokens
     return prefill_pending(state, cache, budget, cache.config.completion_chunk_size)
+
+
+def _complete_rows(model, group: BatchedDeferredPrefillCache, max_tokens: int | None) -> int:
+    """`complete_deferred` of a batch's rows: shared forwards of up to ``completion_chunk_size`` tokens per row."""
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0):
+        raise ValueError(f"complete_deferred: max_tokens must be None or an int >= 0, got {max_tokens!r}")
+    state = raincheck_state(model, "complete_deferred")
+    rows = [r for r in group.rows if r is not None]
+    for row in rows:
+        row.bind_model(model)
+        row.check_usable("complete_deferred")
+        row.stop_completion()
+        row.raise_completion_error()
+    before = sum(r.pending for r in rows)
+    configs = [r.config for r in rows if r.pending]
+    if not configs:
+        return 0
+    with contextlib.ExitStack() as locks:
+        for row in sorted(rows, key=id):
+            locks.enter_context(row.lock)
+        complete_shared(state.adapter, group, configs[0], state.backend(configs[0]), max_tokens)
+    return before - sum(r.pending for r in rows)
+
+
+@torch.no_grad()
+def complete_shared(adapter, group: BatchedDeferredPrefillCache, config, backend: str,
+                    max_tokens: int | None = None) -> None:
+    """Blocking completion of every row: shared forwards of up to ``completion_chunk_size`` deferred rows per row,
+    until nothing is pending or each row did `max_tokens` (each chunk one transaction per row cache)."""
+    caches = group.rows
+    left = [c.pending if max_tokens is None else min(max_tokens, c.pending) for c in caches]
+    while any(left):
+        counts = [min(config.completion_chunk_size, n) for n in left]
+        left = [n - c for n, c in zip(left, counts)]
+        with row_transactions(caches):
+            items = [(deferred_rows(c.plan, n), c.plan) if n else (None, None) for c, n in zip(caches, counts)]
+            run_shared_rows(adapter, group, items, backend, config.visibility, want_logits=False)
+            for cache, n in zip(caches, counts):
+                cache.record_restored("after_answer", n)

@@ -10,11 +10,14 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .. import transformers_coupling as hf
 from ..cache import DeferredPrefillCache, TurnRestore
+from ..cache.batched import BatchedDeferredPrefillCache
 from ..config import RaincheckConfig
 from . import config_source
 from .install import install
 from .background import start_background_completion
 from .batch import generate_batch
+from .row_stops import stopping_criteria
+from .shared_batch import shared_step
 from .completion import prefill_pending
 from .rows import run_rows
 from .schedule import FixedChunkSchedule
@@ -67,7 +70,7 @@ def enable_raincheck(model, force: bool = False):
     ['raincheck_config']") and ignores a ``generation_config.raincheck_config`` (it keeps unknown generation-config
     entries without reading them). Call ``enable_raincheck(model)`` first.
     """
-    return install(model, _generate, _forward, force=force)
+    return install(model, _generate, _forward, stopping_criteria, force=force)
 
 
 def _generation_config(model, kwargs: dict):
@@ -89,11 +92,6 @@ def _validate(model, input_ids, kwargs: dict, gen_config) -> None:
         )
     if (gen_config.num_beams or 1) > 1:
         raise ValueError(f"generate(raincheck_config=...): beam search is not supported (num_beams={gen_config.num_beams})")
-    if (gen_config.num_return_sequences or 1) > 1:
-        raise ValueError(
-            "generate(raincheck_config=...): num_return_sequences must be 1, got "
-            f"{gen_config.num_return_sequences} (expanded rows sharing the prompt's plan are not implemented yet)"
-        )
     if getattr(gen_config, "prefill_chunk_size", None) is not None:
         raise ValueError("generate(raincheck_config=...): prefill_chunk_size is not supported")
     if gen_config.use_cache is False:
@@ -121,7 +119,7 @@ def _generate(model, *args, raincheck_config: RaincheckConfig | None = config_so
             f"generate(raincheck_config=...): cache_implementation must be 'dynamic' or 'static', "
             f"got {cache_implementation!r}"
         )
-    if input_ids.shape[0] > 1:  # every row its own conversation (generation/batch.py)
+    if input_ids.shape[0] > 1 or (gen_config.num_return_sequences or 1) > 1:  # rows: generation/batch.py
         if args:
             raise ValueError("generate(raincheck_config=...) with a batch: pass generate's arguments by keyword")
         return generate_batch(model, state, raincheck_config, kwargs, gen_config, cache_implementation)
@@ -225,6 +223,12 @@ def _static_step(model, state: RaincheckState, gen_config, device: torch.device)
 
 def _forward(model, *args, past_key_values=None, **kwargs):
     state = getattr(model, _STATE_ATTR)
+    if isinstance(past_key_values, BatchedDeferredPrefillCache):
+        if past_key_values.active_turn is None:
+            raise ValueError("a BatchedDeferredPrefillCache is filled by a batched generate(raincheck_config=...) only")
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        logits = shared_step(state.adapter, past_key_values, past_key_values.active_turn, input_ids)
+        return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
     turn: Turn | None = past_key_values.active_turn if isinstance(past_key_values, DeferredPrefillCache) else None
     if turn is None:
         if isinstance(past_key_values, DeferredPrefillCache):

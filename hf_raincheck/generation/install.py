@@ -2,7 +2,9 @@
 
 What `install` changes, all on this instance (and its submodules), and what `disable_raincheck` gives back:
 
-- ``model.generate`` and ``model.forward``: instance attributes (`RaincheckMethod`) in front of the originals;
+- ``model.generate``, ``model.forward`` and transformers' ``model._get_stopping_criteria`` (a batch records which
+  rows stopped: `hf_raincheck.generation.row_stops`): instance attributes (`RaincheckMethod`) in front of the
+  originals;
 - the ``config`` of each text attention module: a private copy naming Raincheck's attention dispatcher
   (`hf_raincheck.attention.dispatch.install`), the original under ``_raincheck_base_config``;
 - the forward of each Gated DeltaNet module (`hf_raincheck.gdn_state.patch.install`);
@@ -24,7 +26,7 @@ from ..models import get_adapter
 from . import config_source
 from .state import STATE_ATTR, RaincheckState
 
-_PATCHED_METHODS = ("generate", "forward")
+_PATCHED_METHODS = ("generate", "forward", hf.STOPPING_CRITERIA_METHOD)
 
 
 class RaincheckMethod:
@@ -61,13 +63,13 @@ def _reject_top_level_config(kwargs: dict) -> None:
         )
 
 
-def install(model, generate_fn, forward_fn, force: bool = False):
+def install(model, generate_fn, forward_fn, stopping_fn, force: bool = False):
     """`enable_raincheck`'s work (see its docstring); returns what was passed."""
     hf.check_transformers_version(force=force)
     if _is_pipeline(model):
         pipe = model
         _reject_top_level_config(hf.pipeline_preprocess_params(pipe))
-        install(pipe.model, generate_fn, forward_fn, force=force)
+        install(pipe.model, generate_fn, forward_fn, stopping_fn, force=force)
         hf.guard_pipeline_kwargs(pipe, _reject_top_level_config)
         return pipe
     if getattr(model, STATE_ATTR, None) is not None:
@@ -80,6 +82,7 @@ def install(model, generate_fn, forward_fn, force: bool = False):
         adapter=adapter,
         original_generate=model.generate,
         original_forward=model.forward,
+        original_stopping_criteria=getattr(model, hf.STOPPING_CRITERIA_METHOD),
         own_attrs={name: own[name] for name in _PATCHED_METHODS if name in own},
     )
     attention.install(adapter.text_attention_modules())
@@ -88,6 +91,7 @@ def install(model, generate_fn, forward_fn, force: bool = False):
     setattr(model, STATE_ATTR, state)
     model.generate = RaincheckMethod(generate_fn, model, state.original_generate)
     model.forward = RaincheckMethod(forward_fn, model, state.original_forward)
+    setattr(model, hf.STOPPING_CRITERIA_METHOD, RaincheckMethod(stopping_fn, model, state.original_stopping_criteria))
     return model
 
 

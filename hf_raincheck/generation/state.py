@@ -7,6 +7,7 @@ background worker, `RaincheckChat`) reads the state without importing `enable` (
 from __future__ import annotations
 
 import copy
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ class RaincheckState:
     adapter: ModelAdapter
     original_generate: object
     original_forward: object
+    original_stopping_criteria: object = None  # transformers' `_get_stopping_criteria` (batches record row stops)
     # the instance attributes `generate` / `forward` had before enabling (absent: the class's methods), restored
     # by `disable_raincheck`
     own_attrs: dict = field(default_factory=dict)
@@ -35,6 +37,8 @@ class RaincheckState:
     warned_multi_device: bool = False  # the "compiled steps need one device" warning was given
     # the DeferredPrefillCaches bound to this model (weakly): `disable_raincheck` stops their background workers
     caches: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)
+    # the `RowStops` of the batched generate running on this thread, if any (`generation/row_stops.py`)
+    row_stops: threading.local = field(default_factory=threading.local)
 
     @staticmethod
     def backend(config: RaincheckConfig) -> str:
@@ -48,6 +52,7 @@ class RaincheckState:
             adapter=copy.deepcopy(self.adapter, memo),
             original_generate=copy.deepcopy(self.original_generate, memo),
             original_forward=copy.deepcopy(self.original_forward, memo),
+            original_stopping_criteria=copy.deepcopy(self.original_stopping_criteria, memo),
             own_attrs=copy.deepcopy(self.own_attrs, memo),
         )
 

@@ -1,0 +1,155 @@
+"""A batched Raincheck `generate` whose rows share every forward (prefill, fused decode steps, completion).
+
+Each row is prepared as its batch-1 call would be (`prepare_turn` on its own row cache: spans, budgets, selection,
+plan, boundary, pending set), then transformers' sampling loop runs the whole batch through the patched forward,
+which sends each forward to `run_shared_rows`: row b's prefill rows, or its decode row after its own deferred
+chunk (its schedule's count, `carry_counts` shares ``step_deferred_budget`` over the rows). A row that stopped is
+fed nothing more (transformers feeds it padding: `row_stops`), but keeps restoring its deferred tokens in the
+shared steps while the others decode, unless its completion is ``"next_turn"``; what is still pending when the
+batch ends is completed per row as the config says (``"blocking"``: in shared forwards of
+``completion_chunk_size`` rows per row). Every forward and its bookkeeping are one transaction per row cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache import DeferredPrefillCache, TurnRestore
+from ..cache.batched import BatchedDeferredPrefillCache
+from .background import start_background_completion
+from .completion import complete_shared
+from .row_stops import RowStopsSlot
+from .rows import Rows, concat_rows, deferred_rows
+from .schedule import FixedChunkSchedule, carried_tokens
+from .shared_rows import row_transactions, run_shared_rows
+from .turn import Turn, prepare_turn
+
+
+@dataclass
+class BatchTurn:
+    """The running batched call: one `Turn` per row (`BatchedDeferredPrefillCache.active_turn`)."""
+
+    turns: list[Turn]
+    config: object
+    backend: str
+    stops: RowStopsSlot
+    prefill_done: bool = False
+    stopped: list[bool] = field(default_factory=list)  # rows that stopped (fed nothing more)
+    step: int = 0
+
+
+def carry_counts(wanted: list[int], budget: int | None) -> list[int]:
+    """Each row's deferred tokens for one shared step: what its schedule asks (`wanted`), cut to `budget` in all by
+    water-filling (the smallest asks are met first, the rest is split evenly, the earlier rows get the remainder)."""
+    if budget is None or sum(wanted) <= budget:
+        return list(wanted)
+    counts = [0] * len(wanted)
+    left = budget
+    order = sorted((w, i) for i, w in enumerate(wanted) if w > 0)
+    while order and left > 0:
+        share = left // len(order)
+        if share == 0:  # fewer tokens than rows: one each, earliest rows first
+            for _, i in sorted(order, key=lambda t: t[1])[:left]:
+                counts[i] += 1
+            break
+        w, i = order[0]
+        if w - counts[i] <= share:
+            left -= w - counts[i]
+            counts[i] = w
+            order.pop(0)
+            continue
+        for _, j in order:
+            counts[j] += share
+        left -= share * len(order)
+        # rows still short keep asking for the rest
+        order = [(w, j) for w, j in order if counts[j] < w]
+    return counts
+
+
+def _live_rows(adapter, cache: DeferredPrefillCache, embeds: torch.Tensor) -> Rows:
+    """The decode row of a fed token (its embedding ``[1, H]``) at the row cache's next slot."""
+    slot = cache.length
+    cache.reserve(slot + 1, embeds.device)
+    slot_t = cache.slot_tensor(slot)
+    return Rows(
+        slots=slot_t,
+        embeds=embeds,
+        positions=(slot_t + cache.rope_delta).expand(3, 1),
+        deepstack=None,
+        deferred=torch.zeros_like(slot_t, dtype=torch.bool),
+        max_slot=slot,
+    )
+
+
+def prepare_batch_turn(adapter, group: BatchedDeferredPrefillCache, config, row_inputs: list[dict], backend: str,
+                       stops: RowStopsSlot) -> BatchTurn:
+    """Every row's `Turn` (row b: ``row_inputs[b]``, its unpadded ``input_ids [1, L_b]`` and its own media)."""
+    turns = []
+    for cache, inputs in zip(group.rows, row_inputs):
+        schedule = config.schedule or FixedChunkSchedule(config.chunk_size, config.guard_tokens)
+        turns.append(prepare_turn(adapter, cache, config, inputs["input_ids"], inputs, schedule, backend))
+    return BatchTurn(turns=turns, config=config, backend=backend, stops=stops, stopped=[False] * len(turns))
+
+
+@torch.no_grad()
+def shared_step(adapter, group: BatchedDeferredPrefillCache, bturn: BatchTurn, input_ids: torch.Tensor):
+    """The patched forward of a batched call: the shared prefill, then one shared decode step per call; returns
+    logits ``[B, 1, V]``."""
+    config = bturn.config
+    caches = group.rows
+    if not bturn.prefill_done:
+        records = [TurnRestore(deferred=t.plan.total_deferred if t.plan is not None else 0) for t in bturn.turns]
+        with row_transactions(caches):
+            logits = run_shared_rows(adapter, group, [(t.prefill, t.prefill_plan) for t in bturn.turns],
+                                     bturn.backend, config.visibility, want_logits=True)
+            for cache, turn, record in zip(caches, bturn.turns, records):
+                cache.commit_prefill(turn.prompt_ids.tolist(), turn.plan, turn.rope_delta, turn.media_grids, record,
+                                     turn.prefill.restored)
+        for turn, record in zip(bturn.turns, records):
+            turn.record, turn.restored_in_prefill, turn.prefill_done = record, turn.prefill.restored, True
+            turn.prefill = None
+        bturn.prefill_done = True
+        return logits
+
+    bturn.step += 1
+    stopped = bturn.stops.finished_rows(len(caches))
+    bturn.stopped = stopped
+    wanted = []
+    for cache, turn, done in zip(caches, bturn.turns, stopped):
+        turn.step += 1
+        plan = cache.plan
+        pending = plan.pending if plan is not None else 0
+        if done and config.completion == "next_turn":
+            wanted.append(0)  # folded into the row's next turn, as the user asked
+        else:
+            wanted.append(carried_tokens(turn.schedule, turn.step, pending))
+    counts = carry_counts(wanted, config.step_deferred_budget)
+    tokens = input_ids[:, -1:].to(bturn.turns[0].positions.device)
+    embeds = adapter.embed_tokens(tokens)  # [B, 1, H]
+    with row_transactions(caches):
+        items = []
+        for b, (cache, count, done) in enumerate(zip(caches, counts, stopped)):
+            plan = cache.plan
+            parts = [deferred_rows(plan, count)] if count else []
+            if not done:
+                parts.append(_live_rows(adapter, cache, embeds[b]))
+            items.append((concat_rows(parts) if parts else None, plan if count else None))
+        logits = run_shared_rows(adapter, group, items, bturn.backend, config.visibility, want_logits=True)
+        for b, (cache, count, done) in enumerate(zip(caches, counts, stopped)):
+            if done:
+                cache.record_restored("after_answer", count)
+            else:
+                cache.record_restored("during_decode", count)
+                cache.append_fed_token(tokens[b : b + 1])
+    return logits
+
+
+def finish_batch(model, adapter, group: BatchedDeferredPrefillCache, config, backend: str) -> None:
+    """What each row's completion mode does once the batch's answers ended."""
+    if config.completion == "blocking":
+        complete_shared(adapter, group, config, backend)
+    elif config.completion == "background":
+        for cache in group.rows:
+            start_background_completion(model, cache)
