@@ -27,6 +27,7 @@ from serve_support import chat_reference, data_url, gridqa_images, plain_answer,
 from hf_raincheck import RaincheckConfig  # noqa: E402
 from hf_raincheck.gridqa import has_default, load_default, make_dialogue  # noqa: E402
 from hf_raincheck.serve import DEFAULT_MODEL, RaincheckServer  # noqa: E402
+from hf_raincheck.serve.pool import ConversationPool, cache_nbytes, cache_storages  # noqa: E402
 
 CONFIG = RaincheckConfig(retention=0.3)
 MAX_TOKENS = 16
@@ -119,6 +120,10 @@ def test_concurrent_conversations_share_batched_calls_and_equal_raincheck_chat(r
         assert srv.scheduler.wait_idle(60)
         snapshot = srv.pool.snapshot()
         assert snapshot["conversations"] == 4 and snapshot["pending"] == 0
+        # the rows of the last batch share KV buffers: the pool counts each storage once
+        pooled = [c.cache for c in srv.pool.conversations()]
+        union = {k: v for cache in pooled for k, v in cache_storages(cache).items()}
+        assert snapshot["bytes"] == sum(union.values()) < sum(cache_nbytes(cache) for cache in pooled)
         reported = sum(u["deferred"] for conv in usages for u in conv)
         assert snapshot["deferred"] == reported == (snapshot["restored_in_prefill"]
                                                     + snapshot["restored_during_decode"]
@@ -136,36 +141,13 @@ def ask_streamed(client, messages):
     return "".join(pieces), usage
 
 
-def streaming_engine(model, monkeypatch):
-    """Makes the served model's batched generate accept a streamer, as the shared-step engine will: it runs the
-    batch, then streams it as transformers does (the prompt [B, L], then [B] tokens per step, the end)."""
-    real_generate = model.generate
-
-    def generate(*args, **kwargs):
-        streamer = kwargs.pop("streamer", None)
-        if streamer is None or kwargs["input_ids"].shape[0] == 1:
-            return real_generate(*args, **kwargs, **({"streamer": streamer} if streamer is not None else {}))
-        out = real_generate(*args, **kwargs)
-        width = kwargs["input_ids"].shape[1]
-        streamer.put(kwargs["input_ids"].cpu())
-        for step in range(width, out.sequences.shape[1]):
-            streamer.put(out.sequences[:, step].cpu())
-        streamer.end()
-        return out
-
-    monkeypatch.setattr(model, "generate", generate)
-
-
 @needs_model
-@pytest.mark.parametrize("engine", ["as-is", "streaming-at-batch"])
-def test_streamed_requests_in_batches(reference, monkeypatch, engine):
-    """With `batch.STREAM_IN_BATCHES` on, streamed requests join batches (a `FanOutStreamer` hands each its
-    tokens) where the batched generate accepts a streamer (``streaming-at-batch``: simulated on top of the
-    engine here); where it refuses one (the engine of ec784f4), the batch runs one request at a time. Either
-    way every stream is RaincheckChat's answer."""
+def test_streamed_requests_in_batches(reference):
+    """Streamed requests join batches: a `FanOutStreamer` hands each request its row's tokens, next to a
+    request that is not streamed; every stream is RaincheckChat's answer."""
     from hf_raincheck.serve import batch
 
-    monkeypatch.setattr(batch, "STREAM_IN_BATCHES", True)
+    assert batch.STREAM_IN_BATCHES
     model, processor = reference
     images = gridqa_images([80, 81, 82])
     chats = [[("what is in C3?", images[80]), ("what is in D4?", None)],
@@ -173,8 +155,6 @@ def test_streamed_requests_in_batches(reference, monkeypatch, engine):
              [("what is in E5?", images[82]), ("list row C.", None)]]
     expected = [chat_reference(model, processor, CONFIG, turns, MAX_TOKENS) for turns in chats]
     with RaincheckServer(raincheck_config=CONFIG, port=0, cache_budget_mb=256, batch_window_ms=WINDOW_MS) as srv:
-        if engine == "streaming-at-batch":
-            streaming_engine(srv.model, monkeypatch)
         client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
         histories = [[] for _ in chats]
 
@@ -190,11 +170,7 @@ def test_streamed_requests_in_batches(reference, monkeypatch, engine):
         results = rounds(srv, [[(i, t) for i in range(3)] for t in range(2)], send)
         assert [[r[i][0] for r in results] for i in range(3)] == expected
         sizes = [r[i][1].raincheck["batch_size"] for r in results for i in range(3)]
-        batches = stats(srv)["batches"]
-        if engine == "streaming-at-batch" or batches["fallbacks"] == 0:  # the engine took the fan-out streamer
-            assert batches["fallbacks"] == 0 and sizes == [3] * 6
-        else:  # it refused a streamer at B > 1: each round's batch failed at once and ran one at a time
-            assert batches["fallbacks"] == 2 and sizes == [1] * 6
+        assert sizes == [3] * 6 and stats(srv)["batches"]["fallbacks"] == 0
         assert [r[i][1].raincheck["conversation_cache"] for r in results for i in range(3)] == ["new"] * 3 + \
             ["reused"] * 3
 
@@ -375,6 +351,28 @@ def test_fan_out_streamer_in_transformers_batched_generate(reference):
         assert [p[0] for p in recorder.puts[1:]] == answer and recorder.ended
 
 
+# ---------------------------------------------------------------------------------------------- the pool
+def test_the_pool_counts_a_shared_buffer_once_and_frees_it_with_its_last_holder():
+    class Model:
+        pass
+
+    model, sequences = Model(), torch.zeros(1, 1, dtype=torch.long)
+    shared = torch.zeros(1000, dtype=torch.uint8)  # a batched call's KV buffer, rows of it held by two caches
+    caches = {"a": {"kv": shared[:500]}, "b": {"kv": shared[500:], "own": torch.zeros(100, dtype=torch.uint8)},
+              "c": {"kv": torch.zeros(600, dtype=torch.uint8)}}
+    assert cache_nbytes(caches["a"]) == 1000 and cache_nbytes(caches["b"]) == 1100
+    pool = ConversationPool(1500)
+    for name in ("a", "b"):
+        assert pool.checkin(pool.new(model, (name,), caches[name], sequences)) == []
+    assert pool.bytes == 1100  # not 2100
+    conv_a = pool.checkout(model, ("a", "next"))
+    assert pool.bytes == 1100  # b still holds the shared buffer
+    pool.checkin(conv_a)
+    evicted = pool.checkin(pool.new(model, ("c",), caches["c"], sequences))  # 1700 > 1500
+    assert len(evicted) == 2 and pool.bytes == 600  # evicting a alone frees nothing; with b the buffer goes
+    assert pool.peak_bytes == 1100 and pool.conversations()[0].cache is caches["c"]
+
+
 # ---------------------------------------------------------------------------------------------- grouping
 def _turn(max_new_tokens=16, do_sample=False, seed=None, streamer=None, model="m"):
     from transformers import GenerationConfig
@@ -385,16 +383,18 @@ def _turn(max_new_tokens=16, do_sample=False, seed=None, streamer=None, model="m
     return SimpleNamespace(job=job)
 
 
-def test_requests_share_a_call_only_with_equal_settings():
+def test_requests_share_a_call_only_with_equal_settings(monkeypatch):
     from hf_raincheck.serve import batch
 
     turns = [_turn(), _turn(max_new_tokens=8), _turn(), _turn(do_sample=True), _turn(do_sample=True, seed=3),
              _turn(do_sample=True), _turn(seed=3), _turn(streamer=object()), _turn(), _turn(model="other")]
     groups = batch.group_turns(turns, max_batch_size=3)
     index = {id(t): i for i, t in enumerate(turns)}
-    assert [[index[id(t)] for t in g] for g in groups] == [[0, 2, 6], [1], [3, 5], [4], [7], [8], [9]]
+    assert [[index[id(t)] for t in g] for g in groups] == [[0, 2, 6], [1], [3, 5], [4], [7, 8], [9]]
     assert batch.batch_key(turns[4]) is None  # seeded sampling runs alone (its draws must not depend on a batch)
-    assert (batch.batch_key(turns[7]) is None) == (not batch.STREAM_IN_BATCHES)
+    monkeypatch.setattr(batch, "STREAM_IN_BATCHES", False)  # streamed requests alone
+    groups = batch.group_turns(turns, max_batch_size=3)
+    assert [[index[id(t)] for t in g] for g in groups] == [[0, 2, 6], [1], [3, 5], [4], [7], [8], [9]]
 
 
 def test_answer_length():
