@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -52,16 +53,24 @@ class BatchStats:
     max_rows: int = 0
     sizes: dict = field(default_factory=dict)  # rows per call -> calls
     fallbacks: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def count(self, rows: int) -> None:
-        self.calls += 1
-        self.rows += rows
-        self.max_rows = max(self.max_rows, rows)
-        self.sizes[rows] = self.sizes.get(rows, 0) + 1
+        with self._lock:
+            self.calls += 1
+            self.rows += rows
+            self.max_rows = max(self.max_rows, rows)
+            self.sizes[rows] = self.sizes.get(rows, 0) + 1
+
+    def count_fallback(self) -> None:
+        with self._lock:
+            self.fallbacks += 1
 
     def snapshot(self) -> dict:
-        return {"calls": self.calls, "rows": self.rows, "max_rows": self.max_rows,
-                "sizes": {str(k): v for k, v in sorted(self.sizes.items())}, "fallbacks": self.fallbacks}
+        """The counters (read from any thread)."""
+        with self._lock:
+            return {"calls": self.calls, "rows": self.rows, "max_rows": self.max_rows,
+                    "sizes": {str(k): v for k, v in sorted(self.sizes.items())}, "fallbacks": self.fallbacks}
 
 
 def batch_key(turn: PreparedTurn) -> tuple | None:
@@ -180,7 +189,7 @@ def run_batch(turns: list[PreparedTurn], pool: ConversationPool, stats: BatchSta
         return
     except Exception:  # noqa: BLE001 - each request again on its own: only a bad one fails
         logger.exception("a batched generate of %d requests failed; running them one at a time", len(turns))
-        stats.fallbacks += 1
+        stats.count_fallback()
         _one_at_a_time(turns, streamer, pool, stats)
         return
     caches = out.past_key_values.split()
