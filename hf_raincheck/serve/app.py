@@ -64,7 +64,8 @@ class RaincheckServer:
             raise ValueError(f"RaincheckServer: max_batch_size must be an int >= 1, got {max_batch_size!r}")
         if (isinstance(batch_window_ms, bool) or not isinstance(batch_window_ms, (int, float))
                 or not 0 <= batch_window_ms <= 10000):
-            raise ValueError(f"RaincheckServer: batch_window_ms must be a number in [0, 10000], got {batch_window_ms!r}")
+            raise ValueError(f"RaincheckServer: batch_window_ms must be a number in [0, 10000], got "
+                             f"{batch_window_ms!r}")
         self.model_name = model or DEFAULT_MODEL
         self.raincheck_config = dataclasses.replace(config, completion="next_turn")
         self.model_manager = RaincheckModelManager(

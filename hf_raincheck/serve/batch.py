@@ -14,9 +14,10 @@ end-of-sequence token (`turn.answer_length`); its cache is ``past_key_values.row
 tokens through a `FanOutStreamer`.
 
 A batched call that raises runs its requests again one at a time, so a bad request fails only itself: a row
-whose cache the failed call left as it was runs on it; a row whose cache it advanced (the batch's rows ran in
-part) starts a new conversation with its whole chat (that cache is dropped); a streaming row whose client
-already received tokens fails. A cancelled streaming row (its client went away) drops its conversation only.
+whose cache the failed call left as it was runs on it; a row whose cache it advanced (the call ran in part) or
+left unusable starts a new conversation with its whole chat (that cache is dropped); a streaming row whose
+client already received tokens fails. A cancelled streaming row (its client went away) drops its conversation
+only.
 """
 
 from __future__ import annotations
@@ -214,8 +215,8 @@ def _one_at_a_time(turns: list[PreparedTurn], streamer: FanOutStreamer | None, p
                                          "its answer had begun") if not streamer.cancelled[i] else None)
             continue
         if turn.conv is not None and cache_state(turn.conv.cache) != turn.cache_state:
-            logger.warning("conversation %s: the failed batched call advanced its cache; the request starts a new "
-                           "conversation", turn.conv.id)
+            logger.warning("conversation %s: the failed batched call advanced its cache (or left it unusable); the "
+                           "request starts a new conversation", turn.conv.id)
             try:
                 turn = restart_as_new(turn)
             except RequestError as error:

@@ -108,8 +108,13 @@ def context_length(model) -> int:
 
 def cache_state(cache) -> tuple:
     """What a `generate` call on a cache changes: a cache whose state differs after a failed call was advanced
-    by it (its conversation no longer ends where the request started)."""
-    return cache.length, len(cache.turn_stats), cache.pending
+    by it (its conversation no longer ends where the request started), or left unusable."""
+    try:
+        cache.check_usable("the server")
+        usable = True
+    except RuntimeError:
+        usable = False
+    return cache.length, len(cache.turn_stats), cache.pending, usable
 
 
 def _inputs(job: TurnJob, conv) -> dict:
