@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from serve_support import chat_reference, data_url, gridqa_images, plain_answer, processor_messages, user  # noqa: E402
 
 from hf_raincheck import RaincheckConfig  # noqa: E402
-from hf_raincheck.gridqa import has_default, load_default, make_dialogue  # noqa: E402
+from hf_raincheck.gridqa import has_default, load_default  # noqa: E402
 from hf_raincheck.serve import DEFAULT_MODEL, RaincheckServer  # noqa: E402
 from hf_raincheck.serve.pool import ConversationPool, cache_nbytes, cache_storages  # noqa: E402
 
@@ -173,6 +173,53 @@ def test_streamed_requests_in_batches(reference):
         assert sizes == [3] * 6 and stats(srv)["batches"]["fallbacks"] == 0
         assert [r[i][1].raincheck["conversation_cache"] for r in results for i in range(3)] == ["new"] * 3 + \
             ["reused"] * 3
+
+
+@needs_model
+def test_a_streamed_request_cancelled_inside_a_batch_drops_only_its_conversation(reference, monkeypatch):
+    """A client that goes away mid-stream (its streamer cancelled at its third token) while batched with
+    another request: the other request's answer is RaincheckChat's, only the cancelled conversation is dropped."""
+    import httpx
+
+    from hf_raincheck.serve import handler
+
+    class HangsUp(handler.DirectStreamer):  # what the handler does when the client disconnects, at a set token
+        def put(self, value):
+            if self._first:
+                self.hangs_up = "hang up" in self._tokenizer.decode(value.reshape(-1).tolist())
+            elif self.hangs_up and self.total_tokens == 2:
+                self.cancel()
+            super().put(value)
+
+    monkeypatch.setattr(handler, "DirectStreamer", HangsUp)
+    model, processor = reference
+    image = gridqa_images([90])[90]
+    expected = chat_reference(model, processor, CONFIG, [("list row B.", image)], MAX_TOKENS)[0]
+    with RaincheckServer(raincheck_config=CONFIG, port=0, cache_budget_mb=256, batch_window_ms=WINDOW_MS) as srv:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
+        kept = [user("list row B.", data_url(image))]
+        leaving = {"model": DEFAULT_MODEL, "messages": [user("please hang up. list row C.", data_url(image))],
+                   "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+
+        def hang_up():
+            pieces = []
+            try:
+                with httpx.Client(timeout=120) as http:
+                    with http.stream("POST", srv.base_url + "/chat/completions", json=leaving) as response:
+                        pieces = [line for line in response.iter_lines() if '"content"' in line]
+            except httpx.HTTPError:  # the stream is cut off: the server dropped the request
+                pass
+            return pieces
+
+        (answer, usage), pieces = rounds(srv, [["kept", "leaving"]],
+                                         lambda r: ask_streamed(client, kept) if r == "kept" else hang_up())[0]
+        assert answer == expected and usage.raincheck["batch_size"] == 2
+        assert len(pieces) == 2  # its stream ended at the cancellation, after two of its 16 tokens
+        assert srv.scheduler.wait_idle(60)
+        (conv,) = srv.pool.conversations()  # the cancelled conversation was not kept
+        assert ("text", "list row B.") in conv.key[0][1] and conv.turns == 1
+        kept += [{"role": "assistant", "content": answer}, user("what is in A1?")]
+        assert ask(client, kept)[1].raincheck["conversation_cache"] == "reused"
 
 
 # ---------------------------------------------------------------------------------------------- a bad row
