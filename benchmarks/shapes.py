@@ -86,13 +86,14 @@ def _text(count: int, gen: torch.Generator) -> list[int]:
     return torch.randint(0, 1000, (count,), generator=gen).tolist()
 
 
-def build_inputs(image_tokens: int, text_before: int, question: int, device: str, dtype: torch.dtype):
-    """``text, <vision_start>, image (a square grid of `image_tokens` merged tokens), <vision_end>, question``."""
+def build_inputs(image_tokens: int, text_before: int, question: int, device: str, dtype: torch.dtype, seed: int = 0):
+    """``text, <vision_start>, image (a square grid of `image_tokens` merged tokens), <vision_end>, question``;
+    `seed` draws the text tokens and the pixels (another seed: another image)."""
     side = int(round(image_tokens ** 0.5))
     if side * side != image_tokens:
         raise ValueError(f"image_tokens must be a square, got {image_tokens}")
     patches = (2 * side) ** 2
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     ids = _text(text_before, gen) + [VSTART] + [IMAGE] * image_tokens + [VEND] + _text(question, gen)
     input_ids = torch.tensor([ids], device=device)
     return dict(

@@ -409,3 +409,24 @@ def test_complete_deferred_of_a_batch(family):
             retention=0.3, chunk_size=3, guard_tokens=2, completion="blocking"), n=3)
         assert group.rows[i].turn_stats[0].restored_after_answer == pending[i]
         assert_same_cache(group.rows[i], ref.past_key_values)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_shared_steps_on_cuda_equal_batch1(family):
+    """The shared engine on CUDA (SDPA's CUDA kernels, the grouped path for masked steps): every row's tokens and
+    cache equal its batch-1 run's on CUDA."""
+    model, processor = family
+    model.cuda()
+    try:
+        batch = {k: v.cuda() for k, v in _inputs(processor, CONVERSATIONS).items()}
+        out = _gen(model, batch, CFG)
+        width = batch["input_ids"].shape[1]
+        for i, conversation in enumerate(CONVERSATIONS):
+            alone = {k: v.cuda() for k, v in _inputs(processor, [conversation]).items()}
+            ref = _gen(model, alone, CFG)
+            ref_new = ref.sequences[0, alone["input_ids"].shape[1]:].tolist()
+            assert out.sequences[i, width:width + len(ref_new)].tolist() == ref_new, f"row {i}"
+            assert_same_cache(out.past_key_values.rows[i], ref.past_key_values)
+    finally:
+        model.cpu()

@@ -253,3 +253,122 @@ def test_ridge_probe_separates_what_is_there_from_what_is_not():
     noise = rng.standard_normal((2000, 8))
     assert ridge_probe(informative, y, 8) > 0.99
     assert ridge_probe(noise, y, 8) < 0.25
+
+
+BATCH_RECORD_KEYS = {"model", "cache", "batch_size", "method", "rows", "rows_why", "image_tokens", "prompt_tokens",
+                     "new_tokens", "ttft_ms", "ttft_ms_calls", "ttft_ms_rounds", "tpot_ms", "tpot_ms_rounds",
+                     "tpot_from", "tokens_per_s", "tokens_per_s_rounds", "e2e_ms", "e2e_ms_rounds", "peak_mem_gib",
+                     "rounds", "warmup_s", "answer_ttft_ms", "step_ms", "restore_step_ms", "decode_step_ms",
+                     "restored_at_token", "deferred_per_row", "restored_during_decode", "pending_at_answer_end",
+                     "restored_after_answer", "replay_matches"}
+
+
+def test_batch_quick_shared_engine(tmp_path):
+    """``benchmarks/batch.py --quick`` (tiny Qwen3-VL, dynamic cache): the four methods at B = 1 and 3 (mixed image
+    sizes, padded rows) in paired rounds; B = 3 runs in the shared engine, timed step by step; a binding step
+    budget (20 deferred tokens per step over the rows) sets when restoration ends; ratios and targets per B."""
+    out = run_script([os.path.join(ROOT, "benchmarks", "batch.py"), "--quick", "--save", "--models", "tiny",
+                      "--batch-sizes", "1", "3", "--step-budget", "20", "--results-dir", str(tmp_path)], tmp_path)
+    assert "| model | cache | B | method | rows |" in out and "| model | cache | B | ratio |" in out
+    report = json.loads((tmp_path / "batch.json").read_text())
+    meta, records = report["meta"], report["records"]
+    assert {"command", "torch", "transformers", "hf_raincheck", "gpu"} <= set(meta)
+    assert "batch.py" in meta["command"]
+    assert meta["errors"] == [] and meta["skipped"] == [] and meta["configs"]["plain"] is None
+    assert meta["configs"]["raincheck"]["completion"] == "blocking"
+    assert meta["configs"]["raincheck"]["step_deferred_budget"] == 20
+    assert all(set(r) == BATCH_RECORD_KEYS for r in records)
+    assert sorted((r["batch_size"], r["method"]) for r in records) == [
+        (b, m) for b in (1, 3) for m in ("full", "hard", "plain", "raincheck")]
+    n = 24
+    for r in records:
+        b = r["batch_size"]
+        assert r["rows"] == ("batched" if r["method"] == "plain" else "batch-1" if b == 1 else "shared")
+        assert r["rows_why"] is None and r["image_tokens"] == [64, 36, 64][:b]
+        assert r["rounds"] == 2 and len(r["ttft_ms_rounds"]) == 2 and len(r["ttft_ms_calls"]) == 3  # 1 + a round's
+        assert r["tpot_from"] == "streamer" and len(r["step_ms"]) == n - 1
+        assert abs(statistics.median(r["ttft_ms_calls"]) - r["ttft_ms"]) < 0.01
+        for e2e, rate in zip(r["e2e_ms_rounds"], r["tokens_per_s_rounds"]):
+            assert abs(b * n / (e2e / 1e3) - rate) < 0.01 * rate
+        assert r["ttft_ms"] > 0 and r["tpot_ms"] > 0 and r["peak_mem_gib"] is None  # (no GPU)
+        if r["method"] == "raincheck":
+            deferred = r["deferred_per_row"]
+            assert deferred == [44, 25, 44][:b] and r["replay_matches"] is True
+            assert r["restored_during_decode"] == sum(deferred) and r["pending_at_answer_end"] == 0
+            # guard steps, then the chunks: 31 per step alone, 20 per step over the batch's rows (the budget)
+            carry = 31 if b == 1 else 20
+            assert r["restored_at_token"] == 16 + math.ceil(sum(deferred) / carry) + 1
+            assert r["restore_step_ms"] > 0 and r["decode_step_ms"] > 0
+        else:
+            assert r["restored_at_token"] is None and r["deferred_per_row"] is None
+    pairs = {(r["batch_size"], r["pair"]): r for r in report["ratios"]}
+    assert set(pairs) == {(b, p) for b in (1, 3) for p in ("raincheck/full", "raincheck/hard", "full/plain")}
+    by = {(r["batch_size"], r["method"]): r for r in records}
+    for (b, pair), ratio in pairs.items():
+        top, bottom = (by[(b, m)] for m in pair.split("/"))
+        expected = statistics.median(x / y for x, y in zip(top["tpot_ms_rounds"], bottom["tpot_ms_rounds"]))
+        assert abs(ratio["tpot"] - expected) < 1e-3
+        assert abs(ratio["ttft"] - top["ttft_ms"] / bottom["ttft_ms"]) < 1e-3  # medians over every first-token call
+    targets = {(t["batch_size"], t["target"]) for t in report["targets"]}
+    assert targets == {(1, "TPOT <= 1.05 x full"), (1, "tokens/s >= 0.95 x full"), (3, "TPOT <= 1.05 x full"),
+                       (3, "tokens/s >= 0.95 x full")}  # the TTFT target starts at B = 4
+
+
+def test_batch_quick_rows_one_by_one(tmp_path):
+    """Qwen3.5 on a static cache: Raincheck's rows run one after the other (the record says why), TPOT comes from
+    the answer call less the round's first-token call; plain generate stays batched and streamed."""
+    out_file = tmp_path / "static.json"
+    run_script([os.path.join(ROOT, "benchmarks", "batch.py"), "--quick", "--models", "tiny-qwen3.5", "--cache",
+                "static", "--batch-sizes", "2", "--rounds", "1", "--methods", "raincheck,plain", "--out",
+                str(out_file)], tmp_path)
+    report = json.loads(out_file.read_text())
+    records = {r["method"]: r for r in report["records"]}
+    rain, plain = records["raincheck"], records["plain"]
+    assert rain["rows"] == "one by one" and "Gated DeltaNet" in rain["rows_why"]
+    assert rain["tpot_from"] == "e2e - ttft" and rain["step_ms"] is None
+    assert abs(rain["tpot_ms"] - (rain["e2e_ms"] - rain["ttft_ms_rounds"][0]) / 23) < 0.01
+    assert rain["replay_matches"] is True and rain["restored_during_decode"] == sum(rain["deferred_per_row"])
+    assert plain["rows"] == "batched" and plain["tpot_from"] == "streamer" and plain["cache"] == "static"
+    assert [r["pair"] for r in report["ratios"]] == []  # no Full or Hard in this run
+
+
+def test_batch_bad_arguments_name_the_option(capsys):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import batch
+    import pytest
+
+    for argv, option in [(["--image-tokens", "1000"], "--image-tokens"), (["--methods", "full,fast"], "--methods"),
+                         (["--batch-sizes", "0"], "--batch-sizes"), (["--step-budget", "lots"], "--step-budget"),
+                         (["--cache", "static", "--warmup-tokens", "8"], "--warmup-tokens"),
+                         (["--rounds", "0"], "--rounds")]:
+        with pytest.raises(SystemExit):
+            batch.parse_args(["--quick", *argv])
+        assert f"error: {option}" in capsys.readouterr().err, argv
+
+
+def test_batch_budget_scales_the_previous_batch_size():
+    """`batch.Budget`: a batch size's warm-ups and first round are estimated from the previous one's, x B where the
+    rows run one by one, x sqrt(B) where they share forwards; a batch size that does not fit is refused."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import batch
+
+    class FakeBench:
+        args = batch.parse_args(["--quick"])
+
+        @staticmethod
+        def rows(method, size):
+            return "batched" if method.name == "plain" else "batch-1" if size == 1 else (
+                "one by one" if method.name == "hard" else "shared")
+
+    budget = batch.Budget(1000.0)
+    full, hard, plain = (batch.Method(name, None) for name in ("full", "hard", "plain"))
+    budget.record("m", 4, "full", "shared", 2.0, 10.0)
+    budget.record("m", 4, "hard", "one by one", 2.0, 10.0)
+    budget.record("m", 1, "plain", "batched", 1.0, 5.0)
+    assert math.isclose(budget.estimate("m", 16, full, FakeBench), 2.0 * 2 + 10.0 * 2 * 1.1)
+    assert math.isclose(budget.estimate("m", 16, hard, FakeBench), 2.0 * 4 + 10.0 * 4 * 1.1)
+    assert math.isclose(budget.estimate("m", 4, plain, FakeBench), 1.0 * 2 + 5.0 * 2 * 1.1)
+    assert budget.estimate("other", 4, full, FakeBench) is None
+    assert budget.fits_group("m", 16, [full, hard, plain], FakeBench)
+    budget.model_deadline = time.perf_counter() + 50.0  # 24 + 48 s do not fit in 50
+    assert not budget.fits_group("m", 16, [full, hard], FakeBench) and budget.fits_group("m", 16, [full], FakeBench)

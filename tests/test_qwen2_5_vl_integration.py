@@ -366,8 +366,8 @@ def test_errors_through_the_processor(vl, tiny_qwen2_5_vl_path):
     cfg = RaincheckConfig(retention=0.3, completion="next_turn")
     inputs = two_images(processor)
     batch = chat_inputs(processor, [_image_messages(make_image(0)), _image_messages(make_image(1))])
-    with pytest.raises(ValueError, match="output_logits"):  # (a batch is supported, its per-step logits not yet)
-        generate(model, batch, 2, cfg)
+    batched = generate(model, batch, 2, cfg)  # a batch, with its per-step logits (shared steps)
+    assert len(batched.logits) == 2 and batched.logits[0].shape[0] == 2
     out = generate(model, inputs, 3, cfg)
     turn2 = next_turn_inputs(processor, out.sequences, [{"role": "user", "content": "Why?"}])
     other = enable_raincheck(load_tiny_qwen2_5_vl(tiny_qwen2_5_vl_path)[0])

@@ -36,7 +36,8 @@ class BatchedDeferredPrefillCache(DynamicCache):
             (``model.generate(**next_inputs_of_row_i, past_key_values=caches[i], raincheck_config=cfg)``).
         wait(timeout=None) / cancel(): every row's background completion worker (``completion="background"``).
 
-    For the generation code: `share_buffers` (the shared buffers and the rows' views), `reserve`,
+    For the generation code: `share_buffers` (the shared buffers and the rows' views; ``filled``, bool
+    ``[B, capacity]``, whose row i is row i's filled-slot mask),
     `begin_forward` / `end_forward` (a `ForwardContext` whose ``write_slots`` are ``[B, q]``), `update` (the
     decoder layers' writes), `active_turn` (`begin_turn` / `end_turn`).
     """
@@ -54,8 +55,9 @@ class BatchedDeferredPrefillCache(DynamicCache):
         super().__init__()
         self.rows = list(rows)
         self.layers = []
-        self.keys: list[torch.Tensor] = []  # per layer [B, H, capacity, D] while rows share buffers
-        self.values: list[torch.Tensor] = []
+        self.keys: list[torch.Tensor | None] = []  # per layer [B, H, capacity, D] while rows share buffers
+        self.values: list[torch.Tensor | None] = []
+        self.filled: torch.Tensor | None = None  # bool [B, capacity]: row i's filled-slot mask is row i of it
         self.capacity = 0
         self._context: ForwardContext | None = None
         self._turn = None
@@ -106,8 +108,11 @@ class BatchedDeferredPrefillCache(DynamicCache):
 
     # ------------------------------------------------------------------ shared buffers
     def _views_current(self) -> bool:
-        if not self.keys:
+        if not self.keys or self.filled is None:
             return False
+        for i, row in enumerate(self.rows):
+            if not row.shares_filled(self.filled[i]):
+                return False
         for i, row in enumerate(self.rows):
             for layer, keys in zip(row.layers, self.keys):
                 if keys is None:
@@ -146,7 +151,15 @@ class BatchedDeferredPrefillCache(DynamicCache):
                     k[i, :, :n] = layer.keys[0, :, :n]
                     v[i, :, :n] = layer.values[0, :, :n]
             keys[idx], values[idx] = k, v
-        self.keys, self.values, self.capacity = keys, values, capacity
+        device = next((k.device for k in keys if k is not None), None)
+        if device is None:
+            device = next((r.device for r in self.rows if r.device is not None), None)
+        filled = None
+        if device is not None:
+            filled = torch.zeros((self.batch_size, capacity), dtype=torch.bool, device=device)
+            for i, row in enumerate(self.rows):
+                row.adopt_filled(filled[i])
+        self.keys, self.values, self.capacity, self.filled = keys, values, capacity, filled
         for idx in range(layers):
             if keys[idx] is not None:
                 self._point_layer(idx)

@@ -504,6 +504,20 @@ class DeferredPrefillCache(DynamicCache):
         self.marks_filled(slots)
         self._filled.index_fill_(0, slots, True)
 
+    def adopt_filled(self, view: torch.Tensor) -> None:
+        """Makes `view` (bool ``[capacity]``, a row of a batch's shared mask: `BatchedDeferredPrefillCache`) this
+        cache's filled-slot mask, with the entries it holds now. A later `reserve` beyond it moves the cache to a
+        mask of its own again."""
+        if self._filled is not None:
+            n = min(self._filled.numel(), view.numel())
+            view[:n] = self._filled[:n].to(view.device)
+        self._filled, self._slot_index = view, torch.arange(view.numel(), device=view.device)  # (one line)
+
+    def shares_filled(self, view: torch.Tensor) -> bool:
+        """Whether this cache's filled-slot mask is `view` (see `adopt_filled`)."""
+        f = self._filled
+        return f is not None and f.data_ptr() == view.data_ptr() and f.numel() == view.numel()
+
     def marks_filled(self, slots: torch.Tensor) -> None:
         """Tells the open transaction that `slots` are being marked filled (a compiled step marks them inside
         its graph), so a rollback unmarks them."""

@@ -23,7 +23,7 @@ from .completion import complete_shared
 from .row_stops import RowStopsSlot
 from .rows import Rows, concat_rows, deferred_rows
 from .schedule import FixedChunkSchedule, carried_tokens
-from .shared_rows import row_transactions, run_shared_rows
+from .shared_rows import row_transactions, run_shared_decode, run_shared_rows
 from .turn import Turn, prepare_turn
 
 
@@ -38,6 +38,13 @@ class BatchTurn:
     prefill_done: bool = False
     stopped: list[bool] = field(default_factory=list)  # rows that stopped (fed nothing more)
     step: int = 0
+    _rope_deltas: torch.Tensor | None = None
+
+    def rope_deltas(self, device) -> torch.Tensor:
+        """Each row's rope delta (its decode positions are slot + delta), ``[B]`` long on `device`, made once."""
+        if self._rope_deltas is None:
+            self._rope_deltas = torch.tensor([t.rope_delta for t in self.turns], dtype=torch.long, device=device)
+        return self._rope_deltas
 
 
 def carry_counts(wanted: list[int], budget: int | None) -> list[int]:
@@ -128,21 +135,25 @@ def shared_step(adapter, group: BatchedDeferredPrefillCache, bturn: BatchTurn, i
     counts = carry_counts(wanted, config.step_deferred_budget)
     tokens = input_ids[:, -1:].to(bturn.turns[0].positions.device)
     embeds = adapter.embed_tokens(tokens)  # [B, 1, H]
+    live = [not done for done in stopped]
     with row_transactions(caches):
-        items = []
-        for b, (cache, count, done) in enumerate(zip(caches, counts, stopped)):
-            plan = cache.plan
-            parts = [deferred_rows(plan, count)] if count else []
-            if not done:
-                parts.append(_live_rows(adapter, cache, embeds[b]))
-            items.append((concat_rows(parts) if parts else None, plan if count else None))
-        logits = run_shared_rows(adapter, group, items, bturn.backend, config.visibility, want_logits=True)
-        for b, (cache, count, done) in enumerate(zip(caches, counts, stopped)):
-            if done:
-                cache.record_restored("after_answer", count)
-            else:
+        if not any(counts):  # the common step: every row feeds its token, or nothing (stopped)
+            logits = run_shared_decode(adapter, group, embeds, live, bturn.rope_deltas(embeds.device), bturn.backend)
+        else:
+            items = []
+            for b, (cache, count, alive) in enumerate(zip(caches, counts, live)):
+                plan = cache.plan
+                parts = [deferred_rows(plan, count)] if count else []
+                if alive:
+                    parts.append(_live_rows(adapter, cache, embeds[b]))
+                items.append((concat_rows(parts) if parts else None, plan if count else None))
+            logits = run_shared_rows(adapter, group, items, bturn.backend, config.visibility, want_logits=True)
+        for b, (cache, count, alive) in enumerate(zip(caches, counts, live)):
+            if alive:
                 cache.record_restored("during_decode", count)
                 cache.append_fed_token(tokens[b : b + 1])
+            else:
+                cache.record_restored("after_answer", count)
     return logits
 
 

@@ -128,3 +128,45 @@ def run_shared_rows(
     if not want_logits:
         return None
     return adapter.lm_head(hidden[:, -1:])
+
+
+def run_shared_decode(adapter, group: BatchedDeferredPrefillCache, embeds: torch.Tensor, live: list[bool],
+                      rope_deltas: torch.Tensor, backend: str) -> torch.Tensor:
+    """A shared decode step that carries no deferred tokens: row b feeds ``embeds[b]`` (``[B, 1, H]``) at its next
+    slot if ``live[b]``, else writes nothing of its own (a stopped row: its position is padding, written to a
+    scratch slot). Same result as `run_shared_rows` with one live row per row, built with a few batched operators
+    instead of a few dozen per row (eager steps are host-bound): a live row sees every filled slot of its row
+    (all below its own), which is its batch-1 step's mask. Returns the logits ``[B, 1, V]``."""
+    caches = group.rows
+    device = embeds.device
+    lengths = [c.length for c in caches]
+    kv_real = max(max(lengths), max(n + 1 for n, alive in zip(lengths, live) if alive))
+    width = kv_real + (0 if all(live) else 1)
+    group.share_buffers(width)
+    for cache in caches:
+        cache.reserve(width, device)
+    slots = torch.tensor([n if alive else kv_real for n, alive in zip(lengths, live)], device=device)[:, None]
+    mask = group.filled[:, :width].clone().scatter_(1, slots, True)[:, None, None, :]
+    positions = (slots + rope_deltas[:, None]).expand(3, -1, -1)  # [3, B, 1]
+    context = ForwardContext(write_slots=slots, kv_len=width)
+    if adapter.gdn_glue is not None:
+        gdn_backend = resolve_gdn_backend(caches[0].config.gdn_backend, device)
+        context.gdn_step = SharedGDNSteps(rows=[
+            (0, gdn_step(cache, _one_live_row(cache, n), None, gdn_backend), cache.gdn_state) if alive else None
+            for cache, n, alive in zip(caches, lengths, live)
+        ])
+    try:
+        group.begin_forward(context)
+        with eager_sdpa_backends(device, 1):
+            hidden = adapter.language_forward(embeds, positions, mask, group, None, backend)
+    finally:
+        group.end_forward()
+    for cache, n, alive in zip(caches, lengths, live):
+        if alive:
+            cache.mark_filled(cache.slot_tensor(n))
+    return adapter.lm_head(hidden[:, -1:])
+
+
+def _one_live_row(cache: DeferredPrefillCache, slot: int) -> Rows:
+    """What `gdn_step` reads of a decode row (no deferred rows, no new plan)."""
+    return Rows(slots=None, embeds=None, positions=None, deepstack=None, deferred=None, max_slot=slot)
