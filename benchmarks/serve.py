@@ -13,7 +13,9 @@ Both servers run in this process (one after the other, each on a free localhost 
   client "reads", or folded into the prefill); plain ``transformers serve`` prefills the whole conversation on
   every request. Medians over ``--repeats`` conversations with different images.
 * throughput with 1 / 4 / 8 (``--concurrency``) conversations of ``--turns`` turns at once: completion tokens per
-  second of wall time, and the mean TTFT under that load. Both servers answer one request at a time.
+  second of wall time, and the mean TTFT under that load. The Raincheck server answers concurrent requests in
+  shared batched `generate` calls (``--max-batch-size``, ``--batch-window-ms``; the calls' row counts are in its
+  result's ``batches``); plain ``transformers serve`` answers one request at a time.
 
 Images: the GridQA grids for the default model, otherwise random-noise RGB images of ``--image-size`` pixels a
 side (seeded per conversation). Answers differ between the two servers (Raincheck answers from the kept tokens
@@ -120,10 +122,12 @@ def run_raincheck(args) -> dict:
 
     config = RaincheckConfig(retention=args.retention, pruning=args.pruning)
     server = RaincheckServer(args.model, config, port=0, device=args.device, dtype=args.dtype,
-                             cache_budget_mb=args.cache_budget_mb).start()
+                             cache_budget_mb=args.cache_budget_mb, max_batch_size=args.max_batch_size,
+                             batch_window_ms=args.batch_window_ms).start()
     try:
         result = measure(server.base_url, args.model or DEFAULT_MODEL, args)
         result["pool"] = server.pool.snapshot()
+        result["batches"] = server.scheduler.batch_stats.snapshot()
         return result
     finally:
         server.stop()
@@ -152,6 +156,8 @@ def run_plain(args) -> dict:
 
 
 def parse_args(argv=None):
+    from hf_raincheck.serve.scheduler import DEFAULT_BATCH_WINDOW_S, DEFAULT_MAX_BATCH_SIZE
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="Hub id or path (default: the shipped GridQA Qwen3-VL, CPU)")
     parser.add_argument("--device", default="auto")
@@ -166,6 +172,10 @@ def parse_args(argv=None):
     parser.add_argument("--concurrency", default="1,4,8", help="concurrent conversations, comma-separated")
     parser.add_argument("--servers", default="raincheck,plain", help="which servers: raincheck, plain")
     parser.add_argument("--cache-budget-mb", type=float, default=4096)
+    parser.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE,
+                        help="the Raincheck server's --max-batch-size (1: one request at a time)")
+    parser.add_argument("--batch-window-ms", type=float, default=DEFAULT_BATCH_WINDOW_S * 1000,
+                        help="the Raincheck server's --batch-window-ms")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--save", action="store_true", help=f"write the JSON to {os.path.relpath(RESULTS, ROOT)}")
     parser.add_argument("--out", default=None, help="write the JSON here")
@@ -175,6 +185,8 @@ def parse_args(argv=None):
     for name in args.servers:
         if name not in ("raincheck", "plain"):
             parser.error(f"--servers: unknown server {name!r}; allowed: raincheck, plain")
+    if args.max_batch_size < 1:
+        parser.error(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
     return args
 
 
@@ -188,6 +200,7 @@ def main(argv=None) -> dict:
     runners = {"raincheck": run_raincheck, "plain": run_plain}
     report = {"model": args.model or "hf-raincheck/gridqa-qwen3-vl (CPU)", "device": args.device,
               "retention": args.retention, "pruning": args.pruning, "max_tokens": args.max_tokens,
+              "max_batch_size": args.max_batch_size, "batch_window_ms": args.batch_window_ms,
               "think_ms": args.think_ms, "turns": args.turns, "servers": {}}
     for name in args.servers:
         report["servers"][name] = runners[name](args)
@@ -197,6 +210,8 @@ def main(argv=None) -> dict:
         row = "  ".join(f"{t['tokens_per_s']:>9.1f} ({t['mean_ttft_s'] * 1000:>6.0f} ms)"
                         for t in result["throughput"].values())
         print(f"{name:<10} {result['ttft_turn1_s'] * 1000:>9.0f} ms {result['ttft_turn2_s'] * 1000:>9.0f} ms  {row}")
+    if "batches" in report["servers"].get("raincheck", {}):
+        print(f"raincheck generate calls by rows (all runs): {report['servers']['raincheck']['batches']['sizes']}")
     out = args.out or (RESULTS if args.save else None)
     if out:
         with open(out, "w") as f:

@@ -32,3 +32,5 @@ def test_serve_benchmark_smoke(tmp_path):
             assert run["completion_tokens"] > 0 and run["tokens_per_s"] > 0
     pool = report["servers"]["raincheck"]["pool"]
     assert pool["hits"] > 0  # the follow-up turns reused their conversations' caches
+    batches = report["servers"]["raincheck"]["batches"]  # 10 requests: warm-up 2, TTFT 2, 1 x 2 and 2 x 2 turns
+    assert batches["rows"] == 10 and batches["fallbacks"] == 0 and report["max_batch_size"] >= 1

@@ -1,5 +1,6 @@
 """A bounded load test of ``python -m hf_raincheck.serve`` (the CLI, in a subprocess, the shipped GridQA model):
-8 concurrent conversations x 4 turns with different images through the `openai` client."""
+8 concurrent conversations x 4 turns with different images through the `openai` client; concurrent requests share
+batched generate calls."""
 
 from __future__ import annotations
 
@@ -126,6 +127,11 @@ def test_eight_concurrent_conversations_of_four_turns():
         assert snapshot["deferred"] == reported == (snapshot["restored_in_prefill"] + snapshot["restored_during_decode"]
                                                     + snapshot["restored_after_answer"])
         assert 0 < snapshot["peak_bytes"] <= snapshot["budget_bytes"] == BUDGET_MB * 1024 * 1024
+        # concurrent requests shared generate calls (the default --max-batch-size / --batch-window-ms)
+        batches = snapshot["batches"]
+        assert batches["rows"] == 4 * CONVERSATIONS and batches["fallbacks"] == 0
+        assert batches["max_rows"] >= 2 and batches["calls"] < 4 * CONVERSATIONS, batches
+        assert max(usage.raincheck["batch_size"] for result in results for _, usage in result) >= 2
     finally:
         process.send_signal(signal.SIGINT)
         try:

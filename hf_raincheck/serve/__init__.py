@@ -6,8 +6,12 @@
 * :mod:`.handler` — `RaincheckChatHandler`: ``/v1/chat/completions`` (a `ChatCompletionHandler` subclass).
 * :mod:`.messages` / :mod:`.images` — OpenAI messages and ``image_url`` parts -> the processor's messages.
 * :mod:`.pool` — `ConversationPool`: conversation caches between requests, LRU within a memory budget.
-* :mod:`.scheduler` — `SerialScheduler`: one turn at a time on the model's thread; restoration when idle.
-* :mod:`.turn` — one request's turn: inputs, context check, `generate`, bookkeeping.
+* :mod:`.scheduler` — `BatchingScheduler`: the model's thread; concurrent requests collected into batches;
+  restoration when idle.
+* :mod:`.batch` — which requests share a call (`batch_key`), one batched `generate` per group (`run_batch`), the
+  one-at-a-time fallback when a batched call fails.
+* :mod:`.streaming` — `FanOutStreamer`: a batched call's streamed tokens, row by row, to each request's stream.
+* :mod:`.turn` — one request's turn: inputs, context check, the answer's bookkeeping.
 * :mod:`.stats` — the ``usage.raincheck`` extension.
 
 Needs the ``serve`` extra (``pip install "hf_raincheck[serve]"``: fastapi, uvicorn, openai via

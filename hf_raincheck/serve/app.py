@@ -15,7 +15,7 @@ from .handler import RaincheckChatHandler, _Refused
 from .images import ImageLoader
 from .models import DEFAULT_MODEL, RaincheckModelManager
 from .pool import ConversationPool
-from .scheduler import SerialScheduler
+from .scheduler import DEFAULT_BATCH_WINDOW_S, DEFAULT_MAX_BATCH_SIZE, BatchingScheduler
 
 DEFAULT_CACHE_BUDGET_MB = 4096
 
@@ -36,6 +36,9 @@ class RaincheckServer:
             pending deferred tokens are restored by the scheduler between requests, or folded into the next one).
         cache_budget_mb: memory of the conversation caches kept between requests (LRU eviction beyond it).
         restore_between_requests: restore pending deferred tokens while no request is waiting.
+        max_batch_size: the most concurrent requests run as one batched `generate` (1: one at a time).
+        batch_window_ms: how long after a request arrives the server waits for others to batch with it (0: only
+            the requests that arrived while the model was busy are batched).
         image_dirs: folders that ``image_url`` local paths may point into (none: local paths refused).
         host / port: where to listen (port 0: a free port).
         device / dtype / attn_implementation / trust_remote_code: how a non-default model is loaded.
@@ -44,6 +47,7 @@ class RaincheckServer:
 
     def __init__(self, model: str | None = None, raincheck_config: RaincheckConfig | None = None,
                  cache_budget_mb: float = DEFAULT_CACHE_BUDGET_MB, restore_between_requests: bool = True,
+                 max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, batch_window_ms: float = DEFAULT_BATCH_WINDOW_S * 1000,
                  image_dirs=(), host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
                  dtype: str | None = "auto", attn_implementation: str | None = None, trust_remote_code: bool = False,
                  log_level: str = "warning"):
@@ -56,13 +60,20 @@ class RaincheckServer:
             raise ValueError(f"RaincheckServer: raincheck_config must be a RaincheckConfig, got {type(config).__name__}")
         if not isinstance(cache_budget_mb, (int, float)) or isinstance(cache_budget_mb, bool) or cache_budget_mb <= 0:
             raise ValueError(f"RaincheckServer: cache_budget_mb must be a number > 0, got {cache_budget_mb!r}")
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"RaincheckServer: max_batch_size must be an int >= 1, got {max_batch_size!r}")
+        if (isinstance(batch_window_ms, bool) or not isinstance(batch_window_ms, (int, float))
+                or not 0 <= batch_window_ms <= 10000):
+            raise ValueError(f"RaincheckServer: batch_window_ms must be a number in [0, 10000], got "
+                             f"{batch_window_ms!r}")
         self.model_name = model or DEFAULT_MODEL
         self.raincheck_config = dataclasses.replace(config, completion="next_turn")
         self.model_manager = RaincheckModelManager(
             force_model=self.model_name, device=device, dtype=dtype,
             attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
         self.pool = ConversationPool(int(cache_budget_mb * 1024 * 1024))
-        self.scheduler = SerialScheduler(self.pool, restore_between_requests=restore_between_requests)
+        self.scheduler = BatchingScheduler(self.pool, restore_between_requests=restore_between_requests,
+                                           max_batch_size=max_batch_size, batch_window_s=batch_window_ms / 1000)
         self.generation_state = GenerationState()
         self.chat_handler = RaincheckChatHandler(self.model_manager, self.generation_state, self.raincheck_config,
                                                  self.scheduler, ImageLoader(image_dirs))
@@ -99,7 +110,8 @@ class RaincheckServer:
 
         @self.app.get("/v1/raincheck/stats")
         def raincheck_stats():
-            return JSONResponse({**pool.snapshot(), "restored_between_requests": scheduler.restored_between_requests})
+            return JSONResponse({**pool.snapshot(), "restored_between_requests": scheduler.restored_between_requests,
+                                 "batches": scheduler.batch_stats.snapshot()})
 
     # ------------------------------------------------------------------ running
     def run(self) -> None:

@@ -24,7 +24,7 @@ from ..config import RaincheckConfig
 from .errors import RequestError
 from .images import ImageLoader
 from .messages import parse_messages
-from .scheduler import SerialScheduler
+from .scheduler import BatchingScheduler
 from .turn import TurnJob, context_length
 
 logger = logging.getLogger("hf_raincheck.serve")
@@ -120,11 +120,11 @@ class RaincheckChatHandler(ChatCompletionHandler):
         model_manager / generation_state: as for `ChatCompletionHandler` (the model is the manager's pinned one).
         raincheck_config: the `RaincheckConfig` of every request (its ``completion`` is replaced by
             ``"next_turn"``: the scheduler restores deferred tokens between requests).
-        scheduler: the `SerialScheduler` running the turns.
+        scheduler: the `BatchingScheduler` running the turns.
         image_loader: the `ImageLoader` for ``image_url`` parts.
     """
 
-    def __init__(self, model_manager, generation_state, raincheck_config: RaincheckConfig, scheduler: SerialScheduler,
+    def __init__(self, model_manager, generation_state, raincheck_config: RaincheckConfig, scheduler: BatchingScheduler,
                  image_loader: ImageLoader):
         super().__init__(model_manager=model_manager, generation_state=generation_state)
         self.raincheck_config = raincheck_config

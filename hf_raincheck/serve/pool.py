@@ -28,13 +28,16 @@ class Conversation:
     cache: object  # DeferredPrefillCache
     sequences: torch.Tensor  # [1, L] the exact token ids the cache holds (prompt + answer)
     turns: int = 0
-    nbytes: int = 0
+    nbytes: int = 0  # the storages its cache holds (shared ones whole)
+    storages: dict = field(default_factory=dict)  # `cache_storages` of its cache when last measured
     last_used: float = field(default_factory=time.monotonic)
 
 
-def cache_nbytes(cache) -> int:
-    """Bytes of the tensors a cache holds (KV entries, the deferred store, recurrent states), each storage once."""
-    seen: dict[int, int] = {}
+def cache_storages(cache) -> dict[tuple[int, int], int]:
+    """The memory a cache holds: ``{(address, size): size}`` of every tensor storage it references (KV entries,
+    the deferred store, recurrent states), each once. The rows of one batched `generate` hold views of shared
+    KV buffers: their caches name the same storages."""
+    seen: dict[tuple[int, int], int] = {}
     visited: set[int] = set()
 
     def walk(obj, depth: int) -> None:
@@ -43,7 +46,7 @@ def cache_nbytes(cache) -> int:
         visited.add(id(obj))
         if isinstance(obj, torch.Tensor):
             storage = obj.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
+            seen[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
         elif isinstance(obj, dict):
             for value in obj.values():
                 walk(value, depth + 1)
@@ -57,11 +60,20 @@ def cache_nbytes(cache) -> int:
                 walk(value, depth + 1)
 
     walk(cache, 0)
-    return sum(seen.values())
+    return seen
+
+
+def cache_nbytes(cache) -> int:
+    """Bytes of the tensors a cache holds (`cache_storages`; a shared buffer counts whole)."""
+    return sum(cache_storages(cache).values())
 
 
 class ConversationPool:
-    """Conversation caches between requests, least recently used evicted beyond ``budget_bytes``."""
+    """Conversation caches between requests, least recently used evicted beyond ``budget_bytes``.
+
+    ``bytes`` is the memory the pooled caches hold, each tensor storage counted once however many conversations
+    hold it (the rows of one batched call share KV buffers; a shared buffer is freed when the last of them is
+    evicted or moves out of it)."""
 
     def __init__(self, budget_bytes: int):
         if not isinstance(budget_bytes, int) or budget_bytes <= 0:
@@ -76,6 +88,7 @@ class ConversationPool:
         self.evictions = 0
         self.peak_bytes = 0
         self.bytes = 0
+        self._storage_refs: dict[tuple[int, int], int] = {}  # storage -> pooled conversations holding it
 
     # ------------------------------------------------------------------ requests
     def checkout(self, model, key: tuple) -> Conversation | None:
@@ -97,12 +110,13 @@ class ConversationPool:
 
     def checkin(self, conv: Conversation) -> list[int]:
         """Puts a conversation back (most recently used); returns the ids evicted to fit the budget."""
-        conv.nbytes = cache_nbytes(conv.cache)
+        storages = cache_storages(conv.cache)
         conv.last_used = time.monotonic()
         with self._lock:
+            conv.storages, conv.nbytes = storages, sum(storages.values())
             self._conversations[conv.id] = conv
             self._by_key.setdefault(conv.key, []).append(conv.id)
-            self.bytes += conv.nbytes
+            self._hold(storages)
             evicted = []
             while self.bytes > self.budget_bytes and self._conversations:
                 oldest = next(iter(self._conversations.values()))
@@ -114,11 +128,12 @@ class ConversationPool:
 
     def remeasure(self, conv: Conversation) -> None:
         """Updates a pooled conversation's size (its deferred store shrinks as tokens are restored)."""
-        nbytes = cache_nbytes(conv.cache)
+        storages = cache_storages(conv.cache)
         with self._lock:
             if conv.id in self._conversations:
-                self.bytes += nbytes - conv.nbytes
-                conv.nbytes = nbytes
+                self._release(conv.storages)
+                self._hold(storages)
+                conv.storages, conv.nbytes = storages, sum(storages.values())
 
     # ------------------------------------------------------------------ between requests
     def restorable(self) -> Conversation | None:
@@ -167,4 +182,20 @@ class ConversationPool:
         ids.remove(conv.id)
         if not ids:
             del self._by_key[conv.key]
-        self.bytes -= conv.nbytes
+        self._release(conv.storages)
+
+    def _hold(self, storages: dict) -> None:
+        for storage, nbytes in storages.items():
+            count = self._storage_refs.get(storage, 0)
+            if count == 0:
+                self.bytes += nbytes
+            self._storage_refs[storage] = count + 1
+
+    def _release(self, storages: dict) -> None:
+        for storage, nbytes in storages.items():
+            count = self._storage_refs[storage] - 1
+            if count == 0:
+                del self._storage_refs[storage]
+                self.bytes -= nbytes
+            else:
+                self._storage_refs[storage] = count

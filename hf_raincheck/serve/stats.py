@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-def raincheck_usage(*, reused: bool, cached_tokens: int, record, previous_record) -> dict:
+def raincheck_usage(*, reused: bool, cached_tokens: int, record, previous_record, batch_size: int) -> dict:
     """Raincheck's accounting of one request.
 
     Keys:
@@ -17,6 +17,8 @@ def raincheck_usage(*, reused: bool, cached_tokens: int, record, previous_record
         pending_at_answer_end: deferred tokens left when the answer ended; the server restores them between
             requests (reported by the conversation's next request as ``previous_restored_after_answer``).
         previous_restored_after_answer: the previous answer's deferred tokens restored between the two requests.
+        batch_size: the requests (rows) of the `generate` call that answered this one (1: it ran alone); the
+            server's totals are in ``GET /v1/raincheck/stats`` (``batches``).
     """
     return {
         "conversation_cache": "reused" if reused else "new",
@@ -26,4 +28,5 @@ def raincheck_usage(*, reused: bool, cached_tokens: int, record, previous_record
         "restored_during_decode": record.restored_during_decode if record is not None else 0,
         "pending_at_answer_end": record.pending_at_answer_end if record is not None else 0,
         "previous_restored_after_answer": previous_record.restored_after_answer if previous_record is not None else 0,
+        "batch_size": batch_size,
     }

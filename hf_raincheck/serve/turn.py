@@ -1,12 +1,13 @@
-"""One chat turn of the server: a `TurnJob` (what a request asks) and `run_turn` (what the scheduler runs).
+"""One chat turn of the server: a `TurnJob` (what a request asks), `prepare_turn` (its conversation and model
+inputs), `finish_turn` / `fail_turn` (the bookkeeping once its generation ended).
 
-`run_turn` takes the conversation the request continues out of the pool (or starts a new one), builds the model
-inputs (the cached tokens + the template's rendering of the new messages, as `RaincheckChat` does; or the whole
-chat through the template), checks them against the context, runs Raincheck `generate` with
-``completion="next_turn"`` (the scheduler restores what is left between requests) and puts the conversation back.
-It reports in two steps: ``prepared`` (the request is valid: a 4xx otherwise, before any streaming starts) and
-``done`` (the answer, or the error of a failed generation). A failed or cancelled turn drops its conversation;
-no other conversation's cache is touched.
+`prepare_turn` takes the conversation the request continues out of the pool (or none: a new conversation),
+builds the request's model inputs (the cached tokens + the template's rendering of the new messages, as
+`RaincheckChat` does; or the whole chat through the template) and checks them against the context; it settles
+``prepared`` (the request is valid: a 4xx otherwise, before any streaming starts). The scheduler then runs the
+prepared turns, alone or several in one batched `generate` (`batch`), and `finish_turn` puts the extended
+conversation back into the pool and settles ``done`` with the answer; `fail_turn` settles it with the error and
+drops the conversation. No other conversation's cache is touched.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +24,7 @@ from ..config import RaincheckConfig
 from ..conversation import next_turn_inputs
 from .errors import RequestError
 from .messages import ParsedMessage, assistant_message
-from .pool import ConversationPool
+from .pool import Conversation, ConversationPool
 from .stats import raincheck_usage
 
 logger = logging.getLogger("hf_raincheck.serve")
@@ -52,6 +54,7 @@ class TurnJob:
     stream_queue: asyncio.Queue | None = None  # the streamer's queue (an error or a cancellation ends it here)
     prepared: asyncio.Future = field(default=None)
     done: asyncio.Future = field(default=None)
+    submitted: float = field(default_factory=time.monotonic)  # when the scheduler received it
 
     def __post_init__(self):
         self.prepared = self.loop.create_future() if self.prepared is None else self.prepared
@@ -80,21 +83,47 @@ class TurnJob:
         self.loop.call_soon_threadsafe(self.stream_queue.put_nowait, item)
 
 
+@dataclass
+class PreparedTurn:
+    """A valid request, ready to generate: its conversation (None: a new one) and its one-row model inputs."""
+
+    job: TurnJob
+    key: tuple  # the request's message keys
+    conv: Conversation | None  # checked out of the pool: no other request can use or evict it meanwhile
+    inputs: dict  # one row, no padding, on the CPU: the cached tokens + the new ones (media: the new ones only)
+    prompt_tokens: int
+    cached_tokens: int  # tokens the continued cache already holds (not fed again)
+    previous_record: object | None  # the continued cache's last TurnRestore (its previous answer's accounting)
+    cache_state: tuple | None  # the continued cache's `cache_state` before generating
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.inputs["input_ids"][0].tolist()
+
+
 def context_length(model) -> int:
     config = getattr(model.config, "text_config", model.config)
     return int(getattr(config, "max_position_embeddings", 0) or 0)
+
+
+def cache_state(cache) -> tuple:
+    """What a `generate` call on a cache changes: a cache whose state differs after a failed call was advanced
+    by it (its conversation no longer ends where the request started), or left unusable."""
+    try:
+        cache.check_usable("the server")
+        usable = True
+    except RuntimeError:
+        usable = False
+    return cache.length, len(cache.turn_stats), cache.pending, usable
 
 
 def _inputs(job: TurnJob, conv) -> dict:
     processor = job.processor
     if conv is not None:
         new = [m.message for m in job.messages[len(conv.key):]]
-        inputs = next_turn_inputs(processor, conv.sequences, new)
-    else:
-        inputs = processor.apply_chat_template([m.message for m in job.messages], add_generation_prompt=True,
-                                               tokenize=True, return_dict=True, return_tensors="pt")
-    device = job.model.device
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        return dict(next_turn_inputs(processor, conv.sequences, new))
+    return dict(processor.apply_chat_template([m.message for m in job.messages], add_generation_prompt=True,
+                                              tokenize=True, return_dict=True, return_tensors="pt"))
 
 
 def _check_context(job: TurnJob, prompt_tokens: int) -> None:
@@ -114,69 +143,97 @@ def _check_context(job: TurnJob, prompt_tokens: int) -> None:
         job.generation_config.max_new_tokens = limit - prompt_tokens
 
 
-def run_turn(job: TurnJob, pool: ConversationPool) -> None:
-    """Runs one request (on the scheduler's thread); settles ``job.prepared`` then ``job.done``."""
-    from transformers.cli.serving.utils import _GenerationCancelled
-
-    model = job.model
-    key = tuple(m.key for m in job.messages)
-    conv = pool.checkout(model, key)
+def _prepared(job: TurnJob, key: tuple, conv) -> PreparedTurn:
+    """Builds and checks the inputs (raises `RequestError`); does not touch the pool."""
     try:
         inputs = _inputs(job, conv)
-        prompt_tokens = int(inputs["input_ids"].shape[1])
-        _check_context(job, prompt_tokens)
+    except Exception as error:  # noqa: BLE001 - the processor refusing the input (e.g. an image too small)
+        raise RequestError(f"the request's inputs cannot be processed: {error}") from None
+    prompt_tokens = int(inputs["input_ids"].shape[1])
+    _check_context(job, prompt_tokens)
+    cache = conv.cache if conv is not None else None
+    return PreparedTurn(
+        job=job, key=key, conv=conv, inputs=inputs, prompt_tokens=prompt_tokens,
+        cached_tokens=cache.length if cache is not None else 0,
+        previous_record=cache.turn_stats[-1] if cache is not None and cache.turn_stats else None,
+        cache_state=cache_state(cache) if cache is not None else None)
+
+
+def prepare_turn(job: TurnJob, pool: ConversationPool) -> PreparedTurn | None:
+    """Checks a request out of the pool and builds its inputs (on the scheduler's thread); settles
+    ``job.prepared``. None: the request was refused (a `RequestError`), its conversation put back untouched."""
+    key = tuple(m.key for m in job.messages)
+    conv = pool.checkout(job.model, key)
+    try:
+        turn = _prepared(job, key, conv)
     except RequestError as error:
         if conv is not None:
             pool.checkin(conv)  # nothing was fed: the conversation is as it was
         job.resolve(job.prepared, error=error)
-        return
-    except Exception as error:  # noqa: BLE001 - the processor refusing the input (e.g. an image too small)
-        if conv is not None:
-            pool.checkin(conv)
-        job.resolve(job.prepared, error=RequestError(f"the request's inputs cannot be processed: {error}"))
-        return
+        return None
     job.resolve(job.prepared, True)
+    return turn
 
-    cached_tokens = conv.cache.length if conv is not None else 0
-    previous = conv.cache.turn_stats[-1] if conv is not None and conv.cache.turn_stats else None
-    job.generation_config.return_dict_in_generate = True
-    kwargs = dict(inputs, generation_config=job.generation_config, raincheck_config=job.raincheck_config,
-                  tokenizer=job.processor.tokenizer)
-    if conv is not None:
-        kwargs["past_key_values"] = conv.cache
-    if job.streamer is not None:
-        kwargs["streamer"] = job.streamer
-    try:
-        if job.seed is not None:
-            torch.manual_seed(job.seed)
-        out = model.generate(**kwargs)
-    except _GenerationCancelled:  # the client went away mid-stream: the conversation is dropped
-        job.end_stream(None)
-        job.resolve(job.done, error=asyncio.CancelledError())
-        return
-    except Exception as error:  # noqa: BLE001 - reported to this request only; the conversation is dropped
-        logger.exception("generation failed")
-        job.end_stream(error)
-        job.resolve(job.done, error=error)
-        return
 
-    cache = out.past_key_values
-    answer_ids = out.sequences[0, prompt_tokens:]
+def restart_as_new(turn: PreparedTurn) -> PreparedTurn:
+    """The same request on a new conversation (its whole chat prefilled again): for a turn whose continued cache
+    was advanced by a failed batched call (that conversation is dropped). Raises `RequestError`."""
+    return _prepared(turn.job, turn.key, None)
+
+
+def answer_length(new_ids: list[int], eos: set[int], pad: int, max_new_tokens: int) -> int:
+    """How many of a batch row's new tokens are its answer (transformers pads a row that stopped early on the
+    right with ``pad``): up to its first end-of-sequence token; all of them at ``max_new_tokens``; otherwise (a
+    stop string ended it) up to the padding."""
+    for i, token in enumerate(new_ids):
+        if token in eos:
+            return i + 1
+    if len(new_ids) >= max_new_tokens:
+        return len(new_ids)
+    n = len(new_ids)
+    while n > 1 and new_ids[n - 1] == pad:
+        n -= 1
+    return n
+
+
+def eos_ids(generation_config) -> set[int]:
+    eos = generation_config.eos_token_id
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+def finish_turn(turn: PreparedTurn, pool: ConversationPool, cache, answer_ids: list[int], batch_size: int) -> None:
+    """A turn's answer is done: checks the cache holds the conversation + answer (all but at most its last
+    token), puts the conversation back into the pool and settles ``done`` with the `TurnResult`."""
+    job = turn.job
+    prompt_ids = turn.prompt_ids
+    full = prompt_ids + answer_ids
+    fed = cache.token_ids
+    if not (len(full) - 1 <= len(fed) <= len(full) and fed == full[:len(fed)]):
+        raise RuntimeError(f"the conversation's cache holds {len(fed)} tokens that are not the prompt "
+                           f"({len(prompt_ids)} tokens) + the answer ({len(answer_ids)} tokens)")
     answer = job.processor.decode(answer_ids, skip_special_tokens=True)
-    completion_tokens = int(answer_ids.numel())
-    eos = job.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else set()
-    ended = completion_tokens > 0 and int(answer_ids[-1]) in eos
+    completion_tokens = len(answer_ids)
+    ended = completion_tokens > 0 and answer_ids[-1] in eos_ids(job.generation_config)
     finish_reason = "length" if not ended and completion_tokens >= job.generation_config.max_new_tokens else "stop"
     record = cache.turn_stats[-1] if cache.turn_stats else None
-    usage = raincheck_usage(reused=conv is not None, cached_tokens=cached_tokens, record=record,
-                            previous_record=previous)
-    new_key = key + (assistant_message(answer).key,)
-    sequences = out.sequences.detach().to("cpu")
-    if conv is None:
-        conv = pool.new(model, new_key, cache, sequences)
+    usage = raincheck_usage(reused=turn.conv is not None, cached_tokens=turn.cached_tokens, record=record,
+                            previous_record=turn.previous_record, batch_size=batch_size)
+    new_key = turn.key + (assistant_message(answer).key,)
+    sequences = torch.tensor([full], dtype=torch.long)
+    conv = turn.conv if turn.conv is not None else pool.new(job.model, new_key, cache, sequences)
     conv.key, conv.cache, conv.sequences = new_key, cache, sequences
     conv.turns += 1
     pool.checkin(conv)
-    job.resolve(job.done, TurnResult(answer=answer, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                     finish_reason=finish_reason, raincheck=usage))
+    job.resolve(job.done, TurnResult(answer=answer, prompt_tokens=turn.prompt_tokens,
+                                     completion_tokens=completion_tokens, finish_reason=finish_reason,
+                                     raincheck=usage))
+
+
+def fail_turn(turn: PreparedTurn, error: BaseException | None) -> None:
+    """A turn whose generation failed (``error``) or was cancelled by its client (None): its stream ends, its
+    ``done`` is settled, its conversation (checked out) is dropped."""
+    job = turn.job
+    job.end_stream(error)
+    job.resolve(job.done, error=error if error is not None else asyncio.CancelledError())

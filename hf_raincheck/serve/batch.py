@@ -1,0 +1,225 @@
+"""Running prepared turns: several requests in ONE batched Raincheck `generate`, or one alone.
+
+Which requests share a call (`batch_key`): those with the same model, Raincheck config and generation config
+(``temperature`` / ``top_p`` / ``max_tokens`` / ``stop`` / ``frequency_penalty`` / ``logit_bias`` /
+``generation_config``: one `GenerationConfig` per call, so equal settings only; different ``max_tokens`` make
+different groups). A request runs alone (a batch of one) when it samples with a ``seed`` (its random draws must
+not depend on what it is batched with) or when it streams while `STREAM_IN_BATCHES` is False.
+
+A batch (`run_batch`): each row is one conversation, continued from its pooled `DeferredPrefillCache` (its
+cached tokens + the new ones) or new (its whole chat); the rows are left-padded into one batch
+(`conversation.batch_inputs`) and run as ``model.generate(**batch, past_key_values=
+BatchedDeferredPrefillCache([cache or None, ...]), ...)``. Row i's answer is its new tokens up to its first
+end-of-sequence token (`turn.answer_length`); its cache is ``past_key_values.rows[i]``. Streaming rows get their
+tokens through a `FanOutStreamer`.
+
+A batched call that raises runs its requests again one at a time, so a bad request fails only itself: a row
+whose cache the failed call left as it was runs on it; a row whose cache it advanced (the call ran in part) or
+left unusable starts a new conversation with its whole chat (that cache is dropped); a streaming row whose
+client already received tokens fails. A cancelled streaming row (its client went away) drops its conversation
+only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cli.serving.utils import _GenerationCancelled
+
+from ..cache.batched import BatchedDeferredPrefillCache
+from ..conversation import batch_inputs
+from .errors import RequestError
+from .pool import ConversationPool
+from .streaming import FanOutStreamer
+from .turn import PreparedTurn, answer_length, cache_state, eos_ids, fail_turn, finish_turn, restart_as_new
+
+logger = logging.getLogger("hf_raincheck.serve")
+
+#: whether streaming requests join batches (through a `FanOutStreamer`; the batched engine accepts a streamer at
+#: B > 1). False: each streaming request runs alone, with its own streamer.
+STREAM_IN_BATCHES = True
+
+
+@dataclass
+class BatchStats:
+    """The server's `generate` calls for requests: how many, their rows, and the batched calls that failed and
+    were run again one request at a time (``GET /v1/raincheck/stats``, ``batches``)."""
+
+    calls: int = 0
+    rows: int = 0
+    max_rows: int = 0
+    sizes: dict = field(default_factory=dict)  # rows per call -> calls
+    fallbacks: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def count(self, rows: int) -> None:
+        with self._lock:
+            self.calls += 1
+            self.rows += rows
+            self.max_rows = max(self.max_rows, rows)
+            self.sizes[rows] = self.sizes.get(rows, 0) + 1
+
+    def count_fallback(self) -> None:
+        with self._lock:
+            self.fallbacks += 1
+
+    def snapshot(self) -> dict:
+        """The counters (read from any thread)."""
+        with self._lock:
+            return {"calls": self.calls, "rows": self.rows, "max_rows": self.max_rows,
+                    "sizes": {str(k): v for k, v in sorted(self.sizes.items())}, "fallbacks": self.fallbacks}
+
+
+def batch_key(turn: PreparedTurn) -> tuple | None:
+    """Requests with equal keys may share a batched call; None: the request runs alone (module docstring)."""
+    job = turn.job
+    gen = job.generation_config
+    if gen.do_sample and job.seed is not None:
+        return None
+    if job.streamer is not None and not STREAM_IN_BATCHES:
+        return None
+    settings = json.dumps(gen.to_dict(), sort_keys=True, default=repr)
+    return id(job.model), id(job.processor), id(job.raincheck_config), settings
+
+
+def group_turns(turns: list[PreparedTurn], max_batch_size: int) -> list[list[PreparedTurn]]:
+    """The turns in groups that share a call (at most `max_batch_size` each), in order of their first request."""
+    groups: list[list[PreparedTurn]] = []
+    open_groups: dict[tuple, list[PreparedTurn]] = {}
+    for turn in turns:
+        key = batch_key(turn)
+        group = open_groups.get(key) if key is not None else None
+        if group is None or len(group) >= max_batch_size:
+            group = [turn]
+            groups.append(group)
+            if key is not None:
+                open_groups[key] = group
+        else:
+            group.append(turn)
+    return groups
+
+
+def _pad_token_id(processor, generation_config) -> int:
+    """The token padding the rows (on the left in the prompt, on the right after a row stopped): the generation
+    config's, else its first end-of-sequence token (as batched `generate` picks it), else the tokenizer's."""
+    pad = generation_config.pad_token_id
+    if pad is None:
+        eos = generation_config.eos_token_id
+        pad = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+    if pad is None:
+        pad = processor.tokenizer.pad_token_id
+    if pad is None:
+        raise ValueError("the model's generation config and tokenizer name no pad_token_id or eos_token_id: a "
+                         "batch needs one to pad its rows")
+    return int(pad)
+
+
+def _to_device(inputs: dict, device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def _forget_rope_deltas(model) -> None:
+    """Workaround (engine of 2ac4b3d..7c96478): Qwen-VL models keep ``model.model.rope_deltas`` ([B, 1]) from
+    their last `generate`; transformers' ``_prepare_position_ids_for_generation`` adds it to the next call's
+    text positions when the cache is not empty, which raises for a batch of another size (Raincheck computes
+    its positions itself and never reads these). Forgetting it makes every call prepare them afresh. Remove once
+    `hf_raincheck.generation` does this."""
+    inner = getattr(model, "model", None)
+    if getattr(inner, "rope_deltas", None) is not None:
+        inner.rope_deltas = None
+
+
+def _call_kwargs(turn: PreparedTurn) -> dict:
+    job = turn.job
+    gen = job.generation_config
+    gen.return_dict_in_generate = True
+    return dict(generation_config=gen, raincheck_config=job.raincheck_config, tokenizer=job.processor.tokenizer)
+
+
+def run_alone(turn: PreparedTurn, pool: ConversationPool, stats: BatchStats) -> None:
+    """One request in its own `generate` call (the batch-1 path, its streamer as is)."""
+    job = turn.job
+    kwargs = _call_kwargs(turn)
+    if turn.conv is not None:
+        kwargs["past_key_values"] = turn.conv.cache
+    if job.streamer is not None:
+        kwargs["streamer"] = job.streamer
+    stats.count(1)
+    try:
+        if job.seed is not None:
+            torch.manual_seed(job.seed)
+        _forget_rope_deltas(job.model)
+        out = job.model.generate(**_to_device(turn.inputs, job.model.device), **kwargs)
+        answer_ids = out.sequences[0, turn.prompt_tokens:].tolist()
+        finish_turn(turn, pool, out.past_key_values, answer_ids, batch_size=1)
+    except _GenerationCancelled:  # the client went away mid-stream: the conversation is dropped
+        fail_turn(turn, None)
+    except Exception as error:  # noqa: BLE001 - reported to this request only; its conversation is dropped
+        logger.exception("generation failed")
+        fail_turn(turn, error)
+
+
+def run_batch(turns: list[PreparedTurn], pool: ConversationPool, stats: BatchStats) -> None:
+    """Runs a group of prepared turns (`group_turns`): one batched `generate` call, or the turn alone."""
+    if len(turns) == 1:
+        run_alone(turns[0], pool, stats)
+        return
+    first = turns[0].job
+    model, processor = first.model, first.processor
+    kwargs = _call_kwargs(turns[0])
+    gen = kwargs["generation_config"]
+    streamer = None
+    stats.count(len(turns))
+    try:
+        pad = gen.pad_token_id = _pad_token_id(processor, gen)  # the call pads with the same token
+        eos = eos_ids(gen)
+        if any(t.job.streamer is not None for t in turns):
+            streamer = kwargs["streamer"] = FanOutStreamer([t.job.streamer for t in turns], eos, pad)
+        batch = batch_inputs([t.inputs for t in turns], pad)
+        width = int(batch["input_ids"].shape[1])
+        past = BatchedDeferredPrefillCache([t.conv.cache if t.conv is not None else None for t in turns])
+        _forget_rope_deltas(model)
+        out = model.generate(**_to_device(dict(batch), model.device), past_key_values=past, **kwargs)
+    except _GenerationCancelled:  # every row's client went away
+        for turn in turns:
+            fail_turn(turn, None)
+        return
+    except Exception:  # noqa: BLE001 - each request again on its own: only a bad one fails
+        logger.exception("a batched generate of %d requests failed; running them one at a time", len(turns))
+        stats.count_fallback()
+        _one_at_a_time(turns, streamer, pool, stats)
+        return
+    caches = out.past_key_values.split()
+    sequences = out.sequences[:, width:].tolist()
+    for i, turn in enumerate(turns):
+        if streamer is not None and streamer.cancelled[i]:
+            fail_turn(turn, None)
+            continue
+        try:
+            answer_ids = sequences[i][:answer_length(sequences[i], eos, pad, gen.max_new_tokens)]
+            finish_turn(turn, pool, caches[i], answer_ids, batch_size=len(turns))
+        except Exception as error:  # noqa: BLE001 - this row only
+            logger.exception("finishing row %d of a batched generate failed", i)
+            fail_turn(turn, error)
+
+
+def _one_at_a_time(turns: list[PreparedTurn], streamer: FanOutStreamer | None, pool: ConversationPool,
+                   stats: BatchStats) -> None:
+    for i, turn in enumerate(turns):
+        if streamer is not None and (streamer.started(i) or streamer.cancelled[i]):
+            fail_turn(turn, RuntimeError("the batched generate this streamed request was part of failed after "
+                                         "its answer had begun") if not streamer.cancelled[i] else None)
+            continue
+        if turn.conv is not None and cache_state(turn.conv.cache) != turn.cache_state:
+            logger.warning("conversation %s: the failed batched call advanced its cache (or left it unusable); the "
+                           "request starts a new conversation", turn.conv.id)
+            try:
+                turn = restart_as_new(turn)
+            except RequestError as error:
+                fail_turn(turn, error)
+                continue
+        run_alone(turn, pool, stats)
