@@ -122,17 +122,6 @@ def _to_device(inputs: dict, device) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
 
-def _forget_rope_deltas(model) -> None:
-    """Workaround (engine of 2ac4b3d..7c96478): Qwen-VL models keep ``model.model.rope_deltas`` ([B, 1]) from
-    their last `generate`; transformers' ``_prepare_position_ids_for_generation`` adds it to the next call's
-    text positions when the cache is not empty, which raises for a batch of another size (Raincheck computes
-    its positions itself and never reads these). Forgetting it makes every call prepare them afresh. Remove once
-    `hf_raincheck.generation` does this."""
-    inner = getattr(model, "model", None)
-    if getattr(inner, "rope_deltas", None) is not None:
-        inner.rope_deltas = None
-
-
 def _call_kwargs(turn: PreparedTurn) -> dict:
     job = turn.job
     gen = job.generation_config
@@ -152,7 +141,6 @@ def run_alone(turn: PreparedTurn, pool: ConversationPool, stats: BatchStats) -> 
     try:
         if job.seed is not None:
             torch.manual_seed(job.seed)
-        _forget_rope_deltas(job.model)
         out = job.model.generate(**_to_device(turn.inputs, job.model.device), **kwargs)
         answer_ids = out.sequences[0, turn.prompt_tokens:].tolist()
         finish_turn(turn, pool, out.past_key_values, answer_ids, batch_size=1)
@@ -182,7 +170,6 @@ def run_batch(turns: list[PreparedTurn], pool: ConversationPool, stats: BatchSta
         batch = batch_inputs([t.inputs for t in turns], pad)
         width = int(batch["input_ids"].shape[1])
         past = BatchedDeferredPrefillCache([t.conv.cache if t.conv is not None else None for t in turns])
-        _forget_rope_deltas(model)
         out = model.generate(**_to_device(dict(batch), model.device), past_key_values=past, **kwargs)
     except _GenerationCancelled:  # every row's client went away
         for turn in turns:
