@@ -2,8 +2,9 @@
 
 Each row is prepared as its batch-1 call would be (`prepare_turn` on its own row cache: spans, budgets, selection,
 plan, boundary, pending set), then transformers' sampling loop runs the whole batch through the patched forward,
-which sends each forward to `run_shared_rows`: row b's prefill rows, or its decode row after its own deferred
-chunk (its schedule's count, `carry_counts` shares ``step_deferred_budget`` over the rows). A row that stopped is
+which runs each forward for all rows: the prefill (`run_shared_rows`, row b's prefill rows), then per decode step
+row b's decode row after its own deferred chunk (its schedule's count; `carry_counts` shares
+``step_deferred_budget`` over the rows): `run_shared_step`, or `run_shared_decode` when no row carries a chunk. A row that stopped is
 fed nothing more (transformers feeds it padding: `row_stops`), but keeps restoring its deferred tokens in the
 shared steps while the others decode, unless its completion is ``"next_turn"``; what is still pending when the
 batch ends is completed per row as the config says (``"blocking"``: in shared forwards of
@@ -22,9 +23,9 @@ from ..pruning import selector_requirements
 from .background import start_background_completion
 from .completion import complete_shared
 from .row_stops import RowStopsSlot
-from .rows import Rows, concat_rows, deferred_rows
 from .schedule import FixedChunkSchedule, carried_tokens
 from .shared_rows import row_transactions, run_shared_decode, run_shared_rows
+from .shared_step import StepMasks, run_shared_step
 from .turn import Turn, prepare_turn
 
 
@@ -40,6 +41,7 @@ class BatchTurn:
     stopped: list[bool] = field(default_factory=list)  # rows that stopped (fed nothing more)
     step: int = 0
     _rope_deltas: torch.Tensor | None = None
+    masks: StepMasks = field(default_factory=StepMasks)  # the rows' boundaries and deferred-slot masks
 
     def rope_deltas(self, device) -> torch.Tensor:
         """Each row's rope delta (its decode positions are slot + delta), ``[B]`` long on `device`, made once."""
@@ -74,21 +76,6 @@ def carry_counts(wanted: list[int], budget: int | None) -> list[int]:
         # rows still short keep asking for the rest
         order = [(w, j) for w, j in order if counts[j] < w]
     return counts
-
-
-def _live_rows(adapter, cache: DeferredPrefillCache, embeds: torch.Tensor) -> Rows:
-    """The decode row of a fed token (its embedding ``[1, H]``) at the row cache's next slot."""
-    slot = cache.length
-    cache.reserve(slot + 1, embeds.device)
-    slot_t = cache.slot_tensor(slot)
-    return Rows(
-        slots=slot_t,
-        embeds=embeds,
-        positions=(slot_t + cache.rope_delta).expand(3, 1),
-        deepstack=None,
-        deferred=torch.zeros_like(slot_t, dtype=torch.bool),
-        max_slot=slot,
-    )
 
 
 _MEDIA = (("image", "image_grid_thw", "pixel_values"), ("video", "video_grid_thw", "pixel_values_videos"))
@@ -175,14 +162,8 @@ def shared_step(adapter, group: BatchedDeferredPrefillCache, bturn: BatchTurn, i
         if not any(counts):  # the common step: every row feeds its token, or nothing (stopped)
             logits = run_shared_decode(adapter, group, embeds, live, bturn.rope_deltas(embeds.device), bturn.backend)
         else:
-            items = []
-            for b, (cache, count, alive) in enumerate(zip(caches, counts, live)):
-                plan = cache.plan
-                parts = [deferred_rows(plan, count)] if count else []
-                if alive:
-                    parts.append(_live_rows(adapter, cache, embeds[b]))
-                items.append((concat_rows(parts) if parts else None, plan if count else None))
-            logits = run_shared_rows(adapter, group, items, bturn.backend, config.visibility, want_logits=True)
+            logits = run_shared_step(adapter, group, embeds, live, counts, [t.rope_delta for t in bturn.turns],
+                                     bturn.masks, bturn.backend, config.visibility)
         for b, (cache, count, alive) in enumerate(zip(caches, counts, live)):
             if alive:
                 cache.record_restored("during_decode", count)

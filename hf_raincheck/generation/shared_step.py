@@ -1,0 +1,177 @@
+"""A batch's fused decode step built with a fixed number of operators, whatever the number of rows.
+
+`run_shared_rows` builds each row's rows and mask on its own (a few dozen operators per row: eager steps are
+host-bound, so that cost grows with the batch). A decode step has a fixed shape per row, at most its next deferred
+chunk and its decode row, so the step here gathers every row's chunk with one ``cat`` per tensor kind, places all
+rows into the ``[B, q]`` layout with one ``index_copy`` each, and computes every row's mask at once from the rows'
+shared filled-slot mask (`BatchedDeferredPrefillCache.filled`), their boundaries and deferred-slot masks. The
+layout and the masks are `run_shared_rows`' (docs/design.md rule 2; tests compare both with batch-1 runs): row b's
+rows right-aligned, its chunk first, its decode row last; padding positions write to scratch slots and see only
+their own slot. Host values (row lengths, counts, where each row goes) reach the device in one copy per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention.sdpa import eager_sdpa_backends
+from ..cache import ForwardContext
+from ..cache.batched import BatchedDeferredPrefillCache
+from ..gdn_state import resolve as resolve_gdn_backend
+from ..gdn_state.layer import SharedGDNSteps
+from .rows import Rows, gdn_step, release_finished_plan
+
+_PAD, _LIVE, _DEFERRED = 0, 1, 2
+
+
+class StepMasks:
+    """Per batched call: every row's plan boundary ``[B]`` and deferred-slot mask ``[B, capacity]`` (the plans do
+    not change during decoding), rebuilt when the shared capacity or a row's plan changes."""
+
+    def __init__(self):
+        self.key = None
+        self.boundary = None
+        self.deferred_slots = None
+
+    def get(self, group: BatchedDeferredPrefillCache, device):
+        plans = [c.plan for c in group.rows]
+        key = (group.capacity, tuple(id(p) for p in plans))
+        if key != self.key:
+            boundary = [0 if p is None else p.boundary for p in plans]
+            slots = torch.zeros((len(plans), group.capacity), dtype=torch.bool, device=device)
+            for b, plan in enumerate(plans):
+                if plan is not None and plan.deferred_slot_mask is not None:
+                    mask = plan.deferred_slot_mask[: plan.boundary]
+                    slots[b, : mask.numel()] = mask
+            self.boundary = torch.tensor(boundary, dtype=torch.long, device=device)
+            self.deferred_slots, self.key = slots, key
+        return self.boundary, self.deferred_slots
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":  # (pinned: the copy does not wait for the queued work)
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def run_shared_step(adapter, group: BatchedDeferredPrefillCache, live_embeds: torch.Tensor, live: list[bool],
+                    counts: list[int], rope_deltas: list[int], masks: StepMasks, backend: str,
+                    visibility: str) -> torch.Tensor:
+    """One fused decode step for every row: row b carries its plan's next ``counts[b]`` deferred tokens and, if
+    ``live[b]``, its decode row (embedding ``live_embeds[b]``, ``[B, 1, H]``) at its next slot. Marks the slots
+    filled and counts the plans' progress (inside every row's transaction, like `run_shared_rows`); returns the
+    logits ``[B, 1, V]`` of each row's last position."""
+    caches = group.rows
+    batch = len(caches)
+    device = live_embeds.device
+    sizes = [c + int(a) for c, a in zip(counts, live)]
+    q = max(sizes)
+    lengths = [c.length for c in caches]
+    kv_real = max(n + int(a) for n, a in zip(lengths, live))
+    width = kv_real + q - min(sizes)
+    group.share_buffers(width)
+    for cache in caches:
+        cache.reserve(width, device)
+
+    # host side: where every real row goes, what it is, and the decode rows' slots / positions
+    dest, kinds, live_slots, live_positions = [], [], [], []
+    for b, (count, alive, n) in enumerate(zip(counts, live, lengths)):
+        start = b * q + q - sizes[b]
+        dest.extend(range(start, start + sizes[b]))
+        kinds.extend([_DEFERRED] * count + [_LIVE] * int(alive))
+        live_slots.append(n)
+        live_positions.append(n + rope_deltas[b])
+    n_real = len(dest)
+    meta = _to_device(dest + kinds + live_slots + live_positions, device)
+    dest_t, kinds_t = meta[:n_real], meta[n_real : 2 * n_real]
+    live_slot_t = meta[2 * n_real : 2 * n_real + batch]
+    live_pos_t = meta[2 * n_real + batch :]
+
+    # the real rows' inputs, row after row (each row's chunk, then its decode row): views, one cat per kind
+    embeds_parts, position_parts, slot_parts = [], [], []
+    deepstack_parts = None
+    layers = next((len(c.plan.store_deepstack) for c, n in zip(caches, counts)
+                   if n and c.plan.store_deepstack is not None), 0)
+    if layers:
+        deepstack_parts = [[] for _ in range(layers)]
+        zero_row = live_embeds.new_zeros((1, live_embeds.shape[-1]))
+    for b, (cache, count, alive) in enumerate(zip(caches, counts, live)):
+        if count:
+            plan = cache.plan
+            r = plan.restored
+            embeds_parts.append(plan.store_embeds[r : r + count].to(live_embeds.dtype))
+            position_parts.append(plan.store_positions[:, r : r + count])
+            slot_parts.append(plan.deferred_on_device[r : r + count])
+            if deepstack_parts is not None:
+                for k in range(layers):
+                    deepstack_parts[k].append(plan.store_deepstack[k][r : r + count].to(live_embeds.dtype))
+        if alive:
+            embeds_parts.append(live_embeds[b])
+            position_parts.append(live_pos_t[b : b + 1].expand(3, 1))
+            slot_parts.append(live_slot_t[b : b + 1])
+            if deepstack_parts is not None:
+                for k in range(layers):
+                    deepstack_parts[k].append(zero_row)
+    real_slots = torch.cat(slot_parts)
+
+    embeds = live_embeds.new_zeros((batch * q, live_embeds.shape[-1])).index_copy_(0, dest_t, torch.cat(embeds_parts))
+    positions = torch.zeros((3, batch * q), dtype=torch.long, device=device)
+    positions.index_copy_(1, dest_t, torch.cat(position_parts, dim=1))
+    scratch = kv_real + torch.arange(q, device=device)
+    slots = scratch.repeat(batch).index_copy_(0, dest_t, real_slots).view(batch, q)
+    kind = torch.zeros(batch * q, dtype=torch.long, device=device).index_copy_(0, dest_t, kinds_t).view(batch, q)
+    deepstack = None
+    if deepstack_parts is not None:
+        deepstack = [embeds.new_zeros(embeds.shape).index_copy_(0, dest_t, torch.cat(parts)).view(batch, q, -1)
+                     for parts in deepstack_parts]
+
+    # every row's mask at once (the rules of `visibility.visible`)
+    rows_of = torch.arange(batch, device=device)[:, None]
+    present = group.filled[:, :width].clone()
+    present[rows_of.expand(batch, q), slots.clamp(max=width - 1)] |= kind != _PAD
+    keys = torch.arange(width, device=device)
+    row_slots = slots[:, :, None]
+    seen = present[:, None, :] & (keys <= row_slots)
+    if visibility == "boundary" and any(counts):
+        boundary, deferred_slots = masks.get(group, device)
+        restoring = present[:, None, :] & (keys < boundary[:, None, None]) \
+            & ~(deferred_slots[:, None, :width] & (keys > row_slots))
+        seen = torch.where((kind == _DEFERRED)[:, :, None], restoring, seen)
+    mask = torch.where((kind == _PAD)[:, :, None], keys == row_slots, seen)[:, None]
+
+    context = ForwardContext(write_slots=slots, kv_len=width)
+    if adapter.gdn_glue is not None:  # each row on its own states (docs/design.md rule 3)
+        gdn_backend = resolve_gdn_backend(caches[0].config.gdn_backend, device)
+        context.gdn_step = SharedGDNSteps(rows=[
+            None if sizes[b] == 0 else (
+                q - sizes[b],
+                gdn_step(cache, Rows(slots=None, embeds=None, positions=None, deepstack=None, deferred=None,
+                                     max_slot=lengths[b], restored=counts[b]),
+                         cache.plan if counts[b] else None, gdn_backend),
+                cache.gdn_state)
+            for b, cache in enumerate(caches)
+        ])
+    try:
+        group.begin_forward(context)
+        with eager_sdpa_backends(device, q):
+            hidden = adapter.language_forward(embeds.view(batch, q, -1), positions.view(3, batch, q), mask, group,
+                                              deepstack, backend)
+    finally:
+        group.end_forward()
+
+    # bookkeeping: the real rows' slots are filled (each row's transaction unmarks its own on a rollback)
+    capacity = group.filled.shape[1]
+    rows_real = torch.div(dest_t, q, rounding_mode="floor")
+    group.filled.view(-1).index_fill_(0, rows_real * capacity + real_slots, True)
+    start = 0
+    for cache, size, count in zip(caches, sizes, counts):
+        if size:
+            cache.marks_filled(real_slots[start : start + size])
+        start += size
+        if count:
+            plan = cache.plan
+            plan.restored = plan.restored + count
+            if plan.pending == 0:
+                release_finished_plan(cache, plan)
+    return adapter.lm_head(hidden[:, -1:])
