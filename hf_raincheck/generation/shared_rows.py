@@ -20,6 +20,7 @@ from ..cache.batched import BatchedDeferredPrefillCache
 from ..gdn_state import resolve as resolve_gdn_backend
 from ..gdn_state.layer import SharedGDNSteps
 from .rows import Rows, gdn_step, release_finished_plan
+from .shared_step import host_to_device
 from .visibility import visibility_mask
 
 
@@ -145,7 +146,7 @@ def run_shared_decode(adapter, group: BatchedDeferredPrefillCache, embeds: torch
     group.share_buffers(width)
     for cache in caches:
         cache.reserve(width, device)
-    slots = torch.tensor([n if alive else kv_real for n, alive in zip(lengths, live)], device=device)[:, None]
+    slots = host_to_device([n if alive else kv_real for n, alive in zip(lengths, live)], device)[:, None]
     mask = group.filled[:, :width].clone().scatter_(1, slots, True)[:, None, None, :]
     positions = (slots + rope_deltas[:, None]).expand(3, -1, -1)  # [3, B, 1]
     context = ForwardContext(write_slots=slots, kv_len=width)

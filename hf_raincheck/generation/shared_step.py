@@ -48,7 +48,8 @@ class StepMasks:
         return self.boundary, self.deferred_slots
 
 
-def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+def host_to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A long tensor of host ints on `device` (on CUDA through pinned memory, not waiting for queued work)."""
     host = torch.tensor(values, dtype=torch.long)
     if device.type == "cuda":  # (pinned: the copy does not wait for the queued work)
         return host.pin_memory().to(device, non_blocking=True)
@@ -83,7 +84,7 @@ def run_shared_step(adapter, group: BatchedDeferredPrefillCache, live_embeds: to
         live_slots.append(n)
         live_positions.append(n + rope_deltas[b])
     n_real = len(dest)
-    meta = _to_device(dest + kinds + live_slots + live_positions, device)
+    meta = host_to_device(dest + kinds + live_slots + live_positions, device)
     dest_t, kinds_t = meta[:n_real], meta[n_real : 2 * n_real]
     live_slot_t = meta[2 * n_real : 2 * n_real + batch]
     live_pos_t = meta[2 * n_real + batch :]
