@@ -65,3 +65,15 @@ def test_stream_example():
                      r"after_answer=(\d+)\)", out)
     assert life and int(life[1]) + int(life[2]) == 8, out
 
+
+
+def test_batch_example_runs_the_shipped_model():
+    """Two GridQA conversations answered together: one generate call per turn for both rows, every answer right
+    under Full and Raincheck, each row's deferred tokens restored while it decodes."""
+    out = run_example("batch.py", "--dialogues", "2")
+    assert re.search(r"^full: turn 1: one call for 2 rows, [\d.]+ s, turn 2: one call for 2 rows", out, re.M), out
+    assert re.search(r"^raincheck: turn 1: one call for 2 rows", out, re.M), out
+    for i in (1, 2):
+        assert re.search(rf"\[conversation {i}, turn 1\] raincheck deferred 44, restored: folded into this prefill 0, "
+                         r"in decode steps 44, after the answer 0", out), out
+    assert re.search(r"^full: (\d+)/\1 right, raincheck: (\d+)/\2 right$", out, re.M), out
