@@ -451,3 +451,23 @@ def test_consecutive_calls_of_other_batch_sizes_continue(family):
     alone = torch.cat([turn2["input_ids"][0][turn2["attention_mask"][0].bool()], out2.sequences[0, width2:]])[None]
     out3 = _gen(model, next_turn_inputs(processor, alone, follow), cfg, n=2, past_key_values=rows[0])
     assert out3.past_key_values is rows[0] and len(rows[0].turn_stats) == 3
+
+
+def test_a_row_continued_alone_gets_its_own_buffers(family):
+    """Row caches of a batch are views of shared buffers; a row continued alone moves to buffers of its own (so it
+    does not keep the whole batch's alive), with the same entries, while the other rows keep sharing."""
+    model, processor = family
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion="blocking")
+    batch = _inputs(processor, CONVERSATIONS[:2])
+    width = batch["input_ids"].shape[1]
+    out = _gen(model, batch, cfg, n=3)
+    rows = out.past_key_values.split()
+    layer = next(i for i, a in enumerate(rows[0].layers) if a.is_initialized)
+    shared = lambda t: t.untyped_storage().nbytes() > t.nbytes  # noqa: E731
+    assert shared(rows[0].layers[layer].keys) and shared(rows[1].layers[layer].keys)
+    before = rows[0].layers[layer].keys[:, :, : rows[0].length].clone()
+    history = torch.cat([batch["input_ids"][0][batch["attention_mask"][0].bool()], out.sequences[0, width:]])[None]
+    _gen(model, next_turn_inputs(processor, history, [{"role": "user", "content": "Why?"}]), cfg, n=2,
+         past_key_values=rows[0])
+    assert not shared(rows[0].layers[layer].keys) and shared(rows[1].layers[layer].keys)
+    torch.testing.assert_close(rows[0].layers[layer].keys[:, :, : before.shape[2]], before)

@@ -513,6 +513,17 @@ class DeferredPrefillCache(DynamicCache):
             view[:n] = self._filled[:n].to(view.device)
         self._filled, self._slot_index = view, torch.arange(view.numel(), device=view.device)  # (one line)
 
+    def detach_shared(self) -> None:
+        """Gives this cache buffers of its own when its KV layers and filled-slot mask are rows of a batch's shared
+        buffers (`BatchedDeferredPrefillCache`): a conversation continued alone then no longer keeps the whole
+        batch's buffers alive. A no-op for a cache with its own buffers."""
+        for layer in self.layers:
+            if layer.is_initialized and not layer.static and layer.keys.untyped_storage().nbytes() > layer.keys.nbytes:
+                layer.keys, layer.values = layer.keys.clone(), layer.values.clone()  # (one line: they match)
+        f = self._filled
+        if f is not None and not self.static and f.untyped_storage().nbytes() > f.numel():
+            self._filled = f.clone()
+
     def shares_filled(self, view: torch.Tensor) -> bool:
         """Whether this cache's filled-slot mask is `view` (see `adopt_filled`)."""
         f = self._filled

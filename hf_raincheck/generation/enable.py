@@ -140,6 +140,7 @@ def _generate(model, *args, raincheck_config: RaincheckConfig | None = config_so
     past.stop_completion()
     past.raise_completion_error()
     past.check_usable("generate")
+    past.detach_shared()  # (a row of a batch continued alone: its own buffers, the batch's can be freed)
 
     call = (model, state, past, raincheck_config, input_ids, args, kwargs, gen_config)
     # (one line: Python skips a `with` block's __exit__ when a trace function raises at the line event of the
