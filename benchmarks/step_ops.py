@@ -6,8 +6,8 @@
 
 Eager (dynamic-cache) steps are host-bound on a GPU: each operator costs the host its dispatch (and, on a GPU,
 most of them a kernel launch), whatever the rows. This counts, per model forward of a whole answer, the aten
-operators that reach the backend (a `TorchDispatchMode`, below autograd and the composite decompositions, so
-close to the kernels launched), split into views (no kernel) and the rest, and the host-device synchronisations
+operators that launch a kernel (torch.profiler on the CPU: the innermost aten operators that are not views,
+shape queries or allocations), the aten operators called from Python, and the host-device synchronisations
 (``_local_scalar_dense``: ``.item()``, ``int(tensor)``). Steps are classed as
 
 * ``plain``: transformers' own generate (no ``raincheck_config``);
@@ -18,6 +18,10 @@ close to the kernels launched), split into views (no kernel) and the rest, and t
 
 Tiny random models of `benchmarks/shapes.py` (``tiny``, ``tiny-qwen3.5``), fp32, a 256-token image; the counts
 do not depend on the model's width, only on its layer count and kinds (4 layers: Qwen3.5's 3 GDN + 1 attention).
+A call of the GDN kernel (`hf_raincheck.gdn_state.kernels.gated_delta`) counts as one operator: on the CPU it is
+transformers' torch loop, on a GPU fla-core's kernel (the recurrent one, one launch, for eager steps' rows).
+Grouped attention runs its CUDA branch (`attention.sdpa.eager_sdpa_backends` entered as on a GPU), so the counts
+are those of an eager GPU step.
 Also the median host time per step (CPU wall time, no dispatch mode), which on a CPU includes the tiny model's
 arithmetic.
 """
@@ -41,7 +45,10 @@ sys.path[:0] = [_ROOT, os.path.dirname(os.path.abspath(__file__))]
 import shapes  # noqa: E402
 
 from hf_raincheck import RaincheckConfig, enable_raincheck  # noqa: E402
+from hf_raincheck.gdn_state import kernels as gdn_kernels  # noqa: E402
+from hf_raincheck.attention import sdpa  # noqa: E402
 from hf_raincheck.generation import enable as enable_module  # noqa: E402
+from hf_raincheck.generation import rows as rows_module  # noqa: E402
 
 POLICIES = ("plain", "full", "hard", "raincheck")
 
@@ -55,9 +62,11 @@ NO_KERNEL = {
     "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::resolve_conj", "aten::resolve_neg",
     "aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::result_type", "aten::set_",
     "aten::unfold", "aten::diagonal", "aten::flatten", "aten::reshape", "aten::contiguous", "aten::numpy_T",
-    "aten::to", "aten::type_as", "aten::_has_compatible_shallow_copy_type",
+    "aten::to", "aten::type_as", "aten::_has_compatible_shallow_copy_type", "aten::new_empty",
+    "aten::new_empty_strided", "aten::scalar_tensor",
 }
 SYNCS = {"aten::_local_scalar_dense"}
+GDN_KERNEL = "gdn_state.kernels.gated_delta"
 
 
 def _is_aten(event) -> bool:
@@ -70,6 +79,9 @@ def _kernel_events(events) -> list:
     kernels = []
 
     def visit(event) -> bool:  # True if `event` or an operator below it launches a kernel
+        if event.name == GDN_KERNEL:  # one call of the GDN kernel counts as one operator (see the module docstring)
+            kernels.append(event)
+            return True
         below = False
         for child in event.cpu_children:
             below |= visit(child)
@@ -191,14 +203,27 @@ def run(shape: str, policy: str, image_tokens: int, new_tokens: int, count: bool
     if policy != "plain":
         kwargs["raincheck_config"] = RaincheckConfig(policy=policy, retention=0.3, pruning="uniform",
                                                      completion="blocking")
+    original_kernel = gdn_kernels.gated_delta
+
+    def gdn_kernel(*args, **kwargs):
+        with torch.profiler.record_function(GDN_KERNEL):
+            return original_kernel(*args, **kwargs)
+
     enable_module._turn_step = measured(original_turn_step, turn_kind)
     state.original_forward = measured(original_forward, plain_kind)
+    gdn_kernels.gated_delta = gdn_kernel
+    original_backends = rows_module.eager_sdpa_backends
+    # the attention branch of an eager GPU step (short forwards: the grouped path with the torch softmax)
+    rows_module.eager_sdpa_backends = lambda device, rows: (
+        sdpa._EAGER_SHORT if rows <= sdpa.SHAPE_CHANGING_ROWS else original_backends(device, rows))
     try:
         with torch.no_grad():
             model.generate(**inputs, **kwargs)
     finally:
         enable_module._turn_step = original_turn_step
         state.original_forward = original_forward
+        gdn_kernels.gated_delta = original_kernel
+        rows_module.eager_sdpa_backends = original_backends
     return records
 
 
