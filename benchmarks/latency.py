@@ -40,9 +40,11 @@ Measurements (each after a warm-up call of the same shapes, which also absorbs c
   recorded again);
 * ``--interleave``: per workload and cache, every policy warms up first, then their ``--repeats`` answer runs
   alternate round by round (the order rotating), so a drift over the call moves them alike; records add
-  ``rounds``, ``tpot_ms_rounds`` and ``tpot_vs_full_paired`` (the median over rounds of TPOT / Full's TPOT of
-  the same round), and the targets a paired TPOT check (run to run, Full's TPOT moved more than the targets allow);
-* medians over ``--repeats`` answer runs, ratios against Full on the same cache kind, and the issue's targets
+  ``rounds``, ``tpot_ms_rounds``, ``tpot_vs_full_paired`` and ``tpot_vs_plain_paired`` (the median over rounds
+  of TPOT / Full's, plain generate's, TPOT of the same round), and the targets a paired TPOT check (run to run,
+  Full's TPOT moved more than the targets allow);
+* medians over ``--repeats`` answer runs, ratios against Full and against plain generate (``--policies ...,plain``)
+  on the same cache kind in the table, and the issue's targets
   (Raincheck TTFT <= 1.03 x Hard and <= 0.80 x Full on image4096; TPOT <= 1.03 x Full; restoration step <= 1.15 x a
   decode-only step on the dynamic cache, <= 1.25 x on the static one).
 
