@@ -40,9 +40,11 @@ Measurements (each after a warm-up call of the same shapes, which also absorbs c
   recorded again);
 * ``--interleave``: per workload and cache, every policy warms up first, then their ``--repeats`` answer runs
   alternate round by round (the order rotating), so a drift over the call moves them alike; records add
-  ``rounds``, ``tpot_ms_rounds`` and ``tpot_vs_full_paired`` (the median over rounds of TPOT / Full's TPOT of
-  the same round), and the targets a paired TPOT check (run to run, Full's TPOT moved more than the targets allow);
-* medians over ``--repeats`` answer runs, ratios against Full on the same cache kind, and the issue's targets
+  ``rounds``, ``tpot_ms_rounds``, ``tpot_vs_full_paired`` and ``tpot_vs_plain_paired`` (the median over rounds
+  of TPOT / Full's, plain generate's, TPOT of the same round), and the targets a paired TPOT check (run to run,
+  Full's TPOT moved more than the targets allow);
+* medians over ``--repeats`` answer runs, ratios against Full and against plain generate (``--policies ...,plain``)
+  on the same cache kind in the table, and the issue's targets
   (Raincheck TTFT <= 1.03 x Hard and <= 0.80 x Full on image4096; TPOT <= 1.03 x Full; restoration step <= 1.15 x a
   decode-only step on the dynamic cache, <= 1.25 x on the static one).
 
@@ -99,7 +101,8 @@ from hf_raincheck.generation.schedule import carried_tokens  # noqa: E402
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 RECORD_KEYS = ("model", "workload", "policy", "chunk_size", "fused", "ttft_ms", "tpot_ms", "restore_step_ms",
                "decode_step_ms", "e2e_ms", "restored_at_token", "peak_mem_gib", "cache", "gpus", "step_ms",
-               "rounds", "tpot_ms_rounds", "tpot_vs_full_paired", "one_off_steps", "ttft_ms_calls")
+               "rounds", "tpot_ms_rounds", "tpot_vs_full_paired", "tpot_vs_plain_paired", "one_off_steps",
+               "ttft_ms_calls")
 TEXT_BEFORE, QUESTION = 10, 30  # ~40 text tokens around the media
 TARGET_WORKLOAD = "image4096"  # where the TTFT targets are checked
 # a first run of a kind has no measured estimate: assume this much (s) when deciding whether it fits the budget
@@ -405,6 +408,7 @@ def make_record(bench: Bench, workload: str, policy: Policy, cache: str, ttfts: 
     record["rounds"] = len(answers)
     record["tpot_ms_rounds"] = [round(a["tpot_ms"], 4) for a in answers]
     record["tpot_vs_full_paired"] = None
+    record["tpot_vs_plain_paired"] = None
     return {key: record[key] for key in RECORD_KEYS}
 
 
@@ -419,15 +423,16 @@ def one_off_steps(step_ms: list[float] | None) -> list[list] | None:
 
 
 def paired_ratios(records: list[dict]) -> None:
-    """``tpot_vs_full_paired`` of each interleaved record: the median over rounds of its TPOT / Full's TPOT in the
-    same round (a drift over the run moves both alike)."""
-    full = next((r for r in records if r["policy"] == "full"), None)
-    if full is None:
-        return
-    for record in records:
-        pairs = [a / b for a, b in zip(record["tpot_ms_rounds"], full["tpot_ms_rounds"]) if b]
-        if pairs and len(record["tpot_ms_rounds"]) == len(full["tpot_ms_rounds"]):
-            record["tpot_vs_full_paired"] = round(statistics.median(pairs), 4)
+    """``tpot_vs_full_paired`` (``tpot_vs_plain_paired``) of each interleaved record: the median over rounds of its
+    TPOT / Full's (plain generate's) TPOT in the same round (a drift over the run moves both alike)."""
+    for reference in ("full", "plain"):
+        base = next((r for r in records if r["policy"] == reference), None)
+        if base is None:
+            continue
+        for record in records:
+            pairs = [a / b for a, b in zip(record["tpot_ms_rounds"], base["tpot_ms_rounds"]) if b]
+            if pairs and len(record["tpot_ms_rounds"]) == len(base["tpot_ms_rounds"]):
+                record[f"tpot_vs_{reference}_paired"] = round(statistics.median(pairs), 4)
 
 
 # ---------------------------------------------------------------------------------------------------- profile
@@ -664,17 +669,21 @@ def markdown_tables(records: list[dict], checks: list[dict]) -> str:
     order = {label: i for i, label in enumerate(LABELS)}
     records = sorted(records, key=lambda r: (group_key(r), order[label_of(r)], r["chunk_size"] or 0))
     lines = ["| model | GPUs | workload | cache | policy | chunk | fused | TTFT ms | TPOT ms | restore step ms | "
-             "decode step ms | E2E ms | restored at | peak GiB | TTFT / full | TPOT / full |",
-             "| " + " | ".join(["---"] * 16) + " |"]
+             "decode step ms | E2E ms | restored at | peak GiB | TTFT / full | TPOT / full | TPOT / full, paired | "
+             "TTFT / plain | TPOT / plain | TPOT / plain, paired |",
+             "| " + " | ".join(["---"] * 20) + " |"]
     for r in records:
         full = find(records, r["model"], r["workload"], r["cache"], "full", gpus=gpus_of(r))
+        plain = find(records, r["model"], r["workload"], r["cache"], "plain", gpus=gpus_of(r))
         lines.append("| " + " | ".join([
             r["model"], str(gpus_of(r)), r["workload"], r["cache"], r["policy"], fmt(r["chunk_size"], 0),
             "" if r["fused"] is None else str(r["fused"]), fmt(r["ttft_ms"]), fmt(r["tpot_ms"], 2),
             fmt(r["restore_step_ms"], 2), fmt(r["decode_step_ms"], 2), fmt(r["e2e_ms"], 0),
             fmt(r["restored_at_token"], 0), fmt(r["peak_mem_gib"], 2),
             fmt(ratio(r["ttft_ms"], full and full["ttft_ms"]), 3),
-            fmt(ratio(r["tpot_ms"], full and full["tpot_ms"]), 3)]) + " |")
+            fmt(ratio(r["tpot_ms"], full and full["tpot_ms"]), 3), fmt(r.get("tpot_vs_full_paired"), 3),
+            fmt(ratio(r["ttft_ms"], plain and plain["ttft_ms"]), 3),
+            fmt(ratio(r["tpot_ms"], plain and plain["tpot_ms"]), 3), fmt(r.get("tpot_vs_plain_paired"), 3)]) + " |")
     lines += ["", "| model | GPUs | workload | cache | target | value | met |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
     for c in checks:

@@ -13,7 +13,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD_KEYS = {"model", "workload", "policy", "chunk_size", "fused", "ttft_ms", "tpot_ms", "restore_step_ms",
                "decode_step_ms", "e2e_ms", "restored_at_token", "peak_mem_gib", "cache", "gpus", "step_ms",
-               "rounds", "tpot_ms_rounds", "tpot_vs_full_paired", "one_off_steps", "ttft_ms_calls"}
+               "rounds", "tpot_ms_rounds", "tpot_vs_full_paired", "tpot_vs_plain_paired", "one_off_steps",
+               "ttft_ms_calls"}
 
 
 def test_latency_quick_writes_the_issue_records(tmp_path):
@@ -84,23 +85,25 @@ def test_latency_quick_split_over_devices(tmp_path):
 
 def test_latency_quick_interleaved_rounds(tmp_path):
     """``--interleave --repeats 3``: the policies' answers alternate round by round; each record keeps its three
-    per-round TPOTs (their median is its TPOT) and the median of its paired ratios to Full's same round (Full: 1);
-    the target list has the paired TPOT check."""
+    per-round TPOTs (their median is its TPOT) and the medians of its paired ratios to Full's and to plain
+    generate's same round (Full: 1, plain: 1); the target list has the paired TPOT check, the table both ratios."""
     out = run_script([os.path.join(ROOT, "benchmarks", "latency.py"), "--quick", "--save", "--interleave",
                       "--repeats", "3", "--models", "tiny", "--workloads", "image1024", "--caches", "static",
-                      "--policies", "full,raincheck,hard", "--chunk-sweep", "", "--results-dir", str(tmp_path)],
+                      "--policies", "full,raincheck,hard,plain", "--chunk-sweep", "", "--results-dir", str(tmp_path)],
                      tmp_path)
     assert "3 rounds, paired TPOT / full" in out
+    assert "| TTFT / plain | TPOT / plain | TPOT / plain, paired |" in out
     report = json.loads((tmp_path / "latency.json").read_text())
     records = {r["policy"]: r for r in report["records"]}
-    assert set(records) == {"full", "raincheck", "hard"} and report["header"]["settings"]["interleave"] is True
-    full = records["full"]
+    assert set(records) == {"full", "raincheck", "hard", "plain"} and report["header"]["settings"]["interleave"] is True
+    full, plain = records["full"], records["plain"]
     for r in records.values():
         assert r["rounds"] == 3 and len(r["tpot_ms_rounds"]) == 3
         assert abs(sorted(r["tpot_ms_rounds"])[1] - r["tpot_ms"]) < 1e-3
-        pairs = sorted(a / b for a, b in zip(r["tpot_ms_rounds"], full["tpot_ms_rounds"]))
-        assert abs(r["tpot_vs_full_paired"] - pairs[1]) < 1e-3
-    assert full["tpot_vs_full_paired"] == 1.0
+        for reference, key in ((full, "tpot_vs_full_paired"), (plain, "tpot_vs_plain_paired")):
+            pairs = sorted(a / b for a, b in zip(r["tpot_ms_rounds"], reference["tpot_ms_rounds"]))
+            assert abs(r[key] - pairs[1]) < 1e-3
+    assert full["tpot_vs_full_paired"] == 1.0 and plain["tpot_vs_plain_paired"] == 1.0
     assert "TPOT <= 1.03 x full (median of paired rounds)" in {t["target"] for t in report["targets"]}
 
 
@@ -214,6 +217,20 @@ def test_quality_quick_writes_the_issue_records(tmp_path):
         rain = later[("raincheck", selector, "boundary")]
         assert rain["accuracy"] > hard and "recovered" in rain and len(rain["recovered_ci95"]) == 2
         assert abs(rain["accuracy"] - full) <= 0.1
+
+
+def test_step_ops_counts_operators_per_step_kind(tmp_path):
+    """benchmarks/step_ops.py on the CPU: every step kind of a Raincheck answer is counted, and the steps after
+    restoration run exactly Full's operators (a restored cache is laid out as Full's, rule 6); the JSON has the rows."""
+    out_file = tmp_path / "step_ops.json"
+    out = run_script(["benchmarks/step_ops.py", "--models", "tiny", "--image-tokens", "64", "--new-tokens", "24",
+                      "--save", "--out", str(out_file)], tmp_path)
+    rows = {r["step"]: r for r in json.loads(out_file.read_text())["rows"]}
+    assert set(rows) == {"plain", "full", "hard", "raincheck, pending", "raincheck, fused", "raincheck, restored"}, out
+    assert rows["raincheck, restored"]["kernels"] == rows["full"]["kernels"] > 0
+    assert rows["raincheck, fused"]["kernels"] > rows["full"]["kernels"]
+    assert all(r["steps"] > 0 and r["calls"] >= r["kernels"] > 0 for r in rows.values())
+    assert "| tiny | raincheck, fused |" in out
 
 
 def test_step_host_time_splits_wrapper_and_compiled_call(tmp_path):

@@ -84,13 +84,6 @@ def _window_after(window, rows, kernel: int) -> torch.Tensor:
     return conv_window(rows if window is None else torch.cat([window, rows], dim=-1), kernel)
 
 
-def _segment(glue, module, backend, qkv, a, b, state, window, carry=0):
-    conv_out, window = glue.conv(module, qkv, window)
-    q, k, v, g, beta = glue.factors(module, conv_out, a, b)
-    out, state = advance(backend, q, k, v, g, beta, state, carry)
-    return out, state, window
-
-
 def gdn_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layer: GDNLayerState, step: GDNStep):
     """The layer's output ``[1, T, hidden]`` for the rows of one Raincheck forward; updates `layer`."""
     qkv, z, b, a = glue.project(module, hidden)
@@ -98,25 +91,39 @@ def gdn_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layer: GDNLaye
     if layer.fixed and layer.state is None:
         layer.init_fixed(num_v_heads, key_dim, value_dim, (1, channels, kernel), hidden.device, qkv.dtype)
     total = hidden.shape[1]
-    outs = []
     n = step.num_restore
+    live = total - n
+    prefix = None
     if n:
         prefix = layer.prefix
         if prefix is None or prefix.plan_id != step.restore_plan:
             raise RuntimeError("Raincheck GDN state: deferred rows without the checkpoint of their plan")
-        out, new_prefix, prefix.conv = _segment(
-            glue, module, step.backend, qkv[..., :n], a[:, :n], b[:, :n], prefix.recurrent, prefix.conv
-        )
+    # the short conv runs per segment (the deferred rows continue the prefix window, the live rows the live one);
+    # the gates and the q / k / v split are row-wise, so one `factors` call serves every row (eager forwards are
+    # host-bound on a GPU: each operator saved is a launch per GDN layer)
+    if n and live:
+        restore_out, prefix_window = glue.conv(module, qkv[..., :n], prefix.conv)
+        live_out, window_end = glue.conv(module, qkv[..., n:], layer.conv)
+        q, k, v, g, beta = glue.factors(module, torch.cat([restore_out, live_out], dim=1), a, b)
+    elif n:
+        restore_out, prefix_window = glue.conv(module, qkv, prefix.conv)
+        q, k, v, g, beta = glue.factors(module, restore_out, a, b)
+    else:
+        live_out, window_end = glue.conv(module, qkv, layer.conv)
+        q, k, v, g, beta = glue.factors(module, live_out, a, b)
+    outs = []
+    if n:
+        out, new_prefix = advance(step.backend, q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], prefix.recurrent)
+        prefix.conv = prefix_window
         layer.join(new_prefix)
         outs.append(out)
-    live = total - n
     if live:
         cut = step.checkpoint_at if step.checkpoint_plan is not None else 0
-        # one short conv and one set of gates over every live row (a boundary inside them only splits the
-        # kernel calls): the conv window at the boundary is read off the same rows
+        # one short conv over every live row (a boundary inside them only splits the kernel calls): the conv
+        # window at the boundary is read off the same rows
         rows = qkv[..., n:]
-        conv_out, window_end = glue.conv(module, rows, layer.conv)
-        q, k, v, g, beta = glue.factors(module, conv_out, a[:, n:], b[:, n:])
+        if n:
+            q, k, v, g, beta = q[:, n:], k[:, n:], v[:, n:], g[:, n:], beta[:, n:]
         if cut:
             # the rows before a new plan's boundary: `checkpoint` starts P_tail afresh right after them, so a map
             # carried through them would be dropped (the fixed layout carries one from the first prefill on)

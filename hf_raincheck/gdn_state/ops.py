@@ -42,6 +42,21 @@ def _(q, k, v, g, beta, state, backend):
     return v.new_empty(v.shape, dtype=q.dtype), v.new_empty(batch, heads, k.shape[-1], value_dim, dtype=torch.float32)
 
 
+_ZERO: dict = {}  # (device, dtype) -> a 0-d zero, expanded (no copy) into P's value columns by eager calls
+
+
+def _zero_columns(v: torch.Tensor, carry: int) -> torch.Tensor:
+    """Zeros ``[..., carry]`` next to `v`'s rows: a persistent 0-d zero expanded in eager calls (no fill kernel per
+    GDN layer and step: eager steps are host-bound), a new tensor inside a traced graph."""
+    if torch.compiler.is_compiling():
+        return v.new_zeros(*v.shape[:-1], carry)
+    key = (v.device, v.dtype)
+    zero = _ZERO.get(key)
+    if zero is None:
+        zero = _ZERO[key] = torch.zeros((), dtype=v.dtype, device=v.device)
+    return zero.expand(*v.shape[:-1], carry)
+
+
 def advance(backend: str, q, k, v, g, beta, state, carry: int = 0, opaque: bool = False):
     """`kernels.gated_delta` on a state whose last `carry` columns hold a transition map ``P`` (advanced with
     ``v = 0``).
@@ -55,7 +70,7 @@ def advance(backend: str, q, k, v, g, beta, state, carry: int = 0, opaque: bool 
     calls (not `opaque`) take fla's recurrent kernel up to `kernels.FLA_EAGER_RECURRENT_MAX_ROWS` rows from a state.
     """
     if carry:
-        v = torch.cat([v, v.new_zeros(*v.shape[:-1], carry)], dim=-1)
+        v = torch.cat([v, _zero_columns(v, carry)], dim=-1)
     if opaque:
         out, final = torch.ops.hf_raincheck.gated_delta(q, k, v, g, beta, state, backend)
     else:

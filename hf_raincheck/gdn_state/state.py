@@ -100,7 +100,7 @@ class GDNLayerState:
         prefix = self.prefix
         update = torch.matmul(self.transition, new_prefix - prefix.recurrent)
         state = self.state.clone()  # a new tensor, never in place: `snapshot` keeps the old one for a rollback
-        state[..., : self.value_dim] += update
+        state[..., : self.value_dim].add_(update)  # (not `+=` on the slice: that copies the slice back onto itself)
         self.state = state
         prefix.recurrent = new_prefix
         self._static()
