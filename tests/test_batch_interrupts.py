@@ -6,25 +6,27 @@ the user thread runs in a batched dialogue of three rows with different images, 
 ``KeyboardInterrupt`` right before that line:
 
 - turn 1: a left-padded batch of three new conversations (``completion="next_turn"``; row 0 stops early through a
-  stopping criterion, so its deferred tokens wait for its next turn);
-- turn 2: the rows continued together with ``past_key_values=BatchedDeferredPrefillCache(rows)`` (each row folds
-  what it left pending into its prefill; rows 1 and 2 add a new image, a new plan), ``completion="blocking"``;
-  row 1 stops early and restores its deferred tokens in the shared steps while the others decode, then the shared
-  blocking completion finishes what is left.
+  stopping criterion, so its deferred tokens wait);
+- ``complete_deferred(model, group, max_tokens=3)`` of the batch's rows (shared forwards of 2 tokens per row; row 2
+  has only 2 left, so the second forward runs without it);
+- turn 2: the rows continued together on the same `BatchedDeferredPrefillCache` (each row folds what it left
+  pending into its prefill; rows 1 and 2 add a new image, a new plan), ``completion="blocking"``; row 1 stops
+  early and restores its deferred tokens in the shared steps while the others decode, then the shared blocking
+  completion finishes what is left.
 
-After the interrupt every row cache must be consistent on its own (its lock free, no turn or forward left
-installed, its filled mask covering exactly ``length - holes`` slots); the recovery is the README's, per row: the
-conversation goes on from ``row.token_ids`` (a turn-1 interrupt: turn 2 still runs batched, on the same
-`BatchedDeferredPrefillCache` the interrupted call was given; a row whose prompt never reached its cache starts over
-with the next message). Then each row is continued alone with a text-only probe turn and `complete_deferred`.
+Right after the interrupt every row cache must be consistent on its own: its lock free, no turn, forward or worker
+left on it, its filled mask covering exactly ``length - holes`` slots. The recovery is the README's, per row: the
+conversation goes on from ``row.token_ids``; the calls after the interrupted one run as planned, on the same
+`BatchedDeferredPrefillCache` the interrupted call was given (a row whose prompt never reached its cache starts
+over with its next message); then each row is continued alone with a text-only probe turn and `complete_deferred`.
 
 The reference of each row is a batch-1 replay of the same row, the interrupted call replaced by what it observably
-did to that row (rows of one shared forward may commit or roll back on their own: each has its own transaction):
-``max_new_tokens`` = tokens the row was fed + 1 (or no call when its prompt never reached its cache), with
-``completion="next_turn"`` followed by ``complete_deferred(max_tokens=<tokens it restored after its answer>)``.
-Every later call's logits of the row, its final KV entries, Gated DeltaNet states and counters (``length``,
-``token_ids``, ``stats``, ``turn_stats``, ``total_deferred``, ``pending``, ``holes``, the filled mask, the plans'
-progress) must equal the reference's.
+did to that row (the rows of one shared forward may commit or roll back each on its own: each has its own
+transaction): ``max_new_tokens`` = tokens the row was fed + 1 (or no call when its prompt never reached its
+cache), with ``completion="next_turn"``, followed by ``complete_deferred(max_tokens=<tokens it restored after its
+answer>)`` (the batch's `complete_deferred` counts there too). Every later call's logits of the row, its final KV
+entries, Gated DeltaNet states and counters (``length``, ``token_ids``, ``stats``, ``turn_stats``,
+``total_deferred``, ``pending``, ``holes``, the filled mask, the plans' progress) must equal the reference's.
 
 Run one point (or every point whose id starts so):
     HF_RAINCHECK_INTERRUPT_POINT='turn2:generation/shared_batch.py:126@...#1' \
@@ -32,12 +34,13 @@ Run one point (or every point whose id starts so):
 List the points: python tests/test_batch_interrupts.py [qwen3_vl|qwen3_5]
 Other files:     HF_RAINCHECK_INTERRUPT_FILES='generation/*.py,cache/*.py,gdn_state/*.py' (globs in hf_raincheck/)
 The default test injects at a deterministic spread of the distinct points (first and last occurrence of each
-(phase, line, call stack)): HF_RAINCHECK_BATCH_INTERRUPT_POINTS per model (default 60 for Qwen3-VL, 30 for
-Qwen3.5); ``-m slow`` runs every distinct point.
+(phase, line, call stack)): HF_RAINCHECK_BATCH_INTERRUPT_POINTS per model (default 80 for Qwen3-VL, 40 for
+Qwen3.5); ``-m slow`` runs every distinct point (about 2500 per model).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import asdict, dataclass, field
@@ -70,10 +73,10 @@ TRACED = tuple(os.environ.get(
     "generation/completion.py,generation/enable.py,generation/rows.py,cache/*.py,gdn_state/layer.py").split(","))
 TOL = dict(atol=2e-5, rtol=1e-4)
 # retention 0.3: a 16-token image defers 11; decode steps 2.. carry 2 per row; completion chunks of 3 per row
-BASE = dict(retention=0.3, chunk_size=2, guard_tokens=1, completion_chunk_size=3, pruning="uniform")
-TRACED_PHASES = ("turn1", "turn2")  # the probe turns are the recovery, not injection targets
+BASE = dict(retention=0.3, chunk_size=2, guard_tokens=1, completion_chunk_size=2, pruning="uniform")
+TRACED_PHASES = ("turn1", "complete", "turn2")  # the probe turns are the recovery, not injection targets
 _POINTS = os.environ.get("HF_RAINCHECK_BATCH_INTERRUPT_POINTS")
-DEFAULT_POINTS = {"qwen3_vl": 60, "qwen3_5": 30} if _POINTS is None else {"qwen3_vl": int(_POINTS),
+DEFAULT_POINTS = {"qwen3_vl": 80, "qwen3_5": 40} if _POINTS is None else {"qwen3_vl": int(_POINTS),
                                                                            "qwen3_5": int(_POINTS)}
 
 
@@ -100,11 +103,20 @@ class BatchTurn:
         return dict(self.stop_early).get(row, self.max_new_tokens)
 
 
+@dataclass(frozen=True)
+class BatchCompletion:
+    """``complete_deferred(model, group, max_tokens=...)`` on the batch's rows between two turns."""
+
+    phase: str
+    max_tokens: int
+
+
 DIALOGUE = (
     BatchTurn("turn1", (Message("What is in the picture?", (1, (128, 128))),
                         Message("Compare the colours, please, in some detail", (2, (96, 160))),
                         Message("Colours?", (3, (128, 96)))),
               max_new_tokens=5, completion="next_turn", stop_early=((0, 2),)),
+    BatchCompletion("complete", max_tokens=3),
     BatchTurn("turn2", (Message("Why?"), Message("And in this one?", (4, (128, 128))),
                         Message("And this?", (5, (96, 96)))),
               max_new_tokens=5, completion="blocking", stop_early=((1, 2),)),
@@ -119,6 +131,7 @@ class Step:
     ``from_cache``: the next call continues from ``cache.token_ids`` (the README's recovery), not from the answer;
     ``after_answer``: `complete_deferred` runs that many tokens after the call."""
 
+    phase: str
     message: Message
     max_new_tokens: int
     completion: str
@@ -218,6 +231,9 @@ def run_batched(model, processor, tracer=None) -> Outcome:
     group = BatchedDeferredPrefillCache([None] * ROWS)  # (the caller holds it: the recovery continues it)
     histories: list[list[int] | None] = [None] * ROWS
     for turn in DIALOGUE:
+        if isinstance(turn, BatchCompletion):
+            run_completion(model, group, turn, tracer, outcome)
+            continue
         if turn.phase == "turn1":
             inputs = first_turn_batch(processor, turn)
             per_row = None
@@ -248,9 +264,10 @@ def run_batched(model, processor, tracer=None) -> Outcome:
                 message = turn.messages[b]
                 if fed >= 0:  # the prompt reached the row's cache: an answer of fed + 1 tokens, then what it completed
                     after = row.stats.after_answer - before[b]
-                    outcome.rows[b].replayed.append(Step(message, fed + 1, "next_turn", after, from_cache=True))
+                    outcome.rows[b].replayed.append(Step(turn.phase, message, fed + 1, "next_turn", after,
+                                                            from_cache=True))
                 else:  # as if the call had not been made for this row
-                    outcome.rows[b].replayed.append(Step(message, 0, "next_turn", skip=True))
+                    outcome.rows[b].replayed.append(Step(turn.phase, message, 0, "next_turn", skip=True))
                 histories[b] = list(row.token_ids) if row is not None and row.length else None
             continue
         assert out.past_key_values is group
@@ -258,7 +275,7 @@ def run_batched(model, processor, tracer=None) -> Outcome:
         for b in range(ROWS):
             n = turn.answer_length(b)
             outcome.rows[b].logits[turn.phase] = logits[:n, b]
-            outcome.rows[b].replayed.append(Step(turn.messages[b], n, turn.completion))
+            outcome.rows[b].replayed.append(Step(turn.phase, turn.messages[b], n, turn.completion))
             new = out.sequences[b, width:width + n].tolist()
             histories[b] = inputs["input_ids"][b][mask[b]].tolist() + new
     for b in range(ROWS):  # the recovery's probe turn, each row alone
@@ -267,8 +284,31 @@ def run_batched(model, processor, tracer=None) -> Outcome:
         complete_deferred(model, cache)
         outcome.rows[b].cache = cache
         outcome.rows[b].logits["probe"] = torch.stack(out.logits)[:, 0]
-        outcome.rows[b].replayed.append(Step(PROBE, 2, "blocking"))
+        outcome.rows[b].replayed.append(Step("probe", PROBE, 2, "blocking"))
     return outcome
+
+
+def run_completion(model, group: BatchedDeferredPrefillCache, call: BatchCompletion, tracer, outcome: Outcome):
+    """`call` on the rows (traced by `tracer` unless an earlier call was interrupted); what each row restored (all
+    of it, or what the chunks before an interrupt did) counts in its reference as restored after its last call."""
+    before = [0 if r is None else r.stats.after_answer for r in group.rows]
+    try:
+        if tracer is not None and outcome.interrupted is None:
+            tracer.phase = call.phase
+            with tracer:
+                complete_deferred(model, group, max_tokens=call.max_tokens)
+        else:
+            complete_deferred(model, group, max_tokens=call.max_tokens)
+    except KeyboardInterrupt:
+        if outcome.interrupted is not None or not getattr(tracer, "fired", False):
+            raise
+        outcome.interrupted = call.phase
+        check_left_consistent(group)
+    for b, row in enumerate(group.rows):
+        restored = 0 if row is None else row.stats.after_answer - before[b]
+        steps = outcome.rows[b].replayed
+        if restored:
+            steps[-1] = dataclasses.replace(steps[-1], after_answer=(steps[-1].after_answer or 0) + restored)
 
 
 def check_left_consistent(group: BatchedDeferredPrefillCache) -> None:
@@ -292,7 +332,8 @@ def check_left_consistent(group: BatchedDeferredPrefillCache) -> None:
             assert int(filled[: row.length].sum()) == row.length - row.holes, (
                 f"row {b}: {int(filled[: row.length].sum())} slots marked filled, expected length {row.length} - "
                 f"holes {row.holes}")
-            assert not bool(filled[row.length:].any()), f"row {b}: slots past its length are marked filled"
+            past = int(filled[row.length:].sum())
+            assert past == 0, f"row {b}: {past} slots past its length {row.length} are marked filled"
         for plan in row.plans:
             assert 0 <= plan.restored <= plan.total_deferred, f"row {b}: a plan restored {plan.restored} tokens"
 
@@ -305,8 +346,7 @@ def run_row_alone(model, processor, steps: tuple[Step, ...]) -> RowOutcome:
     cache = DeferredPrefillCache(raincheck_num_layers(model))
     outcome = RowOutcome(cache=cache)
     history = None
-    for index, step in enumerate(steps):
-        phase = DIALOGUE[index].phase if index < len(DIALOGUE) else "probe"
+    for step in steps:
         if step.skip:
             history = list(cache.token_ids) if cache.length else None
             continue
@@ -314,7 +354,7 @@ def run_row_alone(model, processor, steps: tuple[Step, ...]) -> RowOutcome:
                         step.completion)
         if step.after_answer is not None:
             complete_deferred(model, cache, max_tokens=step.after_answer)
-        outcome.logits[phase] = torch.stack(out.logits)[:, 0]
+        outcome.logits[step.phase] = torch.stack(out.logits)[:, 0]
         history = list(cache.token_ids) if step.from_cache else out.sequences[0].tolist()
     complete_deferred(model, cache)
     return outcome
@@ -459,8 +499,9 @@ def harness(model_name, tmp_path_factory):
 
 def test_the_batched_dialogue_equals_each_row_alone(harness):
     """The harness itself: the uninterrupted batched dialogue equals each row's batch-1 replay, and it exercises
-    what the points must cover (an early stop that keeps its deferred tokens for the next turn, folding, a new
-    plan in turn 2, restoring after an early stop in shared steps, the shared blocking completion)."""
+    what the points must cover (an early stop that keeps its deferred tokens for the next turn, `complete_deferred`
+    of the batch, folding, a new plan in turn 2, restoring after an early stop in shared steps, the shared blocking
+    completion)."""
     plain = run_batched(harness.model, harness.processor)
     assert plain.interrupted is None
     for b, row in enumerate(plain.rows):
@@ -468,7 +509,11 @@ def test_the_batched_dialogue_equals_each_row_alone(harness):
     stats = [row.cache.turn_stats for row in plain.rows]
     assert all(s[0].deferred > 0 for s in stats)  # every row has an image in turn 1
     assert stats[0][0].restored_during_decode == 0 and stats[0][0].pending_at_answer_end == stats[0][0].deferred
-    assert all(s[1].restored_in_prefill == s[0].pending_at_answer_end > 0 for s in stats)  # turn 2 folds the rest
+    # complete_deferred(max_tokens=3) of the batch, then turn 2 folds the rest (row 2 has nothing left)
+    assert [s[0].restored_after_answer for s in stats] == [min(3, s[0].pending_at_answer_end) for s in stats]
+    folded = [s[1].restored_in_prefill for s in stats]
+    assert folded == [s[0].pending_at_answer_end - s[0].restored_after_answer for s in stats]
+    assert folded[0] > 0 and folded[1] > 0 and folded[2] == 0
     assert stats[0][1].deferred == 0 and stats[1][1].deferred > 0 and stats[2][1].deferred > 0
     # row 1 stopped before its first fused step: its plan is restored after its answer (in the shared steps while
     # the others decode, then by the shared blocking completion); row 2 restores its plan during decode
@@ -480,6 +525,25 @@ def test_the_batched_dialogue_equals_each_row_alone(harness):
     assert {"generation/batch.py", "generation/shared_batch.py", "generation/shared_rows.py", "generation/row_stops.py",
             "generation/completion.py", "cache/batched.py", "cache/transaction.py",
             "cache/deferred_cache.py"} <= files, files
+
+
+def test_complete_deferred_of_a_batch_with_a_row_not_started(harness):
+    """`complete_deferred` of a `BatchedDeferredPrefillCache` holding None (a conversation not started yet) next
+    to rows with pending tokens completes those rows as each row's batch-1 `complete_deferred` does."""
+    model, processor = harness.model, harness.processor
+    turn = DIALOGUE[0]
+    group = BatchedDeferredPrefillCache([None] * ROWS)
+    _generate(model, first_turn_batch(processor, turn), group, 3, "next_turn",
+              pad_token_id=processor.tokenizer.pad_token_id)
+    pending = group.row_pending
+    assert all(n > 2 for n in pending)
+    mixed = BatchedDeferredPrefillCache([group.rows[0], None, group.rows[2]])
+    assert complete_deferred(model, mixed, max_tokens=2) == 4
+    assert group.row_pending == [pending[0] - 2, pending[1], pending[2] - 2]
+    assert complete_deferred(model, mixed) == pending[0] + pending[2] - 4 and mixed.pending == 0
+    for b in (0, 2):
+        reference = run_row_alone(model, processor, (Step("turn1", turn.messages[b], 3, "next_turn"),))
+        assert compare_row(RowOutcome(cache=group.rows[b]), reference, "turn1") is None, f"row {b}"
 
 
 def test_interrupt_at_any_line_of_a_batched_turn_recovers_exactly(harness, model_name):
