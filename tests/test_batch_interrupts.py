@@ -64,15 +64,15 @@ from hf_raincheck.conversation import batch_inputs, next_turn_inputs  # noqa: E4
 from hf_raincheck.testing import chat_inputs, make_image  # noqa: E402
 
 # the batched path: the batch entry, the shared steps and forwards, the row stops, the shared completion, the patched
-# generate / forward that transformers' loop calls, the rows' forward helpers, every cache module, the Gated
-# DeltaNet layers' shared forward (Qwen3.5) (turn.py's
-# preparation runs before any transaction and is test_interrupts.py's; HF_RAINCHECK_INTERRUPT_FILES overrides)
+# generate / forward that transformers' loop calls, the rows' forward helpers, every cache module and the Gated
+# DeltaNet layers' shared forward (Qwen3.5). turn.py's preparation of each row runs before any transaction and is
+# test_interrupts.py's. HF_RAINCHECK_INTERRUPT_FILES="a/*.py,b.py" overrides.
 TRACED = tuple(os.environ.get(
     "HF_RAINCHECK_INTERRUPT_FILES",
     "generation/batch.py,generation/shared_batch.py,generation/shared_rows.py,generation/row_stops.py,"
     "generation/completion.py,generation/enable.py,generation/rows.py,cache/*.py,gdn_state/layer.py").split(","))
 TOL = dict(atol=2e-5, rtol=1e-4)
-# retention 0.3: a 16-token image defers 11; decode steps 2.. carry 2 per row; completion chunks of 3 per row
+# retention 0.3: a 16-token image defers 11; decode steps 2.. carry 2 per row; completion chunks of 2 per row
 BASE = dict(retention=0.3, chunk_size=2, guard_tokens=1, completion_chunk_size=2, pruning="uniform")
 TRACED_PHASES = ("turn1", "complete", "turn2")  # the probe turns are the recovery, not injection targets
 _POINTS = os.environ.get("HF_RAINCHECK_BATCH_INTERRUPT_POINTS")
@@ -174,8 +174,11 @@ _INPUTS: dict = {}
 
 
 def _content(message: Message) -> list:
-    image = [] if message.image is None else [{"type": "image", "image": make_image(message.image[0], message.image[1])}]
-    return image + [{"type": "text", "text": message.text}]
+    text = [{"type": "text", "text": message.text}]
+    if message.image is None:
+        return text
+    seed, size = message.image
+    return [{"type": "image", "image": make_image(seed, size)}] + text
 
 
 def row_inputs(processor, message: Message, history: list[int] | None) -> dict:
