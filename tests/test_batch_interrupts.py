@@ -227,7 +227,7 @@ def raincheck_num_layers(model) -> int:
 
 
 def run_batched(model, processor, tracer=None) -> Outcome:
-    """`DIALOGUE` batched (turns 1 and 2 traced by `tracer`: a `LineRecorder`, or an `Injector`, after whose
+    """`DIALOGUE` batched (every call traced by `tracer`: a `LineRecorder`, or an `Injector`, after whose
     interrupt each row recovers from its cache), then each row alone: a probe turn and `complete_deferred`."""
     pad = processor.tokenizer.pad_token_id
     outcome = Outcome(rows=[RowOutcome() for _ in range(ROWS)])
@@ -239,10 +239,8 @@ def run_batched(model, processor, tracer=None) -> Outcome:
             continue
         if turn.phase == "turn1":
             inputs = first_turn_batch(processor, turn)
-            per_row = None
         else:
-            per_row = [row_inputs(processor, m, h) for m, h in zip(turn.messages, histories)]
-            inputs = batch_inputs(per_row, pad)
+            inputs = batch_inputs([row_inputs(processor, m, h) for m, h in zip(turn.messages, histories)], pad)
         mask = inputs["attention_mask"].bool()
         prompt_lens = [int(m.sum()) for m in mask]
         width = inputs["input_ids"].shape[1]
