@@ -94,6 +94,8 @@ def _complete_rows(model, group: BatchedDeferredPrefillCache, max_tokens: int | 
     configs = [r.config for r in rows if r.pending]
     if not configs:
         return 0
+    if len(rows) != group.batch_size:  # a row not started yet (None) has nothing to complete: the others share
+        group = BatchedDeferredPrefillCache(rows)
     with contextlib.ExitStack() as locks:
         for row in sorted(rows, key=id):
             locks.enter_context(row.lock)
