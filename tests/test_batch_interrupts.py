@@ -69,7 +69,8 @@ from hf_raincheck.testing import chat_inputs, make_image  # noqa: E402
 # test_interrupts.py's. HF_RAINCHECK_INTERRUPT_FILES="a/*.py,b.py" overrides.
 TRACED = tuple(os.environ.get(
     "HF_RAINCHECK_INTERRUPT_FILES",
-    "generation/batch.py,generation/shared_batch.py,generation/shared_rows.py,generation/row_stops.py,"
+    "generation/batch.py,generation/shared_batch.py,generation/shared_rows.py,generation/shared_step.py,"
+    "generation/row_stops.py,"
     "generation/completion.py,generation/enable.py,generation/rows.py,cache/*.py,gdn_state/layer.py").split(","))
 TOL = dict(atol=2e-5, rtol=1e-4)
 # retention 0.3: a 16-token image defers 11; decode steps 2.. carry 2 per row; completion chunks of 2 per row

@@ -161,15 +161,17 @@ def run_shared_step(adapter, group: BatchedDeferredPrefillCache, live_embeds: to
     finally:
         group.end_forward()
 
-    # bookkeeping: the real rows' slots are filled (each row's transaction unmarks its own on a rollback)
-    capacity = group.filled.shape[1]
-    rows_real = torch.div(dest_t, q, rounding_mode="floor")
-    group.filled.view(-1).index_fill_(0, rows_real * capacity + real_slots, True)
+    # bookkeeping: the real rows' slots are filled; every row's transaction learns its slots first, so a rollback
+    # anywhere from here unmarks them (unmarking a slot not yet marked changes nothing: it was empty)
     start = 0
-    for cache, size, count in zip(caches, sizes, counts):
+    for cache, size in zip(caches, sizes):
         if size:
             cache.marks_filled(real_slots[start : start + size])
         start += size
+    capacity = group.filled.shape[1]
+    rows_real = torch.div(dest_t, q, rounding_mode="floor")
+    group.filled.view(-1).index_fill_(0, rows_real * capacity + real_slots, True)
+    for cache, count in zip(caches, counts):
         if count:
             plan = cache.plan
             plan.restored = plan.restored + count
