@@ -34,7 +34,7 @@ Run one point (or every point whose id starts so):
 List the points: python tests/test_batch_interrupts.py [qwen3_vl|qwen3_5]
 Other files:     HF_RAINCHECK_INTERRUPT_FILES='generation/*.py,cache/*.py,gdn_state/*.py' (globs in hf_raincheck/)
 The default test injects at a deterministic spread of the distinct points (first and last occurrence of each
-(phase, line, call stack)): HF_RAINCHECK_BATCH_INTERRUPT_POINTS per model (default 80 for Qwen3-VL, 40 for
+(phase, line, call stack)): HF_RAINCHECK_INTERRUPT_BATCH_POINTS per model (default 80 for Qwen3-VL, 40 for
 Qwen3.5); ``-m slow`` runs every distinct point (2851 for Qwen3-VL, 3359 for Qwen3.5).
 """
 
@@ -76,7 +76,7 @@ TOL = dict(atol=2e-5, rtol=1e-4)
 # retention 0.3: a 16-token image defers 11; decode steps 2.. carry 2 per row; completion chunks of 2 per row
 BASE = dict(retention=0.3, chunk_size=2, guard_tokens=1, completion_chunk_size=2, pruning="uniform")
 TRACED_PHASES = ("turn1", "complete", "turn2")  # the probe turns are the recovery, not injection targets
-_POINTS = os.environ.get("HF_RAINCHECK_BATCH_INTERRUPT_POINTS")
+_POINTS = os.environ.get("HF_RAINCHECK_INTERRUPT_BATCH_POINTS")
 DEFAULT_POINTS = {"qwen3_vl": 80, "qwen3_5": 40} if _POINTS is None else {"qwen3_vl": int(_POINTS),
                                                                            "qwen3_5": int(_POINTS)}
 
