@@ -81,25 +81,6 @@ def test_grouped_softmax_masks_in_the_scores_dtype_with_the_fp32_values(dtype):
     assert not got.view(2, 2, 3, 5, 40)[1, :, :, 2].any()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_grouped_inside_raincheck_forwards_skips_only_the_empty_row_clean_up(dtype):
-    """Inside a Raincheck eager forward (`eager_sdpa_backends`) every row sees at least its own slot, so the
-    grouped path leaves out the clean-up of rows that see nothing (`rows_see_nothing=False`, one operator per
-    layer): the same values bit for bit as with it; outside such a forward a row that sees nothing is still 0."""
-    query, key, value, visible = _inputs(6, 40, 4, 2, d=16, seed=9, dtype=dtype)
-    visible[..., 0] = True  # every row sees a key
-    outside = sdpa.grouped_attention(query, key, value, visible, 0.25)
-    with sdpa._EAGER_SHORT:
-        assert sdpa._eager_short()
-        inside = sdpa.grouped_attention(query, key, value, visible, 0.25)
-    assert torch.equal(inside, outside)
-    scores = torch.randn(1, 2, 2, 6, 40).to(dtype)
-    assert torch.equal(sdpa.grouped_softmax_torch(scores, visible, dtype, rows_see_nothing=False),
-                       sdpa.grouped_softmax_torch(scores, visible, dtype))
-    visible[0, 0, 3] = False  # outside a Raincheck forward, a row that sees nothing: zeros
-    assert not sdpa.grouped_attention(query, key, value, visible, 0.25)[0, 3].any()
-
-
 def test_grouped_scales_transposed_rows_as_contiguous_ones():
     """Rows straight from a transpose (transformers' ``[B, q, H, D] -> [B, H, q, D]``) are scaled into the stacked
     layout in one operator: the same values bit for bit as from contiguous rows."""

@@ -68,32 +68,25 @@ def grouped_attention(
     else:  # (eager, rows from a transpose) scaled straight into the stacked layout: one kernel, not a copy and a product
         rows = torch.mul(query, scaling, out=query.new_empty(b, hq, q, d)).view(b, hkv, g * q, d)
     scores = torch.matmul(rows, key.transpose(-1, -2)).view(b, hkv, g, q, k)  # the inputs' dtype
-    eager_short = _eager_short()
-    if _softmax_kernel_runs(scores.device) and not eager_short:
+    if _softmax_kernel_runs(scores.device) and not _eager_short():
         probs = _masked_softmax(scores, visible, value.dtype)  # one Triton kernel: see `softmax_triton`
     else:
-        # every row of a Raincheck forward sees at least its own slot (`generation.visibility`), so inside one
-        # (`eager_sdpa_backends`) no row's softmax is 0 / 0
-        probs = grouped_softmax_torch(scores, visible, value.dtype, rows_see_nothing=not eager_short)
+        probs = grouped_softmax_torch(scores, visible, value.dtype)
     out = torch.matmul(probs, value).view(b, hq, q, d)
     return out.transpose(1, 2).contiguous()
 
 
-def grouped_softmax_torch(scores: torch.Tensor, visible: torch.Tensor, dtype: torch.dtype,
-                          rows_see_nothing: bool = True) -> torch.Tensor:
+def grouped_softmax_torch(scores: torch.Tensor, visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The grouped path's softmax in torch (the reference of `softmax_triton.masked_softmax`): ``scores [b, hkv,
     g, q, k]`` upcast to fp32, keys `visible` (broadcasting to ``[b, hkv, q, k]``) hides at -inf, softmax over k,
-    a row that sees nothing -> 0, cast to `dtype`: ``[b, hkv, g q, k]``. ``rows_see_nothing=False`` (the caller
-    knows every row sees a key) skips that row's clean-up, an operator per layer."""
+    a row that sees nothing -> 0, cast to `dtype`: ``[b, hkv, g q, k]``."""
     b, hkv, g, q, k = scores.shape
     # hidden keys at -inf in the scores' own dtype (exact), then the softmax upcasts to fp32 itself: the same
     # values as upcasting first, in one operator instead of three (eager steps are host-bound: every operator
     # costs a launch per layer)
     scores = torch.where(visible.unsqueeze(2), scores, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    if rows_see_nothing:
-        probs = probs.nan_to_num(0.0)
-    return probs.to(dtype).view(b, hkv, g * q, k)
+    return probs.nan_to_num(0.0).to(dtype).view(b, hkv, g * q, k)
 
 
 #: forwards of at most this many rows (decode and fused steps) run eagerly on CUDA without cuDNN's SDPA
