@@ -471,3 +471,23 @@ def test_a_row_continued_alone_gets_its_own_buffers(family):
          past_key_values=rows[0])
     assert not shared(rows[0].layers[layer].keys) and shared(rows[1].layers[layer].keys)
     torch.testing.assert_close(rows[0].layers[layer].keys[:, :, : before.shape[2]], before)
+
+
+def test_a_batch_continued_without_raincheck_config_takes_its_rows_config(family):
+    """Like a batch-1 cache, a `BatchedDeferredPrefillCache` passed back brings its rows' config; one whose rows
+    never ran Raincheck asks for raincheck_config."""
+    model, processor = family
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion="next_turn")
+    batch = _inputs(processor, CONVERSATIONS[:2])
+    width = batch["input_ids"].shape[1]
+    out = _gen(model, batch, cfg, n=3)
+    rows = out.past_key_values.split()
+    follow = [{"role": "user", "content": "Why?"}]
+    histories = [torch.cat([batch["input_ids"][i][batch["attention_mask"][i].bool()], out.sequences[i, width:]])[None]
+                 for i in range(2)]
+    turn2 = batch_inputs([next_turn_inputs(processor, h, follow) for h in histories], processor.tokenizer.pad_token_id)
+    out2 = _gen(model, turn2, None, n=2, past_key_values=BatchedDeferredPrefillCache(rows))
+    assert all(len(r.turn_stats) == 2 and r.pending == 0 for r in rows)
+    assert out2.past_key_values.rows == rows
+    with pytest.raises(ValueError, match="BatchedDeferredPrefillCache that no Raincheck call has used yet"):
+        _gen(model, batch, None, n=2, past_key_values=BatchedDeferredPrefillCache([None, None]))

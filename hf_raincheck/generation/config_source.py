@@ -4,9 +4,11 @@ transformers users set on generation configs.
 Order (first found wins):
 
 1. ``generate(..., raincheck_config=cfg)``; an explicit ``raincheck_config=None`` asks for plain generation
-   (unless ``past_key_values`` is a `DeferredPrefillCache`, which only Raincheck fills: then its last config);
+   (unless ``past_key_values`` is a `DeferredPrefillCache` or a `BatchedDeferredPrefillCache`, which only
+   Raincheck fills: then its last config);
 2. ``generate(..., generation_config=GenerationConfig(raincheck_config=cfg))``;
-3. the config of a `DeferredPrefillCache` passed as ``past_key_values`` (the conversation's last call);
+3. the config of a `DeferredPrefillCache` passed as ``past_key_values`` (the conversation's last call; for a
+   `BatchedDeferredPrefillCache`, its first row that has one);
 4. ``model.generation_config.raincheck_config`` (saved in generation_config.json by ``save_pretrained``, in
    `RaincheckConfig.to_dict` form, and back with ``from_pretrained``).
 
@@ -16,6 +18,7 @@ Generation-config values may be a `RaincheckConfig` or its dict; None there mean
 from __future__ import annotations
 
 from ..cache import DeferredPrefillCache
+from ..cache.batched import BatchedDeferredPrefillCache
 from ..config import RaincheckConfig
 
 ATTR = "raincheck_config"
@@ -51,17 +54,19 @@ def resolve(model, explicit, generation_config, past) -> RaincheckConfig | None:
         if not isinstance(explicit, RaincheckConfig):
             raise ValueError(f"generate: raincheck_config must be a RaincheckConfig, got {type(explicit).__name__}")
         return explicit
-    deferred_past = past if isinstance(past, DeferredPrefillCache) else None
+    deferred_past = past if isinstance(past, (DeferredPrefillCache, BatchedDeferredPrefillCache)) else None
     config = None
     if explicit is UNSET and generation_config is not None:
         config = from_generation_config(generation_config, "generate: generation_config")
-    if config is None and deferred_past is not None:
+    if config is None and isinstance(deferred_past, DeferredPrefillCache):
         config = deferred_past.config
+    if config is None and isinstance(deferred_past, BatchedDeferredPrefillCache):
+        config = next((r.config for r in deferred_past.rows if r is not None and r.config is not None), None)
     if config is None and explicit is UNSET:
         config = from_generation_config(getattr(model, "generation_config", None), "model.generation_config")
     if config is None and deferred_past is not None:
         raise ValueError(
-            "generate: past_key_values is a DeferredPrefillCache that no Raincheck call has used yet; pass "
-            "raincheck_config=RaincheckConfig(...)"
+            f"generate: past_key_values is a {type(deferred_past).__name__} that no Raincheck call has used yet; "
+            "pass raincheck_config=RaincheckConfig(...)"
         )
     return config
