@@ -20,9 +20,11 @@ class BatchedDeferredPrefillCache(DynamicCache):
 
     Shared steps: while a batched `generate` runs one forward for all rows, the rows' key/value entries live in
     one buffer per layer, ``[B, H, capacity, D]``, and each row cache's layers are views of its row of it (a row's
-    slot i holds its logical index i, as in a batch-1 cache). The views stay valid afterwards: a row continued
-    alone (``split()``) writes into its view, and moves to a buffer of its own when it outgrows it. The shared
-    buffer is freed once no row uses it.
+    slot i holds its logical index i, as in a batch-1 cache); the rows' filled-slot masks are the rows of one
+    ``[B, capacity]`` mask (``filled``). The views stay valid afterwards: rows continued together in a new
+    `BatchedDeferredPrefillCache` are copied into its buffers, and a row continued alone (``split()``) gets
+    buffers of its own first (`DeferredPrefillCache.detach_shared`). The shared buffers are freed once no row
+    uses them.
 
     Attributes / views:
         batch_size: the number of rows.
