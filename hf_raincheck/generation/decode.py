@@ -25,7 +25,7 @@ from ..cache import DeferralPlan, DeferredPrefillCache, ForwardContext
 from ..gdn_state import GDNGraphStep
 from ..gdn_state import resolve as resolve_gdn_backend
 from ..gdn_state.kernels import functions as gdn_functions
-from .rows import Rows, concat_rows, deferred_rows, release_finished_plan, run_rows
+from .rows import Rows, concat_rows, count_restored, deferred_rows, run_rows
 from .schedule import carried_tokens
 from .visibility import visible
 
@@ -242,9 +242,7 @@ class StaticStep:
             chunk = None
         logits = self._run(cache, turn, count if chunk is not None else 0, token, slot, chunk)
         if count:
-            plan.restored = plan.restored + count
-            if plan.pending == 0:
-                release_finished_plan(cache, plan)
+            count_restored(cache, plan, count)
         return logits
 
 

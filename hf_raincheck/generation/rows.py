@@ -103,6 +103,15 @@ def gdn_step(cache: DeferredPrefillCache, rows: Rows, plan: DeferralPlan | None,
     )
 
 
+def count_restored(cache: DeferredPrefillCache, plan: DeferralPlan, count: int, keep_checkpoints: bool = False) -> None:
+    """Counts `count` more of `plan`'s deferred tokens restored by the forward that just ran (inside its
+    transaction); a plan with nothing left pending frees its store once the transaction commits
+    (`release_finished_plan`)."""
+    plan.restored = plan.restored + count
+    if plan.pending == 0:
+        release_finished_plan(cache, plan, keep_checkpoints)
+
+
 def release_finished_plan(cache: DeferredPrefillCache, plan: DeferralPlan, keep_checkpoints: bool = False) -> None:
     """Once the open transaction commits: frees the store of `plan` (all restored) and, unless a new plan's
     checkpoints were just taken (`keep_checkpoints`), the GDN prefix checkpoints."""
@@ -176,9 +185,7 @@ def run_rows(
         cache.end_forward()
     cache.mark_filled(rows.slots)
     if plan is not None and rows.restored:
-        plan.restored = plan.restored + rows.restored
-        if plan.pending == 0:
-            release_finished_plan(cache, plan, keep_checkpoints=rows.checkpoint_plan is not None)
+        count_restored(cache, plan, rows.restored, keep_checkpoints=rows.checkpoint_plan is not None)
     if not want_logits:
         return None
     return adapter.lm_head(hidden[:, -1:])

@@ -19,7 +19,7 @@ from ..cache import DeferralPlan, DeferredPrefillCache, ForwardContext
 from ..cache.batched import BatchedDeferredPrefillCache
 from ..gdn_state import resolve as resolve_gdn_backend
 from ..gdn_state.layer import SharedGDNSteps
-from .rows import Rows, gdn_step, release_finished_plan
+from .rows import Rows, count_restored, gdn_step
 from .shared_step import host_to_device
 from .visibility import visibility_mask
 
@@ -123,9 +123,7 @@ def run_shared_rows(
         cache.mark_filled(rows.slots)
         plan = items[b][1]
         if plan is not None and rows.restored:
-            plan.restored = plan.restored + rows.restored
-            if plan.pending == 0:
-                release_finished_plan(cache, plan, keep_checkpoints=rows.checkpoint_plan is not None)
+            count_restored(cache, plan, rows.restored, keep_checkpoints=rows.checkpoint_plan is not None)
     if not want_logits:
         return None
     return adapter.lm_head(hidden[:, -1:])

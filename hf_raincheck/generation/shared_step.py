@@ -19,7 +19,7 @@ from ..cache import ForwardContext
 from ..cache.batched import BatchedDeferredPrefillCache
 from ..gdn_state import resolve as resolve_gdn_backend
 from ..gdn_state.layer import SharedGDNSteps
-from .rows import Rows, gdn_step, release_finished_plan
+from .rows import Rows, count_restored, gdn_step
 
 _PAD, _LIVE, _DEFERRED = 0, 1, 2
 
@@ -173,8 +173,5 @@ def run_shared_step(adapter, group: BatchedDeferredPrefillCache, live_embeds: to
     group.filled.view(-1).index_fill_(0, rows_real * capacity + real_slots, True)
     for cache, count in zip(caches, counts):
         if count:
-            plan = cache.plan
-            plan.restored = plan.restored + count
-            if plan.pending == 0:
-                release_finished_plan(cache, plan)
+            count_restored(cache, cache.plan, count)
     return adapter.lm_head(hidden[:, -1:])
