@@ -6,11 +6,11 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from .deferred_cache import DeferredPrefillCache
-from .forward_context import ForwardContext
+from .forward_context import RunningCall
 from .slot_layer import _GROWTH
 
 
-class BatchedDeferredPrefillCache(DynamicCache):
+class BatchedDeferredPrefillCache(RunningCall, DynamicCache):
     """What a batched ``generate(raincheck_config=...)`` takes and returns as ``past_key_values``: one batch-1
     `DeferredPrefillCache` per row, padding removed (see `DeferredPrefillCache`'s "Batches" section).
 
@@ -61,8 +61,6 @@ class BatchedDeferredPrefillCache(DynamicCache):
         self.values: list[torch.Tensor | None] = []
         self.filled: torch.Tensor | None = None  # bool [B, capacity]: row i's filled-slot mask is row i of it
         self.capacity = 0
-        self._context: ForwardContext | None = None
-        self._turn = None
 
     # ------------------------------------------------------------------ per-row views
     @property
@@ -174,29 +172,6 @@ class BatchedDeferredPrefillCache(DynamicCache):
             layer.keys, layer.values = keys[i : i + 1], values[i : i + 1]  # (one line: they always match)
             layer.capacity = self.capacity
             layer.is_initialized = True
-
-    # ------------------------------------------------------------------ the running call and forward
-    @property
-    def forward_context(self) -> ForwardContext | None:
-        return self._context
-
-    def begin_forward(self, context: ForwardContext) -> None:
-        """Installs `context` (``write_slots`` ``[B, q]``) for one shared forward; pair with `end_forward`."""
-        self._context = context
-
-    def end_forward(self) -> None:
-        self._context = None
-
-    @property
-    def active_turn(self):
-        """The batched turn running on these rows (None between calls)."""
-        return self._turn
-
-    def begin_turn(self, turn) -> None:
-        self._turn = turn
-
-    def end_turn(self) -> None:
-        self._turn = None
 
     # ------------------------------------------------------------------ transformers Cache interface
     def get_seq_length(self, layer_idx: int = 0) -> int:

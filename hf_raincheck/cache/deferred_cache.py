@@ -13,7 +13,7 @@ from transformers.cache_utils import DynamicCache
 
 from ..gdn_state.state import GDNLayerState
 from .buffer_pool import POOL, CacheBuffers
-from .forward_context import ForwardContext
+from .forward_context import ForwardContext, RunningCall
 from .plan import DeferralPlan
 from .slot_layer import SlotLayer
 from .transaction import CacheTransaction
@@ -56,7 +56,7 @@ def _values(record) -> tuple:
     return tuple(getattr(record, f.name) for f in dataclasses.fields(record))
 
 
-class DeferredPrefillCache(DynamicCache):
+class DeferredPrefillCache(RunningCall, DynamicCache):
     """A `DynamicCache` in the logical-slot layout that remembers what Raincheck deferred.
 
     Every token's key/value sits in the slot of its logical index (its index in the conversation's
@@ -444,33 +444,6 @@ class DeferredPrefillCache(DynamicCache):
 
     def _mark_unusable(self, reason: str) -> None:
         self._unusable = reason
-
-    # ------------------------------------------------------------------ the running call and forward
-    @property
-    def forward_context(self) -> ForwardContext | None:
-        """The `ForwardContext` of the Raincheck forward running on this cache, or None between forwards."""
-        return self._context
-
-    def begin_forward(self, context: ForwardContext) -> None:
-        """Installs `context` for one forward; pair with `end_forward` in a ``finally``."""
-        self._context = context
-
-    def end_forward(self) -> None:
-        """Clears the forward context (no write is accepted until the next `begin_forward`)."""
-        self._context = None
-
-    @property
-    def active_turn(self):
-        """The `Turn` of the Raincheck `generate` call running on this cache (None between calls): the patched
-        forward reads it to run that call's prefill and decode steps."""
-        return self._turn
-
-    def begin_turn(self, turn) -> None:
-        """Marks `turn` as the running `generate` call's; pair with `end_turn` in a ``finally``."""
-        self._turn = turn
-
-    def end_turn(self) -> None:
-        self._turn = None
 
     # ------------------------------------------------------------------ buffers and slots
     @property

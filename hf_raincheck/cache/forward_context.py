@@ -49,3 +49,38 @@ class ForwardContext:
         if moved is None:
             moved = self.slots_by_device[device] = slots.to(device)
         return moved
+
+
+class RunningCall:
+    """What a Raincheck cache holds while a call runs on it (a mixin of `DeferredPrefillCache` and
+    `BatchedDeferredPrefillCache`): the running ``generate`` call's turn, and the running forward's
+    `ForwardContext`."""
+
+    _context: ForwardContext | None = None
+    _turn = None
+
+    @property
+    def forward_context(self) -> ForwardContext | None:
+        """The `ForwardContext` of the Raincheck forward running on this cache, or None between forwards."""
+        return self._context
+
+    def begin_forward(self, context: ForwardContext) -> None:
+        """Installs `context` for one forward; pair with `end_forward` in a ``finally``."""
+        self._context = context
+
+    def end_forward(self) -> None:
+        """Clears the forward context (no write is accepted until the next `begin_forward`)."""
+        self._context = None
+
+    @property
+    def active_turn(self):
+        """The turn of the Raincheck `generate` call running on this cache (None between calls): the patched
+        forward reads it to run that call's prefill and decode steps."""
+        return self._turn
+
+    def begin_turn(self, turn) -> None:
+        """Marks `turn` as the running `generate` call's; pair with `end_turn` in a ``finally``."""
+        self._turn = turn
+
+    def end_turn(self) -> None:
+        self._turn = None
