@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers.cache_utils import DynamicCache
 
@@ -108,20 +110,10 @@ class BatchedDeferredPrefillCache(RunningCall, DynamicCache):
 
     # ------------------------------------------------------------------ shared buffers
     def _views_current(self) -> bool:
-        if not self.keys or self.filled is None:
-            return False
-        for i, row in enumerate(self.rows):
-            if not row.shares_filled(self.filled[i]):
-                return False
-        for i, row in enumerate(self.rows):
-            for layer, keys in zip(row.layers, self.keys):
-                if keys is None:
-                    if layer.is_initialized:
-                        return False
-                elif not layer.is_initialized or layer.keys.data_ptr() != keys[i].data_ptr() \
-                        or layer.keys.shape[2] != keys.shape[2]:
-                    return False
-        return True
+        """Whether every row's buffers are this cache's shared ones (a row leaves them only by being pointed at
+        another batch's buffers, or by `DeferredPrefillCache.detach_shared`): O(B), so every step may ask."""
+        return self.filled is not None and all(row.shared_by is not None and row.shared_by() is self
+                                                for row in self.rows)
 
     def share_buffers(self, needed: int) -> None:
         """Puts every row's KV entries into shared buffers of at least `needed` slots and points each row cache's
@@ -163,6 +155,10 @@ class BatchedDeferredPrefillCache(RunningCall, DynamicCache):
         for idx in range(layers):
             if keys[idx] is not None:
                 self._point_layer(idx)
+        if filled is not None:
+            owner = weakref.ref(self)  # (weak: a row must not keep the other rows' caches alive)
+            for row in self.rows:
+                row.shared_by = owner
 
     def _point_layer(self, idx: int) -> None:
         keys, values = self.keys[idx], self.values[idx]

@@ -153,6 +153,9 @@ class DeferredPrefillCache(RunningCall, DynamicCache):
         self.gdn_fixed_layout = False  # compiled static steps: GDN states keep one shape (see GDNLayerState)
         self._transaction: CacheTransaction | None = None  # the open `transaction`, if any
         self._unusable: str | None = None  # why this cache cannot continue (see `check_usable`)
+        # a weak reference to the `BatchedDeferredPrefillCache` whose shared buffers this cache's layers and filled
+        # mask are rows of (None: buffers of its own)
+        self.shared_by = None
 
     # ------------------------------------------------------------------ public bookkeeping
     @property
@@ -490,17 +493,14 @@ class DeferredPrefillCache(RunningCall, DynamicCache):
         """Gives this cache buffers of its own when its KV layers and filled-slot mask are rows of a batch's shared
         buffers (`BatchedDeferredPrefillCache`): a conversation continued alone then no longer keeps the whole
         batch's buffers alive. A no-op for a cache with its own buffers."""
+        if self.shared_by is None:
+            return
         for layer in self.layers:
-            if layer.is_initialized and not layer.static and layer.keys.untyped_storage().nbytes() > layer.keys.nbytes:
+            if layer.is_initialized:
                 layer.keys, layer.values = layer.keys.clone(), layer.values.clone()  # (one line: they match)
-        f = self._filled
-        if f is not None and not self.static and f.untyped_storage().nbytes() > f.numel():
-            self._filled = f.clone()
-
-    def shares_filled(self, view: torch.Tensor) -> bool:
-        """Whether this cache's filled-slot mask is `view` (see `adopt_filled`)."""
-        f = self._filled
-        return f is not None and f.data_ptr() == view.data_ptr() and f.numel() == view.numel()
+        if self._filled is not None:
+            self._filled = self._filled.clone()
+        self.shared_by = None
 
     def marks_filled(self, slots: torch.Tensor) -> None:
         """Tells the open transaction that `slots` are being marked filled (a compiled step marks them inside

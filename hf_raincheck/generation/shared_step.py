@@ -127,10 +127,10 @@ def run_shared_step(adapter, group: BatchedDeferredPrefillCache, live_embeds: to
         deepstack = [embeds.new_zeros(embeds.shape).index_copy_(0, dest_t, torch.cat(parts)).view(batch, q, -1)
                      for parts in deepstack_parts]
 
-    # every row's mask at once (the rules of `visibility.visible`)
-    rows_of = torch.arange(batch, device=device)[:, None]
-    present = group.filled[:, :width].clone()
-    present[rows_of.expand(batch, q), slots.clamp(max=width - 1)] |= kind != _PAD
+    # every row's mask at once (the rules of `visibility.visible`); a padding position writes False to its scratch
+    # slot, which is never filled, and every slot is below `width`
+    real = kind != _PAD
+    present = group.filled[:, :width].clone().scatter_(1, slots, real)
     keys = torch.arange(width, device=device)
     row_slots = slots[:, :, None]
     seen = present[:, None, :] & (keys <= row_slots)
@@ -139,7 +139,7 @@ def run_shared_step(adapter, group: BatchedDeferredPrefillCache, live_embeds: to
         restoring = present[:, None, :] & (keys < boundary[:, None, None]) \
             & ~(deferred_slots[:, None, :width] & (keys > row_slots))
         seen = torch.where((kind == _DEFERRED)[:, :, None], restoring, seen)
-    mask = torch.where((kind == _PAD)[:, :, None], keys == row_slots, seen)[:, None]
+    mask = torch.where(real[:, :, None], seen, keys == row_slots)[:, None]
 
     context = ForwardContext(write_slots=slots, kv_len=width)
     if adapter.gdn_glue is not None:  # each row on its own states (docs/design.md rule 3)
@@ -168,9 +168,7 @@ def run_shared_step(adapter, group: BatchedDeferredPrefillCache, live_embeds: to
         if size:
             cache.marks_filled(real_slots[start : start + size])
         start += size
-    capacity = group.filled.shape[1]
-    rows_real = torch.div(dest_t, q, rounding_mode="floor")
-    group.filled.view(-1).index_fill_(0, rows_real * capacity + real_slots, True)
+    group.filled.scatter_(1, slots, real)
     for cache, count in zip(caches, counts):
         if count:
             count_restored(cache, cache.plan, count)
