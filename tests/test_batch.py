@@ -56,6 +56,18 @@ def _inputs(processor, conversations):
     )
 
 
+def _history(batch, out, i):
+    """Row i's exact tokens after a batched call: its prompt (padding removed), then what the call generated."""
+    width = batch["input_ids"].shape[1]
+    return torch.cat([batch["input_ids"][i][batch["attention_mask"][i].bool()], out.sequences[i, width:]])[None]
+
+
+def _next_turn_batch(processor, batch, out, rows, message):
+    """The left-padded next-turn batch of `rows` of a batched call, each asking `message`."""
+    return batch_inputs([next_turn_inputs(processor, _history(batch, out, i), message) for i in rows],
+                        processor.tokenizer.pad_token_id)
+
+
 def _gen(model, inputs, cfg=None, n=N, **kw):
     kw = {**dict(max_new_tokens=n, do_sample=False, return_dict_in_generate=True), **kw}
     if cfg is not None:
@@ -438,17 +450,13 @@ def test_consecutive_calls_of_other_batch_sizes_continue(family):
     model, processor = family
     cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion="next_turn")
     batch = _inputs(processor, CONVERSATIONS[:3])
-    width = batch["input_ids"].shape[1]
     out = _gen(model, batch, cfg, n=3)
     rows = out.past_key_values.split()
     follow = [{"role": "user", "content": "Why?"}]
-    histories = [torch.cat([batch["input_ids"][i][batch["attention_mask"][i].bool()], out.sequences[i, width:]])[None]
-                 for i in range(2)]
-    turn2 = batch_inputs([next_turn_inputs(processor, h, follow) for h in histories], processor.tokenizer.pad_token_id)
+    turn2 = _next_turn_batch(processor, batch, out, [0, 1], follow)
     out2 = _gen(model, turn2, cfg, n=3, past_key_values=BatchedDeferredPrefillCache(rows[:2]))
     assert out2.sequences.shape[0] == 2 and rows[0].pending == 0 and rows[1].pending == 0
-    width2 = turn2["input_ids"].shape[1]
-    alone = torch.cat([turn2["input_ids"][0][turn2["attention_mask"][0].bool()], out2.sequences[0, width2:]])[None]
+    alone = _history(turn2, out2, 0)
     out3 = _gen(model, next_turn_inputs(processor, alone, follow), cfg, n=2, past_key_values=rows[0])
     assert out3.past_key_values is rows[0] and len(rows[0].turn_stats) == 3
 
@@ -459,15 +467,13 @@ def test_a_row_continued_alone_gets_its_own_buffers(family):
     model, processor = family
     cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion="blocking")
     batch = _inputs(processor, CONVERSATIONS[:2])
-    width = batch["input_ids"].shape[1]
     out = _gen(model, batch, cfg, n=3)
     rows = out.past_key_values.split()
     layer = next(i for i, a in enumerate(rows[0].layers) if a.is_initialized)
     shared = lambda t: t.untyped_storage().nbytes() > t.nbytes  # noqa: E731
     assert shared(rows[0].layers[layer].keys) and shared(rows[1].layers[layer].keys)
     before = rows[0].layers[layer].keys[:, :, : rows[0].length].clone()
-    history = torch.cat([batch["input_ids"][0][batch["attention_mask"][0].bool()], out.sequences[0, width:]])[None]
-    _gen(model, next_turn_inputs(processor, history, [{"role": "user", "content": "Why?"}]), cfg, n=2,
+    _gen(model, next_turn_inputs(processor, _history(batch, out, 0), [{"role": "user", "content": "Why?"}]), cfg, n=2,
          past_key_values=rows[0])
     assert not shared(rows[0].layers[layer].keys) and shared(rows[1].layers[layer].keys)
     torch.testing.assert_close(rows[0].layers[layer].keys[:, :, : before.shape[2]], before)
@@ -479,13 +485,9 @@ def test_a_batch_continued_without_raincheck_config_takes_its_rows_config(family
     model, processor = family
     cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion="next_turn")
     batch = _inputs(processor, CONVERSATIONS[:2])
-    width = batch["input_ids"].shape[1]
     out = _gen(model, batch, cfg, n=3)
     rows = out.past_key_values.split()
-    follow = [{"role": "user", "content": "Why?"}]
-    histories = [torch.cat([batch["input_ids"][i][batch["attention_mask"][i].bool()], out.sequences[i, width:]])[None]
-                 for i in range(2)]
-    turn2 = batch_inputs([next_turn_inputs(processor, h, follow) for h in histories], processor.tokenizer.pad_token_id)
+    turn2 = _next_turn_batch(processor, batch, out, [0, 1], [{"role": "user", "content": "Why?"}])
     out2 = _gen(model, turn2, None, n=2, past_key_values=BatchedDeferredPrefillCache(rows))
     assert all(len(r.turn_stats) == 2 and r.pending == 0 for r in rows)
     assert out2.past_key_values.rows == rows
