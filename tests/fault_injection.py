@@ -229,3 +229,33 @@ def spread(points: list[Point], count: int | None) -> list[Point]:
         raise ValueError(f"spread: count must be positive or None, got {count}")
     step = len(points) / count
     return [points[int(k * step)] for k in range(count)]
+
+
+def selected_points(points: list[Point], count: int | None) -> list[Point]:
+    """The points a test injects at: ``HF_RAINCHECK_INTERRUPT_POINT`` (a point's id, or a prefix of ids) if set,
+    else `spread` of `count`."""
+    wanted = os.environ.get("HF_RAINCHECK_INTERRUPT_POINT")
+    if wanted:
+        chosen = [p for p in points if str(p) == wanted or str(p).startswith(wanted)]
+        assert chosen, f"HF_RAINCHECK_INTERRUPT_POINT={wanted!r} matches none of the {len(points)} points"
+        return chosen
+    return spread(points, count)
+
+
+def failing_points(check, points: list[Point]) -> list[str]:
+    """``"point: symptom"`` for every point where ``check(point)`` reports a symptom (None: recovered)."""
+    found = []
+    for point in points:
+        symptom = check(point)
+        if symptom is not None:
+            found.append(f"{point}: {symptom}")
+    return found
+
+
+def load_tiny(name: str, tmp_path_factory, prefix: str):
+    """``(model, processor)`` of a tiny random ``"qwen3_vl"`` or ``"qwen3_5"`` (seed 0), saved under `prefix`."""
+    from hf_raincheck.testing import build_tiny_qwen3_5, build_tiny_qwen3_vl, load_tiny_qwen3_5, load_tiny_qwen3_vl
+
+    build, load = {"qwen3_vl": (build_tiny_qwen3_vl, load_tiny_qwen3_vl),
+                   "qwen3_5": (build_tiny_qwen3_5, load_tiny_qwen3_5)}[name]
+    return load(build(tmp_path_factory.mktemp(f"{prefix}_{name}") / "seed0", seed=0))

@@ -51,7 +51,9 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from fault_injection import Injector, LineRecorder, Point, distinct_points, package_files, spread  # noqa: E402
+from fault_injection import (  # noqa: E402
+    Injector, LineRecorder, Point, distinct_points, failing_points, load_tiny, package_files, selected_points,
+)
 
 from hf_raincheck import (  # noqa: E402
     BatchedDeferredPrefillCache,
@@ -463,31 +465,6 @@ class Harness:
                 return f"row {b}: {symptom}"
         return None
 
-    def failures(self, points: list[Point]) -> list[str]:
-        found = []
-        for point in points:
-            symptom = self.check(point)
-            if symptom is not None:
-                found.append(f"{point}: {symptom}")
-        return found
-
-
-def _selected(points: list[Point], count: int | None) -> list[Point]:
-    wanted = os.environ.get("HF_RAINCHECK_INTERRUPT_POINT")
-    if wanted:
-        chosen = [p for p in points if str(p) == wanted or str(p).startswith(wanted)]
-        assert chosen, f"HF_RAINCHECK_INTERRUPT_POINT={wanted!r} matches none of the {len(points)} points"
-        return chosen
-    return spread(points, count)
-
-
-def _load(name: str, tmp_path_factory):
-    from hf_raincheck.testing import build_tiny_qwen3_5, build_tiny_qwen3_vl, load_tiny_qwen3_5, load_tiny_qwen3_vl
-
-    build, load = {"qwen3_vl": (build_tiny_qwen3_vl, load_tiny_qwen3_vl),
-                   "qwen3_5": (build_tiny_qwen3_5, load_tiny_qwen3_5)}[name]
-    return load(build(tmp_path_factory.mktemp(f"batch_interrupts_{name}") / "seed0", seed=0))
-
 
 @pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_5"])
 def model_name(request):
@@ -496,7 +473,7 @@ def model_name(request):
 
 @pytest.fixture(scope="module")
 def harness(model_name, tmp_path_factory):
-    return Harness(*_load(model_name, tmp_path_factory))
+    return Harness(*load_tiny(model_name, tmp_path_factory, "batch_interrupts"))
 
 
 def test_the_batched_dialogue_equals_each_row_alone(harness):
@@ -549,8 +526,8 @@ def test_complete_deferred_of_a_batch_with_a_row_not_started(harness):
 
 
 def test_interrupt_at_any_line_of_a_batched_turn_recovers_exactly(harness, model_name):
-    points = _selected(harness.points(), DEFAULT_POINTS[model_name])
-    failures = harness.failures(points)
+    points = selected_points(harness.points(), DEFAULT_POINTS[model_name])
+    failures = failing_points(harness.check, points)
     assert not failures, f"{len(failures)} of {len(points)} interrupt points ({model_name}, batched) do not " \
         "recover:\n" + "\n".join(failures)
 
@@ -559,8 +536,8 @@ def test_interrupt_at_any_line_of_a_batched_turn_recovers_exactly(harness, model
 def test_interrupt_at_every_line_of_a_batched_turn_recovers_exactly(harness, model_name, request):
     if "slow" not in (request.config.getoption("-m") or ""):
         pytest.skip("exhaustive (every distinct point): select it with -m slow")
-    points = _selected(harness.points(), None)
-    failures = harness.failures(points)
+    points = selected_points(harness.points(), None)
+    failures = failing_points(harness.check, points)
     assert not failures, f"{len(failures)} of {len(points)} interrupt points ({model_name}, batched) do not " \
         "recover:\n" + "\n".join(failures)
 
@@ -574,5 +551,5 @@ if __name__ == "__main__":  # list the points: python tests/test_batch_interrupt
             return pathlib.Path(tempfile.mkdtemp(prefix=name))
 
     for name in sys.argv[1:] or ["qwen3_vl"]:
-        for p in Harness(*_load(name, _Tmp())).points():
+        for p in Harness(*load_tiny(name, _Tmp(), "batch_interrupts")).points():
             print(p)

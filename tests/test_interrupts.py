@@ -39,7 +39,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from fault_injection import Injector, LineRecorder, Point, distinct_points, package_files, spread  # noqa: E402
+from fault_injection import (  # noqa: E402
+    Injector, LineRecorder, Point, distinct_points, failing_points, load_tiny, package_files, selected_points,
+)
 
 from hf_raincheck import (  # noqa: E402
     DeferredPrefillCache,
@@ -422,32 +424,6 @@ class Harness:
             return None
         return compare(outcome, self.reference(outcome.replayed))
 
-    def failures(self, points: list[Point]) -> list[str]:
-        found = []
-        for point in points:
-            symptom = self.check(point)
-            if symptom is not None:
-                found.append(f"{point}: {symptom}")
-        return found
-
-
-def _selected(points: list[Point], count: int | None) -> list[Point]:
-    wanted = os.environ.get("HF_RAINCHECK_INTERRUPT_POINT")
-    if wanted:
-        chosen = [p for p in points if str(p) == wanted or str(p).startswith(wanted)]
-        assert chosen, f"HF_RAINCHECK_INTERRUPT_POINT={wanted!r} matches none of the {len(points)} points"
-        return chosen
-    return spread(points, count)
-
-
-def _load(name: str, tmp_path_factory):
-    from hf_raincheck.testing import load_tiny_qwen3_5, load_tiny_qwen3_vl
-    from hf_raincheck.testing import build_tiny_qwen3_5, build_tiny_qwen3_vl
-
-    build, load = {"qwen3_vl": (build_tiny_qwen3_vl, load_tiny_qwen3_vl),
-                   "qwen3_5": (build_tiny_qwen3_5, load_tiny_qwen3_5)}[name]
-    return load(build(tmp_path_factory.mktemp(f"interrupts_{name}") / "seed0", seed=0))
-
 
 @pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_5"])
 def model_name(request):
@@ -456,7 +432,7 @@ def model_name(request):
 
 @pytest.fixture(scope="module")
 def loaded(model_name, tmp_path_factory):
-    return _load(model_name, tmp_path_factory)
+    return load_tiny(model_name, tmp_path_factory, "interrupts")
 
 
 @pytest.fixture
@@ -522,8 +498,8 @@ def test_points_are_where_an_asynchronous_interrupt_can_land():
 
 
 def test_interrupt_at_any_line_recovers_exactly(harness, model_name):
-    points = _selected(harness.points(), DEFAULT_POINTS)
-    failures = harness.failures(points)
+    points = selected_points(harness.points(), DEFAULT_POINTS)
+    failures = failing_points(harness.check, points)
     assert not failures, f"{len(failures)} of {len(points)} interrupt points ({model_name}) do not recover:\n" + \
         "\n".join(failures)
 
@@ -543,8 +519,8 @@ def test_chat_dialogue_equals_its_replay(chat_harness):
 
 
 def test_interrupt_at_any_line_of_a_chat_turn_recovers_exactly(chat_harness, model_name):
-    points = _selected(chat_harness.points(), CHAT_POINTS)
-    failures = chat_harness.failures(points)
+    points = selected_points(chat_harness.points(), CHAT_POINTS)
+    failures = failing_points(chat_harness.check, points)
     assert not failures, f"{len(failures)} of {len(points)} interrupt points ({model_name}, RaincheckChat) do not " \
         "recover:\n" + "\n".join(failures)
 
@@ -553,8 +529,8 @@ def test_interrupt_at_any_line_of_a_chat_turn_recovers_exactly(chat_harness, mod
 def test_interrupt_at_every_line_recovers_exactly(harness, model_name, request):
     if "slow" not in (request.config.getoption("-m") or ""):
         pytest.skip("exhaustive (every distinct point, ~1900 per model): select it with -m slow")
-    points = _selected(harness.points(), None)
-    failures = harness.failures(points)
+    points = selected_points(harness.points(), None)
+    failures = failing_points(harness.check, points)
     assert not failures, f"{len(failures)} of {len(points)} interrupt points ({model_name}) do not recover:\n" + \
         "\n".join(failures)
 
@@ -573,6 +549,6 @@ if __name__ == "__main__":  # list the points: python tests/test_interrupts.py [
             return pathlib.Path(tempfile.mkdtemp(prefix=name))
 
     for name in sys.argv[1:] or ["qwen3_vl"]:
-        h = Harness(*_load(name, _Tmp()), _Patch())
+        h = Harness(*load_tiny(name, _Tmp(), "interrupts"), _Patch())
         for p in h.points():
             print(p)
