@@ -75,11 +75,11 @@ from transformers.generation.configuration_utils import CompileConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from latency import Timer, compiled_graphs, no_gc, set_compile_limits  # noqa: E402
+from latency import Timer, compiled_graphs, no_gc, release_model_memory, set_compile_limits  # noqa: E402
 from shapes import SHAPES, build_inputs, build_model  # noqa: E402
 
 import hf_raincheck  # noqa: E402
-from hf_raincheck import FixedChunkSchedule, RaincheckConfig, enable_raincheck, release_static_buffers  # noqa: E402
+from hf_raincheck import FixedChunkSchedule, RaincheckConfig, enable_raincheck  # noqa: E402
 from hf_raincheck.conversation import batch_inputs  # noqa: E402
 from hf_raincheck.generation.batch import shared_steps_supported  # noqa: E402
 from hf_raincheck.generation.schedule import carried_tokens  # noqa: E402
@@ -619,12 +619,7 @@ def run_model(model_name: str, args, methods: list[Method], budget: Budget, resu
             torch.cuda.empty_cache()
     results.meta.setdefault("compiled_graphs", {})[model_name] = compiled_graphs()
     del bench
-    gc.unfreeze()
-    gc.collect()
-    release_static_buffers()
-    torch._dynamo.reset()
-    if cuda:
-        torch.cuda.empty_cache()
+    release_model_memory(cuda)
 
 
 def parse_args(argv=None):

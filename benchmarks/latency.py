@@ -850,6 +850,17 @@ def compiled_graphs() -> int:
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
+def release_model_memory(cuda: bool) -> None:
+    """After a model's runs (its objects already deleted): the collector sees them again and frees them, the finished
+    conversations' static buffers kept for the model's next one are released, compiled graphs dropped."""
+    gc.unfreeze()
+    gc.collect()
+    release_static_buffers()
+    torch._dynamo.reset()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
 def set_compile_limits() -> None:
     """Room for one decode graph per shape and cache kind (and Raincheck's own graphs) without falling back."""
     config = torch._dynamo.config
@@ -967,12 +978,7 @@ def run_model(model_name: str, gpus: int, args, workloads: dict, budget: Budget,
         run_policies(bench, inputs, workload, cache, policies, budget, results)
     results.head.setdefault("compiled_graphs", {})[model_name] = compiled_graphs()
     del bench, inputs
-    gc.unfreeze()
-    gc.collect()
-    release_static_buffers()  # the finished conversations' static buffers, kept for this model's next one
-    torch._dynamo.reset()
-    if cuda:
-        torch.cuda.empty_cache()
+    release_model_memory(cuda)
 
 
 def parse_args(argv=None):
