@@ -59,3 +59,19 @@ def processor_messages(messages: list[dict], images_by_url: dict) -> list[dict]:
                 parts.append({"type": "image", "image": images_by_url[part["image_url"]["url"]]})
         result.append({"role": message["role"], "content": parts})
     return result
+
+
+def ask_openai(client, model: str, messages: list[dict], max_tokens: int, stream: bool = False, **kwargs):
+    """``(answer, usage)`` of one greedy chat completion through the openai client (streamed: the pieces joined,
+    the usage of the last chunk that has one)."""
+    if not stream:
+        response = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                                  temperature=0, **kwargs)
+        return response.choices[0].message.content, response.usage
+    pieces, usage = [], None
+    for chunk in client.chat.completions.create(model=model, messages=messages, stream=True, max_tokens=max_tokens,
+                                                temperature=0, **kwargs):
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        usage = chunk.usage or usage
+    return "".join(pieces), usage

@@ -22,7 +22,9 @@ openai = pytest.importorskip("openai")
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from serve_support import chat_reference, data_url, gridqa_images, plain_answer, processor_messages, user  # noqa: E402
+from serve_support import (  # noqa: E402
+    ask_openai, chat_reference, data_url, gridqa_images, plain_answer, processor_messages, user,
+)
 
 from hf_raincheck import RaincheckConfig  # noqa: E402
 from hf_raincheck.gridqa import has_default, load_default  # noqa: E402
@@ -42,9 +44,7 @@ def reference():
 
 
 def ask(client, messages, **kwargs):
-    response = client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=MAX_TOKENS,
-                                              temperature=0, **kwargs)
-    return response.choices[0].message.content, response.usage
+    return ask_openai(client, DEFAULT_MODEL, messages, MAX_TOKENS, **kwargs)
 
 
 def stats(server) -> dict:
@@ -132,13 +132,7 @@ def test_concurrent_conversations_share_batched_calls_and_equal_raincheck_chat(r
 
 
 def ask_streamed(client, messages):
-    pieces, usage = [], None
-    for chunk in client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, stream=True,
-                                                max_tokens=MAX_TOKENS, temperature=0):
-        if chunk.choices and chunk.choices[0].delta.content:
-            pieces.append(chunk.choices[0].delta.content)
-        usage = chunk.usage or usage
-    return "".join(pieces), usage
+    return ask_openai(client, DEFAULT_MODEL, messages, MAX_TOKENS, stream=True)
 
 
 @needs_model

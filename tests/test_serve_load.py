@@ -21,7 +21,7 @@ openai = pytest.importorskip("openai")
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from serve_support import chat_reference, data_url, user  # noqa: E402
+from serve_support import ask_openai, chat_reference, data_url, user  # noqa: E402
 
 from hf_raincheck import RaincheckConfig  # noqa: E402
 from hf_raincheck.gridqa import has_default, load_default, make_dialogue  # noqa: E402
@@ -75,18 +75,7 @@ def converse(base_url: str, turns) -> list[tuple[str, object]]:
     messages, results = [], []
     for t, (text, image) in enumerate(turns):
         messages.append(user(text, data_url(image) if image is not None else None))
-        if t % 2:  # streamed
-            pieces, usage = [], None
-            for chunk in client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, stream=True,
-                                                        max_tokens=MAX_TOKENS, temperature=0):
-                if chunk.choices and chunk.choices[0].delta.content:
-                    pieces.append(chunk.choices[0].delta.content)
-                usage = chunk.usage or usage
-            answer = "".join(pieces)
-        else:
-            response = client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=MAX_TOKENS,
-                                                      temperature=0)
-            answer, usage = response.choices[0].message.content, response.usage
+        answer, usage = ask_openai(client, DEFAULT_MODEL, messages, MAX_TOKENS, stream=bool(t % 2))  # odd: streamed
         results.append((answer, usage))
         messages.append({"role": "assistant", "content": answer})
     return results
