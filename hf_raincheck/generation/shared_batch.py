@@ -38,15 +38,18 @@ class BatchTurn:
     backend: str
     stops: RowStopsSlot
     prefill_done: bool = False
-    stopped: list[bool] = field(default_factory=list)  # rows that stopped (fed nothing more)
-    step: int = 0
-    _rope_deltas: torch.Tensor | None = None
     masks: StepMasks = field(default_factory=StepMasks)  # the rows' boundaries and deferred-slot masks
+    _rope_deltas: torch.Tensor | None = None
+
+    @property
+    def row_rope_deltas(self) -> list[int]:
+        """Each row's rope delta: its decode positions are slot + delta."""
+        return [t.rope_delta for t in self.turns]
 
     def rope_deltas(self, device) -> torch.Tensor:
-        """Each row's rope delta (its decode positions are slot + delta), ``[B]`` long on `device`, made once."""
+        """`row_rope_deltas` as a ``[B]`` long tensor on `device`, made once."""
         if self._rope_deltas is None:
-            self._rope_deltas = torch.tensor([t.rope_delta for t in self.turns], dtype=torch.long, device=device)
+            self._rope_deltas = torch.tensor(self.row_rope_deltas, dtype=torch.long, device=device)
         return self._rope_deltas
 
 
@@ -119,7 +122,7 @@ def prepare_batch_turn(adapter, group: BatchedDeferredPrefillCache, config, row_
         schedule = config.schedule or FixedChunkSchedule(config.chunk_size, config.guard_tokens)
         turns.append(prepare_turn(adapter, cache, config, inputs["input_ids"], inputs, schedule, backend,
                                   vision=None if vision is None else vision[b]))
-    return BatchTurn(turns=turns, config=config, backend=backend, stops=stops, stopped=[False] * len(turns))
+    return BatchTurn(turns=turns, config=config, backend=backend, stops=stops)
 
 
 @torch.no_grad()
@@ -142,9 +145,7 @@ def shared_step(adapter, group: BatchedDeferredPrefillCache, bturn: BatchTurn, i
         bturn.prefill_done = True
         return logits
 
-    bturn.step += 1
     stopped = bturn.stops.finished_rows(len(caches))
-    bturn.stopped = stopped
     wanted = []
     for cache, turn, done in zip(caches, bturn.turns, stopped):
         turn.step += 1
@@ -162,8 +163,8 @@ def shared_step(adapter, group: BatchedDeferredPrefillCache, bturn: BatchTurn, i
         if not any(counts):  # the common step: every row feeds its token, or nothing (stopped)
             logits = run_shared_decode(adapter, group, embeds, live, bturn.rope_deltas(embeds.device), bturn.backend)
         else:
-            logits = run_shared_step(adapter, group, embeds, live, counts, [t.rope_delta for t in bturn.turns],
-                                     bturn.masks, bturn.backend, config.visibility)
+            logits = run_shared_step(adapter, group, embeds, live, counts, bturn.row_rope_deltas, bturn.masks,
+                                     bturn.backend, config.visibility)
         for b, (cache, count, alive) in enumerate(zip(caches, counts, live)):
             if alive:
                 cache.record_restored("during_decode", count)

@@ -160,9 +160,12 @@ def run_shared_decode(adapter, group: BatchedDeferredPrefillCache, embeds: torch
             hidden = adapter.language_forward(embeds, positions, mask, group, None, backend)
     finally:
         group.end_forward()
+    # every row's transaction learns its slot first (a rollback unmarks it), then one write marks them all; a
+    # stopped row's scratch slot (kv_real, never filled) gets False
     for cache, n, alive in zip(caches, lengths, live):
         if alive:
-            cache.mark_filled(cache.slot_tensor(n))
+            cache.marks_filled(cache.slot_tensor(n))
+    group.filled.scatter_(1, slots, slots < kv_real)
     return adapter.lm_head(hidden[:, -1:])
 
 
