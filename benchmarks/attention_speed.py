@@ -11,6 +11,9 @@ warm-up, CUDA events):
 * ``sdpa``: ``F.scaled_dot_product_attention`` with the mask and ``enable_gqa`` (what the SDPA backend ran before);
 * ``grouped``: `hf_raincheck.attention.sdpa.grouped_attention` (query heads of a KV head stacked as rows; scores
   in the inputs' dtype, fp32 softmax: transformers' eager precision), what fused steps run;
+* ``sdpa_heads`` (one row): SDPA without GQA, the query heads of a KV head as that head's query rows (they share
+  the row's mask), boolean mask; ``sdpa_heads_additive``: the same with the mask converted to an additive one
+  outside the call (as a once-per-forward conversion would);
 * ``grouped_fp32``: the same with fp32 scores, for reference;
 * ``grouped_torch_softmax``: the grouped path with its torch softmax instead of the Triton kernel
   (`hf_raincheck.attention.softmax_triton`; the same as ``grouped`` where Triton does not run);
@@ -87,7 +90,33 @@ def grouped_torch_softmax(query, key, value, visible, scaling):
     return torch.matmul(probs, value).view(b, hq, q, d).transpose(1, 2).contiguous()
 
 
-PATHS = {"sdpa": sdpa_masked, "grouped": grouped_attention, "grouped_fp32": grouped_fp32,
+def sdpa_heads(query, key, value, visible, scaling, additive=None):
+    """One masked row (``q = 1``) through SDPA without GQA: the ``g`` query heads of a KV head become ``g`` query rows
+    of that head (a view), which share the row's mask, so SDPA's masked kernel runs with no repeated keys."""
+    b, hq, q, d = query.shape
+    hkv = key.shape[1]
+    if q != 1:
+        raise ValueError("sdpa_heads takes one query row")
+    rows = query.reshape(b, hkv, hq // hkv, d)
+    mask = visible if additive is None else additive
+    out = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scaling)
+    return out.view(b, hq, 1, d).transpose(1, 2).contiguous()
+
+
+_ADDITIVE: dict = {}
+
+
+def sdpa_heads_additive(query, key, value, visible, scaling):
+    """`sdpa_heads` with the mask made additive (0 / -inf, the values' dtype) once per mask, outside the call: what
+    one conversion per forward (shared by every layer) would leave per layer."""
+    additive = _ADDITIVE.get(id(visible))
+    if additive is None or additive[0] is not visible:
+        additive = _ADDITIVE[id(visible)] = (visible, torch.zeros(visible.shape, dtype=value.dtype,
+                                             device=value.device).masked_fill_(~visible, float("-inf")))
+    return sdpa_heads(query, key, value, visible, scaling, additive[1])
+
+
+PATHS = {"sdpa": sdpa_masked, "sdpa_heads": sdpa_heads, "sdpa_heads_additive": sdpa_heads_additive, "grouped": grouped_attention, "grouped_fp32": grouped_fp32,
          "grouped_torch_softmax": grouped_torch_softmax}
 if flash.available():
     PATHS.update(flash=flash_contiguous, flash_gathered=flash_gathered)
@@ -179,6 +208,9 @@ def main(argv=None) -> int:
     parser.add_argument("--softmax-configs", default="",
                         help="';'-separated softmax_triton tilings ('block=1024,warps=4'), each timed as the grouped "
                              "path with that softmax tiling: path softmax:<config>")
+    parser.add_argument("--no-cudnn", action="store_true",
+                        help="SDPA without its cuDNN backend, as eager decode and fused steps run it "
+                             "(`hf_raincheck.attention.sdpa.eager_sdpa_backends`)")
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args(argv)
@@ -194,6 +226,8 @@ def main(argv=None) -> int:
     cuda = device.startswith("cuda")
     if (args.graphs or args.compile) and not cuda:
         parser.error("--graphs / --compile need --device cuda")
+    if args.no_cudnn:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     paths = {name: torch.compile(fn, dynamic=False) if args.compile else fn for name, fn in chosen.items()}
     dtype = torch.bfloat16 if cuda else torch.float32
     keys = [int(k) for k in (args.keys or ("200" if args.quick else "4352,1280")).split(",")]
@@ -202,6 +236,7 @@ def main(argv=None) -> int:
     layers = {"tiny": (4, 2, 32)} if args.quick else LAYERS
     records = []
     mode = ("compiled, " if args.compile else "") + ("CUDA graph replay" if args.graphs else "eager calls")
+    mode += ", SDPA without cuDNN" if args.no_cudnn else ""
     print(f"per-call time, {mode}")
     print("| layer | keys | rows | " + " | ".join(f"{p} us" for p in paths) + " | max abs diff grouped vs sdpa |"
           " max abs diff softmax tilings vs grouped |")
