@@ -31,7 +31,12 @@ class RaincheckServer:
 
     Args:
         model: the model to serve (Hub id or path; None or ``DEFAULT_MODEL``: the shipped GridQA checkpoint, on
-            the CPU unless ``device`` names another).
+            the CPU unless ``device`` names another), or a model object already in memory (a supported
+            ``...ForConditionalGeneration``; then ``processor`` is required, ``model_name`` names it, and
+            ``device`` / ``dtype`` / ``attn_implementation`` / ``trust_remote_code`` do not apply). The server
+            enables Raincheck on it (`enable_raincheck`, this instance only).
+        processor: the processor of a model object (with a model name: loaded with the model, so not allowed).
+        model_name: the name clients send as ``model`` for a model object (default: its ``name_or_path``).
         raincheck_config: the `RaincheckConfig` of every request (``completion`` is set to ``"next_turn"``:
             pending deferred tokens are restored by the scheduler between requests, or folded into the next one).
         cache_budget_mb: memory of the conversation caches kept between requests (LRU eviction beyond it).
@@ -45,12 +50,12 @@ class RaincheckServer:
         log_level: uvicorn's log level.
     """
 
-    def __init__(self, model: str | None = None, raincheck_config: RaincheckConfig | None = None,
+    def __init__(self, model=None, raincheck_config: RaincheckConfig | None = None,
                  cache_budget_mb: float = DEFAULT_CACHE_BUDGET_MB, restore_between_requests: bool = True,
                  max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, batch_window_ms: float = DEFAULT_BATCH_WINDOW_S * 1000,
                  image_dirs=(), host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
                  dtype: str | None = "auto", attn_implementation: str | None = None, trust_remote_code: bool = False,
-                 log_level: str = "warning"):
+                 log_level: str = "warning", processor=None, model_name: str | None = None):
         import uvicorn
         from transformers.cli.serving.server import build_server
         from transformers.cli.serving.utils import GenerationState
@@ -66,10 +71,24 @@ class RaincheckServer:
                 or not 0 <= batch_window_ms <= 10000):
             raise ValueError(f"RaincheckServer: batch_window_ms must be a number in [0, 10000], got "
                              f"{batch_window_ms!r}")
-        self.model_name = model or DEFAULT_MODEL
+        preloaded = None
+        if model is None or isinstance(model, str):
+            if processor is not None or model_name is not None:
+                raise ValueError("RaincheckServer: processor and model_name are for a model object; a model given by "
+                                 "name loads its own processor and is served under that name")
+            self.model_name = model or DEFAULT_MODEL
+        else:
+            if processor is None:
+                raise ValueError(f"RaincheckServer: serving a model object ({type(model).__name__}) needs its "
+                                 "processor= (the processor that builds its inputs)")
+            self.model_name = model_name or str(getattr(model, "name_or_path", "") or "")
+            if not self.model_name or "@" in self.model_name:
+                raise ValueError("RaincheckServer: a model object needs a model_name without '@' (the name clients "
+                                 f"send as `model`; default: its name_or_path), got {self.model_name!r}")
+            preloaded = (model, processor)
         self.raincheck_config = dataclasses.replace(config, completion="next_turn")
         self.model_manager = RaincheckModelManager(
-            force_model=self.model_name, device=device, dtype=dtype,
+            force_model=self.model_name, preloaded=preloaded, device=device, dtype=dtype,
             attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
         self.pool = ConversationPool(int(cache_budget_mb * 1024 * 1024))
         self.scheduler = BatchingScheduler(self.pool, restore_between_requests=restore_between_requests,
