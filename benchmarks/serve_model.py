@@ -74,11 +74,13 @@ def load_processor(image_tokens: int):
 
 
 def image_tokens_of(processor, image) -> int:
-    """Merged visual tokens the processor gives `image` (a PIL image)."""
-    out = processor.image_processor(images=[image], return_tensors="pt")
-    t, h, w = out["image_grid_thw"][0].tolist()
-    merge = processor.image_processor.merge_size
-    return t * h * w // (merge * merge)
+    """Image tokens in the prompt the chat template builds for `image` (a PIL image) and a question: what both
+    servers' requests give the model."""
+    messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "hi"}]}]
+    out = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                        return_tensors="pt")
+    image_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    return int((out["input_ids"] == image_id).sum())
 
 
 def build(shape: str, device: str, dtype: torch.dtype, processor):

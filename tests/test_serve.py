@@ -377,6 +377,28 @@ def test_a_16_bit_image_url_is_scaled_to_8_bit_not_clipped():
     assert np.array_equal(np.asarray(image), np.asarray(gray.convert("RGB")))
 
 
+def test_the_image_loader_keeps_decoded_images_for_the_same_bytes_within_its_budget():
+    from hf_raincheck.serve.images import ImageLoader
+
+    images = gridqa_images([3, 4, 5])
+    urls = {i: data_url(image) for i, image in images.items()}
+    side = images[3].width * images[3].height * 3
+    loader = ImageLoader(cache_mb=2.5 * side / (1024 * 1024))  # room for two decoded images
+    first, digest = loader.load(urls[3], "m")
+    again, digest_again = loader.load(urls[3], "m")
+    assert again is first and digest_again == digest and loader.hits == 1
+    jpeg = data_url(images[3], "JPEG")  # other bytes: decoded on their own (other pixels, another identity)
+    assert loader.load(jpeg, "m")[0] is not first
+    loader.load(urls[4], "m")  # the third image evicts the least recently used (the PNG of grid 3)
+    assert loader.cached_images == 2
+    fresh, digest_fresh = loader.load(urls[3], "m")
+    assert fresh is not first and digest_fresh == digest and loader.hits == 1
+    uncached = ImageLoader(cache_mb=0)
+    assert uncached.load(urls[5], "m")[0] is not uncached.load(urls[5], "m")[0] and uncached.cached_images == 0
+    with pytest.raises(ValueError, match="cache_mb must be a number >= 0"):
+        ImageLoader(cache_mb=-1)
+
+
 def test_a_model_object_in_memory_is_served_under_its_name(reference):
     """`RaincheckServer(model, processor=..., model_name=...)`: nothing loaded, the object itself served (with
     Raincheck enabled on it), its answers RaincheckChat's; other names are refused."""

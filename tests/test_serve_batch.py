@@ -539,7 +539,8 @@ def test_command_line_batching_options(capsys):
     args = build_parser().parse_args(["--max-batch-size", "4", "--batch-window-ms", "20"])
     assert (args.max_batch_size, args.batch_window_ms) == (4, 20)
     for bad, words in ((["--max-batch-size", "0"], "--max-batch-size must be >= 1"),
-                       (["--batch-window-ms", "-1"], "--batch-window-ms must be in [0, 10000]")):
+                       (["--batch-window-ms", "-1"], "--batch-window-ms must be in [0, 10000]"),
+                       (["--image-cache-mb", "-1"], "--image-cache-mb must be >= 0")):
         with pytest.raises(SystemExit):
             main(bad)
         assert words in capsys.readouterr().err

@@ -12,6 +12,7 @@ import time
 
 from ..config import RaincheckConfig
 from .handler import RaincheckChatHandler, _Refused
+from .images import DEFAULT_CACHE_MB as DEFAULT_IMAGE_CACHE_MB
 from .images import ImageLoader
 from .models import DEFAULT_MODEL, RaincheckModelManager
 from .pool import ConversationPool
@@ -45,6 +46,8 @@ class RaincheckServer:
         batch_window_ms: how long after a request arrives the server waits for others to batch with it (0: only
             the requests that arrived while the model was busy are batched).
         image_dirs: folders that ``image_url`` local paths may point into (none: local paths refused).
+        image_cache_mb: decoded images kept for follow-up turns that send the same image again (MB of pixels; 0:
+            decode every time).
         host / port: where to listen (port 0: a free port).
         device / dtype / attn_implementation / trust_remote_code: how a non-default model is loaded.
         log_level: uvicorn's log level.
@@ -53,7 +56,8 @@ class RaincheckServer:
     def __init__(self, model=None, raincheck_config: RaincheckConfig | None = None,
                  cache_budget_mb: float = DEFAULT_CACHE_BUDGET_MB, restore_between_requests: bool = True,
                  max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, batch_window_ms: float = DEFAULT_BATCH_WINDOW_S * 1000,
-                 image_dirs=(), host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
+                 image_dirs=(), image_cache_mb: float = DEFAULT_IMAGE_CACHE_MB, host: str = "127.0.0.1",
+                 port: int = 8000, device: str = "auto",
                  dtype: str | None = "auto", attn_implementation: str | None = None, trust_remote_code: bool = False,
                  log_level: str = "warning", processor=None, model_name: str | None = None):
         import uvicorn
@@ -95,7 +99,7 @@ class RaincheckServer:
                                            max_batch_size=max_batch_size, batch_window_s=batch_window_ms / 1000)
         self.generation_state = GenerationState()
         self.chat_handler = RaincheckChatHandler(self.model_manager, self.generation_state, self.raincheck_config,
-                                                 self.scheduler, ImageLoader(image_dirs))
+                                                 self.scheduler, ImageLoader(image_dirs, image_cache_mb))
         self.app = build_server(
             self.model_manager, self.chat_handler, completion_handler=_Refused("/v1/completions"),
             response_handler=_Refused("/v1/responses"), transcription_handler=_Refused("/v1/audio/transcriptions"),
