@@ -68,6 +68,7 @@ DEFAULTS = {
     "random-small": dict(max_tokens=8, repeats=2, turns=2, think_ms=100, image_tokens=64, cache_budget_mb=1024,
                          budget_s=None),
 }
+REQUEST_TIMEOUT_S = 180  # a request that takes longer fails the run (instead of hanging it)
 QUESTIONS = ["what is in C3?", "what is in E5?", "how many red things are in column 3?", "list row B.",
              "what is in H1?", "where in row D is the blue circle?"]
 
@@ -116,7 +117,7 @@ def conversation(server, args, index: int, turns: int, think_s: float) -> list[d
     """One conversation: turn 1 with an image, then text follow-ups (`stream_turn` results, one per turn)."""
     import openai
 
-    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=600)
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S)
     content = [{"type": "image_url", "image_url": {"url": image_url(args.image_tokens, index)}},
                {"type": "text", "text": QUESTIONS[index % len(QUESTIONS)]}]
     messages = [{"role": "user", "content": content}]
@@ -239,12 +240,29 @@ def throughput_run(side, args, n: int, think_s: float) -> dict:
             "answers_of_max_tokens": sum(t["tokens"] == args.max_tokens for t in turns)}
 
 
-def measure(sides: list, args, budget: Budget) -> tuple[dict, list[str]]:
-    """Both servers, phase by phase (module docstring); (results by server, skipped phases)."""
+def summarize(sides: list, results: dict) -> None:
+    """The TTFT medians and each server's own counters, into `results` (after every phase: a run stopped
+    midway still leaves a consistent report)."""
+    for side in sides:
+        result = results[side.name]
+        for turn in (1, 2):
+            values = result[f"ttft_turn{turn}_all_s"]
+            result[f"ttft_turn{turn}_s"] = statistics.median(values) if values else None
+        result.update(side.extra())
+
+
+def measure(sides: list, args, budget: Budget, after_phase=lambda results, skipped: None) -> tuple[dict, list[str]]:
+    """Both servers, phase by phase (module docstring); (results by server, skipped phases). `after_phase` is
+    called after each phase, once `results` and `skipped` (the objects returned) are up to date."""
     think_s = args.think_ms / 1000
     results = {side.name: {"ttft_turn1_all_s": [], "ttft_turn2_all_s": [], "turn2_raincheck": [],
                            "throughput": {}} for side in sides}
     skipped = []
+
+    def phase_done():
+        summarize(sides, results)
+        after_phase(results, skipped)
+
     for side in sides:  # warm-up: one 2-turn conversation each (not measured); the first per-request estimate
         start = time.perf_counter()
         conversation(side, args, 999, 2, 0)
@@ -263,6 +281,7 @@ def measure(sides: list, args, budget: Budget) -> tuple[dict, list[str]]:
             if second["raincheck"] is not None:
                 results[side.name]["turn2_raincheck"].append(second["raincheck"])
             side.settle()
+        phase_done()
     for n in args.concurrency:
         if not budget.fits({side.name: n * args.turns for side in sides}, (args.turns - 1) * think_s):
             skipped.append(f"throughput at {n} conversations")
@@ -272,12 +291,8 @@ def measure(sides: list, args, budget: Budget) -> tuple[dict, list[str]]:
             results[side.name]["throughput"][str(n)] = run
             budget.observe(side.name, run["wall_s"], run["requests"])
             side.settle()
-    for side in sides:
-        result = results[side.name]
-        for turn in (1, 2):
-            values = result[f"ttft_turn{turn}_all_s"]
-            result[f"ttft_turn{turn}_s"] = statistics.median(values) if values else None
-        result.update(side.extra())
+        phase_done()
+    summarize(sides, results)
     return results, skipped
 
 
@@ -402,26 +417,32 @@ def main(argv=None) -> dict:
         models = {"plain": (copy.deepcopy(model), processor) if "plain" in args.servers else None,
                   "raincheck": (model, processor)}
     kinds = {"raincheck": RaincheckSide, "plain": PlainSide}
+    out = args.out or (RESULTS if args.save else None)
+
+    def write(results, skipped, partial: bool) -> None:
+        report.update(servers=results, skipped=skipped, partial=partial, total_s=time.monotonic() - start)
+        servers = report["servers"]
+        if "raincheck" in servers and "plain" in servers and servers["plain"].get("ttft_turn2_s") and \
+                servers["raincheck"].get("ttft_turn2_s"):
+            ratio = servers["raincheck"]["ttft_turn2_s"] / servers["plain"]["ttft_turn2_s"]
+            report["turn2_ttft_raincheck_over_plain"] = ratio
+            report["turn2_ttft_target_met"] = ratio <= 0.3
+        if out:
+            with open(out, "w") as f:
+                json.dump(report, f, indent=2)
+
     sides = []
     try:
         for name in args.servers:
             sides.append(kinds[name](args, *(models.get(name) or (None, None))))
         report["setup_s"] = time.monotonic() - start
-        report["servers"], report["skipped"] = measure(sides, args, Budget(args.budget_s, start))
+        results, skipped = measure(sides, args, Budget(args.budget_s, start),
+                                   after_phase=lambda results, skipped: write(results, skipped, partial=True))
     finally:
         for side in sides:
             side.stop()
-    servers = report["servers"]
-    if "raincheck" in servers and "plain" in servers and servers["plain"]["ttft_turn2_s"]:
-        ratio = servers["raincheck"]["ttft_turn2_s"] / servers["plain"]["ttft_turn2_s"]
-        report["turn2_ttft_raincheck_over_plain"] = ratio
-        report["turn2_ttft_target_met"] = ratio <= 0.3
-    report["total_s"] = time.monotonic() - start
+    write(results, skipped, partial=False)
     print_table(report, args)
-    out = args.out or (RESULTS if args.save else None)
-    if out:
-        with open(out, "w") as f:
-            json.dump(report, f, indent=2)
     return report
 
 

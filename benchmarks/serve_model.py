@@ -121,7 +121,7 @@ def build(shape: str, device: str, dtype: torch.dtype, processor):
     finally:
         torch.set_default_dtype(default)
     head = model.get_output_embeddings().weight
-    if head.data_ptr() == model.get_input_embeddings().weight.data_ptr():
+    if head is model.get_input_embeddings().weight:
         raise RuntimeError("the random model's LM head is tied to its embeddings; it must be its own")
     keep = torch.tensor(answer_vocabulary(tok), device=head.device)
     with torch.no_grad():
