@@ -80,3 +80,19 @@ def test_serve_benchmark_refuses_bad_options(capsys):
         assert words in capsys.readouterr().err, argv
     args = serve_benchmark.parse_args(["--random-weights", "qwen3-vl-8b"])
     assert (args.max_tokens, args.repeats, args.turns, args.image_tokens, args.budget_s) == (32, 3, 3, 4096, 420)
+
+
+@needs_gridqa
+def test_serve_benchmark_budget_skips_phases_for_both_servers(tmp_path):
+    """A budget spent by the setup: the warm-up still runs, every measured phase is skipped for both servers and
+    listed, and the report says so (no medians, no ratio)."""
+    import serve as serve_benchmark
+
+    out = tmp_path / "serve.json"
+    report = serve_benchmark.main(["--random-weights", "tiny", "--device", "cpu", "--repeats", "1", "--turns", "1",
+                                   "--concurrency", "1", "--max-tokens", "2", "--image-tokens", "16",
+                                   "--budget-s", "0.01", "--out", str(out)])
+    assert report["skipped"] == ["ttft repeat 1 of 1", "throughput at 1 conversations"]
+    for result in report["servers"].values():
+        assert result["ttft_turn1_s"] is None and result["throughput"] == {}
+    assert "turn2_ttft_raincheck_over_plain" not in report and json.loads(out.read_text()) == report
