@@ -44,7 +44,8 @@ def build_parser(prog: str = "hf-raincheck serve") -> argparse.ArgumentParser:
                           f"({DEFAULT_CACHE_BUDGET_MB})")
     srv.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE,
                      help="the most concurrent requests answered by one batched generate call; requests batch when "
-                          f"their sampling settings are equal (1: one request at a time; {DEFAULT_MAX_BATCH_SIZE})")
+                          f"their sampling settings are equal, max_tokens aside (1: one request at a time; "
+                          f"{DEFAULT_MAX_BATCH_SIZE})")
     srv.add_argument("--batch-window-ms", type=float, default=DEFAULT_BATCH_WINDOW_S * 1000,
                      help="how long after a request arrives the server waits for others to batch with it; requests "
                           "that arrive while the model is busy are batched anyway "
