@@ -45,6 +45,7 @@ import copy
 import functools
 import io
 import json
+import logging
 import os
 import statistics
 import sys
@@ -190,6 +191,9 @@ class PlainSide:
             self.serve = Serve(force_model=self.model_id, port=self.port, host="127.0.0.1", non_blocking=True,
                                device="cpu" if args.model is None else args.device, dtype=args.dtype,
                                log_level="error")
+        # transformers serve configures uvicorn's loggers at "info": one access line per request; keep warnings only
+        logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
         deadline = time.monotonic() + 600
         while not self.serve.server.started:
             if time.monotonic() > deadline:
