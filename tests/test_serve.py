@@ -375,3 +375,60 @@ def test_a_16_bit_image_url_is_scaled_to_8_bit_not_clipped():
     url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
     image, _ = ImageLoader().load(url, "messages[0].content[0]")
     assert np.array_equal(np.asarray(image), np.asarray(gray.convert("RGB")))
+
+
+def test_the_image_loader_keeps_decoded_images_for_the_same_bytes_within_its_budget():
+    from hf_raincheck.serve.images import ImageLoader
+
+    images = gridqa_images([3, 4, 5])
+    urls = {i: data_url(image) for i, image in images.items()}
+    side = images[3].width * images[3].height * 3
+    loader = ImageLoader(cache_mb=2.5 * side / (1024 * 1024))  # room for two decoded images
+    first, digest = loader.load(urls[3], "m")
+    again, digest_again = loader.load(urls[3], "m")
+    assert again is first and digest_again == digest and loader.hits == 1
+    jpeg = data_url(images[3], "JPEG")  # other bytes: decoded on their own (other pixels, another identity)
+    assert loader.load(jpeg, "m")[0] is not first
+    loader.load(urls[4], "m")  # the third image evicts the least recently used (the PNG of grid 3)
+    assert loader.cached_images == 2
+    fresh, digest_fresh = loader.load(urls[3], "m")
+    assert fresh is not first and digest_fresh == digest and loader.hits == 1
+    uncached = ImageLoader(cache_mb=0)
+    assert uncached.load(urls[5], "m")[0] is not uncached.load(urls[5], "m")[0] and uncached.cached_images == 0
+    with pytest.raises(ValueError, match="cache_mb must be a number >= 0"):
+        ImageLoader(cache_mb=-1)
+
+
+def test_a_model_object_in_memory_is_served_under_its_name(reference):
+    """`RaincheckServer(model, processor=..., model_name=...)`: nothing loaded, the object itself served (with
+    Raincheck enabled on it), its answers RaincheckChat's; other names are refused."""
+    from hf_raincheck import disable_raincheck
+
+    model, processor = load_default()  # its own instance: the server enables Raincheck on it
+    try:
+        image = gridqa_images([90])[90]
+        expected = chat_reference(reference[0], reference[1], CONFIG, [("what is in C3?", image)], 12)
+        with RaincheckServer(model, CONFIG, processor=processor, model_name="my/grid-model", port=0) as srv:
+            assert srv.model is model and srv.model_name == "my/grid-model"
+            client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
+            answer = client.chat.completions.create(
+                model="my/grid-model", messages=[user("what is in C3?", data_url(image))], max_tokens=12,
+                temperature=0).choices[0].message.content
+            assert [answer] == expected
+            with pytest.raises(openai.BadRequestError):
+                client.chat.completions.create(model=DEFAULT_MODEL, messages=[user("hi")], max_tokens=2)
+    finally:
+        disable_raincheck(model)
+
+
+def test_a_model_object_needs_its_processor_and_a_name():
+    model = load_default()[0]
+    model.name_or_path = ""
+    with pytest.raises(ValueError, match=r"needs its processor="):
+        RaincheckServer(model, port=0)
+    with pytest.raises(ValueError, match=r"needs a model_name without '@'"):
+        RaincheckServer(model, processor=object(), port=0)
+    with pytest.raises(ValueError, match=r"needs a model_name without '@'"):
+        RaincheckServer(model, processor=object(), model_name="a@b", port=0)
+    with pytest.raises(ValueError, match=r"processor and model_name are for a model object"):
+        RaincheckServer(DEFAULT_MODEL, processor=object(), port=0)

@@ -26,7 +26,7 @@ from serve_support import (  # noqa: E402
     ask_openai, chat_reference, data_url, gridqa_images, plain_answer, processor_messages, user,
 )
 
-from hf_raincheck import RaincheckConfig  # noqa: E402
+from hf_raincheck import RaincheckChat, RaincheckConfig  # noqa: E402
 from hf_raincheck.gridqa import has_default, load_default  # noqa: E402
 from hf_raincheck.serve import DEFAULT_MODEL, RaincheckServer  # noqa: E402
 from hf_raincheck.serve.pool import ConversationPool, cache_nbytes, cache_storages  # noqa: E402
@@ -167,6 +167,49 @@ def test_streamed_requests_in_batches(reference):
         assert sizes == [3] * 6 and stats(srv)["batches"]["fallbacks"] == 0
         assert [r[i][1].raincheck["conversation_cache"] for r in results for i in range(3)] == ["new"] * 3 + \
             ["reused"] * 3
+
+
+@needs_model
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_requests_with_different_max_tokens_share_a_call_and_continue(reference, stream):
+    """Two requests that differ only in max_tokens run as ONE batched call (the largest limit; each row stopped at
+    its own): each answer has exactly its own tokens, each cache holds exactly its conversation (the server checks
+    it when the row finishes), and turn 2 of each (again with different limits, in one call) continues
+    correctly: every answer equals RaincheckChat's with the same per-turn max_new_tokens."""
+    model, processor = reference
+    images = gridqa_images([70, 71])
+    # (text, image, max_tokens): turn 1 both cut short (3 / 7 tokens); turn 2: one ends by itself, one cut at 2
+    chats = [[("list row B.", images[70], 3), ("what is in A1?", None, 16)],
+             [("list row C. list row D.", images[71], 7), ("list row E.", None, 2)]]
+    expected = []
+    for turns in chats:
+        with RaincheckChat(model, processor, CONFIG, do_sample=False) as chat:
+            expected.append([chat.ask(text, images=image, max_new_tokens=n) for text, image, n in turns])
+    with RaincheckServer(raincheck_config=CONFIG, port=0, cache_budget_mb=256, batch_window_ms=WINDOW_MS) as srv:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
+        histories = [[] for _ in chats]
+
+        def send(request):
+            i, t = request
+            text, image, limit = chats[i][t]
+            histories[i].append(user(text, data_url(image) if image is not None else None))
+            answer, usage = ask_openai(client, DEFAULT_MODEL, histories[i], limit, stream=stream)
+            histories[i].append({"role": "assistant", "content": answer})
+            return answer, usage
+
+        results = rounds(srv, [[(i, t) for i in range(2)] for t in range(2)], send)
+        assert [[r[i][0] for r in results] for i in range(2)] == expected
+        tokens = [[r[i][1].completion_tokens for r in results] for i in range(2)]
+        assert tokens[0][0] == 3 and tokens[1][0] == 7 and tokens[1][1] == 2  # cut at their own limits
+        assert 0 < tokens[0][1] < 16  # this one ended by itself, in the call that ran on to 16
+        assert [r[i][1].raincheck["batch_size"] for r in results for i in range(2)] == [2] * 4
+        assert stats(srv)["batches"] == {"calls": 2, "rows": 4, "max_rows": 2, "sizes": {"2": 2}, "fallbacks": 0}
+        assert [r[i][1].raincheck["conversation_cache"] for r in results for i in range(2)] == \
+            ["new", "new", "reused", "reused"]
+        assert srv.scheduler.wait_idle(60)
+        for conv in srv.pool.conversations():  # each cache: its whole conversation, the last answer included
+            assert conv.cache.token_ids == conv.sequences[0].tolist()[:len(conv.cache.token_ids)]
+            assert conv.sequences.shape[1] - len(conv.cache.token_ids) <= 1
 
 
 @needs_model
@@ -344,6 +387,26 @@ def test_fan_out_streamer_gives_each_row_its_batch_one_stream():
     assert all(r.ended for r in rows if r is not None)
 
 
+def test_fan_out_streamer_ends_each_row_at_its_own_limit():
+    from hf_raincheck.serve.streaming import FanOutStreamer
+
+    eos, pad = {9}, 0
+    rows = [Recorder(), Recorder(), Recorder()]
+    streamer = FanOutStreamer(rows, eos, pad, row_limits=[2, 4, 4])
+    streamer.put(torch.tensor([[1, 1], [2, 2], [3, 3]]))
+    # row 0: cut after 2 tokens (padding after); row 1: a real pad token as its last one; row 2: eos first
+    for step in ([5, 6, 9], [5, 6, 0], [0, 0, 0], [0, 0, 0]):
+        streamer.put(torch.tensor(step))
+    streamer.end()
+    assert rows[0].puts == [[[1, 1]], [5], [5]]
+    assert rows[1].puts == [[[2, 2]], [6], [6], [0], [0]]  # padding at the limit was part of the answer
+    assert rows[2].puts == [[[3, 3]], [9]]
+    assert all(r.ended for r in rows)
+    for bad in ([2, 4], [2, 0, 1], "4"):
+        with pytest.raises(ValueError, match="row_limits must be None or one int >= 1 per row"):
+            FanOutStreamer(rows, eos, pad, row_limits=bad)
+
+
 def test_fan_out_streamer_cancels_one_row_and_aborts_when_all_are_cancelled():
     from transformers.cli.serving.utils import _GenerationCancelled
 
@@ -416,27 +479,49 @@ def test_the_pool_counts_a_shared_buffer_once_and_frees_it_with_its_last_holder(
 
 
 # ---------------------------------------------------------------------------------------------- grouping
-def _turn(max_new_tokens=16, do_sample=False, seed=None, streamer=None, model="m"):
+def _turn(max_new_tokens=16, do_sample=False, seed=None, streamer=None, model="m", config=CONFIG):
     from transformers import GenerationConfig
 
     gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=do_sample)
-    job = SimpleNamespace(model=model, processor="p", raincheck_config=CONFIG, generation_config=gen, seed=seed,
+    job = SimpleNamespace(model=model, processor="p", raincheck_config=config, generation_config=gen, seed=seed,
                           streamer=streamer)
     return SimpleNamespace(job=job)
 
 
 def test_requests_share_a_call_only_with_equal_settings(monkeypatch):
+    """Equal settings but for max_tokens share a call; sampling, seeds, streams (when not batched), models and,
+    under the flash backend (rows one by one), max_tokens split them."""
     from hf_raincheck.serve import batch
 
     turns = [_turn(), _turn(max_new_tokens=8), _turn(), _turn(do_sample=True), _turn(do_sample=True, seed=3),
-             _turn(do_sample=True), _turn(seed=3), _turn(streamer=object()), _turn(), _turn(model="other")]
+             _turn(do_sample=True, max_new_tokens=4), _turn(seed=3), _turn(streamer=object()), _turn(),
+             _turn(model="other")]
     groups = batch.group_turns(turns, max_batch_size=3)
     index = {id(t): i for i, t in enumerate(turns)}
-    assert [[index[id(t)] for t in g] for g in groups] == [[0, 2, 6], [1], [3, 5], [4], [7, 8], [9]]
+    assert [[index[id(t)] for t in g] for g in groups] == [[0, 1, 2], [3, 5], [4], [6, 7, 8], [9]]
     assert batch.batch_key(turns[4]) is None  # seeded sampling runs alone (its draws must not depend on a batch)
     monkeypatch.setattr(batch, "STREAM_IN_BATCHES", False)  # streamed requests alone
     groups = batch.group_turns(turns, max_batch_size=3)
-    assert [[index[id(t)] for t in g] for g in groups] == [[0, 2, 6], [1], [3, 5], [4], [7], [8], [9]]
+    assert [[index[id(t)] for t in g] for g in groups] == [[0, 1, 2], [3, 5], [4], [6, 8], [7], [9]]
+    flash = RaincheckConfig(attn_backend="flash")
+    turns = [_turn(config=flash), _turn(max_new_tokens=8, config=flash), _turn(config=flash)]
+    index = {id(t): i for i, t in enumerate(turns)}
+    assert [[index[id(t)] for t in g] for g in batch.group_turns(turns, 3)] == [[0, 2], [1]]
+
+
+def test_row_token_limits():
+    from hf_raincheck.serve.batch import RowTokenLimits
+
+    limits = RowTokenLimits([1, 3, 2], prompt_width=4)
+    assert limits(torch.zeros(3, 5, dtype=torch.long), None).tolist() == [True, False, False]
+    assert limits(torch.zeros(3, 6, dtype=torch.long), None).tolist() == [True, False, True]
+    assert limits(torch.zeros(3, 7, dtype=torch.long), None).tolist() == [True, True, True]
+    with pytest.raises(ValueError, match="built for 3 rows, called with a batch of 1"):
+        limits(torch.zeros(1, 7, dtype=torch.long), None)
+    for bad, words in ((([], 4), "limits must be a non-empty list"), (([2, 0], 4), "limits must be"),
+                       (([2], 0), "prompt_width must be an int >= 1")):
+        with pytest.raises(ValueError, match=words):
+            RowTokenLimits(*bad)
 
 
 def test_answer_length():
@@ -454,7 +539,8 @@ def test_command_line_batching_options(capsys):
     args = build_parser().parse_args(["--max-batch-size", "4", "--batch-window-ms", "20"])
     assert (args.max_batch_size, args.batch_window_ms) == (4, 20)
     for bad, words in ((["--max-batch-size", "0"], "--max-batch-size must be >= 1"),
-                       (["--batch-window-ms", "-1"], "--batch-window-ms must be in [0, 10000]")):
+                       (["--batch-window-ms", "-1"], "--batch-window-ms must be in [0, 10000]"),
+                       (["--image-cache-mb", "-1"], "--image-cache-mb must be >= 0")):
         with pytest.raises(SystemExit):
             main(bad)
         assert words in capsys.readouterr().err

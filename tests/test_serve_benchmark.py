@@ -1,4 +1,5 @@
-"""Smoke run of benchmarks/serve.py (both servers, the shipped GridQA model, CPU, a few tokens)."""
+"""Smoke runs of benchmarks/serve.py: both servers on the shipped GridQA model, and on a tiny random-weight model
+served from memory (the code path of the H200 run, ``--random-weights qwen3-vl-8b``); CPU, a few tokens."""
 
 from __future__ import annotations
 
@@ -15,22 +16,83 @@ from hf_raincheck.gridqa import has_default  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
+needs_gridqa = pytest.mark.skipif(not has_default(), reason="the shipped GridQA checkpoint (its processor) is missing")
 
-@pytest.mark.skipif(not has_default(), reason="the shipped GridQA checkpoint is missing")
+
+def _check(report: dict, out, concurrency: set[str]) -> None:
+    assert json.loads(out.read_text()) == report
+    assert set(report["servers"]) == {"raincheck", "plain"} and report["skipped"] == [] and not report["partial"]
+    for name, result in report["servers"].items():
+        assert result["ttft_turn1_s"] > 0 and result["ttft_turn2_s"] > 0, name
+        assert set(result["throughput"]) == concurrency
+        for run in result["throughput"].values():
+            assert run["completion_tokens"] > 0 and run["tokens_per_s"] > 0
+    assert report["servers"]["raincheck"]["pool"]["hits"] > 0  # follow-up turns reused their conversations' caches
+    assert report["turn2_ttft_raincheck_over_plain"] > 0
+
+
+@needs_gridqa
 def test_serve_benchmark_smoke(tmp_path):
     import serve as serve_benchmark
 
     out = tmp_path / "serve.json"
     report = serve_benchmark.main(["--repeats", "1", "--turns", "2", "--concurrency", "1,2", "--max-tokens", "4",
                                    "--think-ms", "0", "--out", str(out)])
-    assert json.loads(out.read_text()) == report
-    assert set(report["servers"]) == {"raincheck", "plain"}
-    for name, result in report["servers"].items():
-        assert result["ttft_turn1_s"] > 0 and result["ttft_turn2_s"] > 0, name
-        assert set(result["throughput"]) == {"1", "2"}
-        for run in result["throughput"].values():
-            assert run["completion_tokens"] > 0 and run["tokens_per_s"] > 0
-    pool = report["servers"]["raincheck"]["pool"]
-    assert pool["hits"] > 0  # the follow-up turns reused their conversations' caches
+    _check(report, out, {"1", "2"})
     batches = report["servers"]["raincheck"]["batches"]  # 10 requests: warm-up 2, TTFT 2, 1 x 2 and 2 x 2 turns
     assert batches["rows"] == 10 and batches["fallbacks"] == 0 and report["max_batch_size"] >= 1
+
+
+@needs_gridqa
+def test_serve_benchmark_random_weights_smoke(tmp_path):
+    """``--random-weights tiny``: the model object in both servers, the processor's images of the asked token
+    count, and every answer exactly ``--max-tokens`` long in both servers (the random LM head never ends one)."""
+    import serve as serve_benchmark
+
+    out = tmp_path / "serve.json"
+    report = serve_benchmark.main(["--random-weights", "tiny", "--device", "cpu", "--repeats", "1", "--turns", "2",
+                                   "--concurrency", "1,2", "--max-tokens", "6", "--image-tokens", "16",
+                                   "--think-ms", "50", "--budget-s", "600", "--out", str(out)])
+    _check(report, out, {"1", "2"})
+    assert report["model"].startswith("random/tiny") and report["image_tokens"] == 16
+    assert report["vocab_size"] == 1000 and report["answer_vocabulary"] >= 16
+    for name, result in report["servers"].items():
+        for n, run in result["throughput"].items():
+            assert run["requests"] == int(n) * 2 and run["answers_of_max_tokens"] == run["requests"], name
+            assert run["completion_tokens"] == run["requests"] * 6, name
+    batches = report["servers"]["raincheck"]["batches"]
+    assert batches["rows"] == 10 and batches["fallbacks"] == 0
+    pool = report["servers"]["raincheck"]["pool"]  # 5 conversations (warm-up, TTFT, 1 + 2), 5 follow-ups
+    assert (pool["misses"], pool["hits"], pool["evictions"]) == (5, 5, 0)
+
+
+def test_serve_benchmark_refuses_bad_options(capsys):
+    import serve as serve_benchmark
+
+    for argv, words in ((["--image-tokens", "64"], "--image-tokens: the GridQA model's images"),
+                        (["--random-weights", "tiny", "--image-tokens", "50"], "must be a square number"),
+                        (["--random-weights", "tiny", "--turns", "0"], "--turns must be >= 1"),
+                        (["--random-weights", "tiny", "--concurrency", "1,x"], "--concurrency must be"),
+                        (["--random-weights", "qwen3.5-9b"], "invalid choice"),
+                        (["--model", "x", "--random-weights", "tiny"], "not allowed with argument")):
+        with pytest.raises(SystemExit):
+            serve_benchmark.parse_args(argv)
+        assert words in capsys.readouterr().err, argv
+    args = serve_benchmark.parse_args(["--random-weights", "qwen3-vl-8b"])
+    assert (args.max_tokens, args.repeats, args.turns, args.image_tokens, args.budget_s) == (32, 3, 3, 4096, 420)
+
+
+@needs_gridqa
+def test_serve_benchmark_budget_skips_phases_for_both_servers(tmp_path):
+    """A budget spent by the setup: the warm-up still runs, every measured phase is skipped for both servers and
+    listed, and the report says so (no medians, no ratio)."""
+    import serve as serve_benchmark
+
+    out = tmp_path / "serve.json"
+    report = serve_benchmark.main(["--random-weights", "tiny", "--device", "cpu", "--repeats", "1", "--turns", "1",
+                                   "--concurrency", "1", "--max-tokens", "2", "--image-tokens", "16",
+                                   "--budget-s", "0.01", "--out", str(out)])
+    assert report["skipped"] == ["ttft repeat 1 of 1", "throughput at 1 conversations"]
+    for result in report["servers"].values():
+        assert result["ttft_turn1_s"] is None and result["throughput"] == {}
+    assert "turn2_ttft_raincheck_over_plain" not in report and json.loads(out.read_text()) == report

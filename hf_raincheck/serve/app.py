@@ -12,6 +12,7 @@ import time
 
 from ..config import RaincheckConfig
 from .handler import RaincheckChatHandler, _Refused
+from .images import DEFAULT_CACHE_MB as DEFAULT_IMAGE_CACHE_MB
 from .images import ImageLoader
 from .models import DEFAULT_MODEL, RaincheckModelManager
 from .pool import ConversationPool
@@ -31,7 +32,12 @@ class RaincheckServer:
 
     Args:
         model: the model to serve (Hub id or path; None or ``DEFAULT_MODEL``: the shipped GridQA checkpoint, on
-            the CPU unless ``device`` names another).
+            the CPU unless ``device`` names another), or a model object already in memory (a supported
+            ``...ForConditionalGeneration``; then ``processor`` is required, ``model_name`` names it, and
+            ``device`` / ``dtype`` / ``attn_implementation`` / ``trust_remote_code`` do not apply). The server
+            enables Raincheck on it (`enable_raincheck`, this instance only).
+        processor: the processor of a model object (with a model name: loaded with the model, so not allowed).
+        model_name: the name clients send as ``model`` for a model object (default: its ``name_or_path``).
         raincheck_config: the `RaincheckConfig` of every request (``completion`` is set to ``"next_turn"``:
             pending deferred tokens are restored by the scheduler between requests, or folded into the next one).
         cache_budget_mb: memory of the conversation caches kept between requests (LRU eviction beyond it).
@@ -40,17 +46,20 @@ class RaincheckServer:
         batch_window_ms: how long after a request arrives the server waits for others to batch with it (0: only
             the requests that arrived while the model was busy are batched).
         image_dirs: folders that ``image_url`` local paths may point into (none: local paths refused).
+        image_cache_mb: decoded images kept for follow-up turns that send the same image again (MB of pixels; 0:
+            decode every time).
         host / port: where to listen (port 0: a free port).
         device / dtype / attn_implementation / trust_remote_code: how a non-default model is loaded.
         log_level: uvicorn's log level.
     """
 
-    def __init__(self, model: str | None = None, raincheck_config: RaincheckConfig | None = None,
+    def __init__(self, model=None, raincheck_config: RaincheckConfig | None = None,
                  cache_budget_mb: float = DEFAULT_CACHE_BUDGET_MB, restore_between_requests: bool = True,
                  max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, batch_window_ms: float = DEFAULT_BATCH_WINDOW_S * 1000,
-                 image_dirs=(), host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
+                 image_dirs=(), image_cache_mb: float = DEFAULT_IMAGE_CACHE_MB, host: str = "127.0.0.1",
+                 port: int = 8000, device: str = "auto",
                  dtype: str | None = "auto", attn_implementation: str | None = None, trust_remote_code: bool = False,
-                 log_level: str = "warning"):
+                 log_level: str = "warning", processor=None, model_name: str | None = None):
         import uvicorn
         from transformers.cli.serving.server import build_server
         from transformers.cli.serving.utils import GenerationState
@@ -66,17 +75,31 @@ class RaincheckServer:
                 or not 0 <= batch_window_ms <= 10000):
             raise ValueError(f"RaincheckServer: batch_window_ms must be a number in [0, 10000], got "
                              f"{batch_window_ms!r}")
-        self.model_name = model or DEFAULT_MODEL
+        preloaded = None
+        if model is None or isinstance(model, str):
+            if processor is not None or model_name is not None:
+                raise ValueError("RaincheckServer: processor and model_name are for a model object; a model given by "
+                                 "name loads its own processor and is served under that name")
+            self.model_name = model or DEFAULT_MODEL
+        else:
+            if processor is None:
+                raise ValueError(f"RaincheckServer: serving a model object ({type(model).__name__}) needs its "
+                                 "processor= (the processor that builds its inputs)")
+            self.model_name = model_name or str(getattr(model, "name_or_path", "") or "")
+            if not self.model_name or "@" in self.model_name:
+                raise ValueError("RaincheckServer: a model object needs a model_name without '@' (the name clients "
+                                 f"send as `model`; default: its name_or_path), got {self.model_name!r}")
+            preloaded = (model, processor)
         self.raincheck_config = dataclasses.replace(config, completion="next_turn")
         self.model_manager = RaincheckModelManager(
-            force_model=self.model_name, device=device, dtype=dtype,
+            force_model=self.model_name, preloaded=preloaded, device=device, dtype=dtype,
             attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
         self.pool = ConversationPool(int(cache_budget_mb * 1024 * 1024))
         self.scheduler = BatchingScheduler(self.pool, restore_between_requests=restore_between_requests,
                                            max_batch_size=max_batch_size, batch_window_s=batch_window_ms / 1000)
         self.generation_state = GenerationState()
         self.chat_handler = RaincheckChatHandler(self.model_manager, self.generation_state, self.raincheck_config,
-                                                 self.scheduler, ImageLoader(image_dirs))
+                                                 self.scheduler, ImageLoader(image_dirs, image_cache_mb))
         self.app = build_server(
             self.model_manager, self.chat_handler, completion_handler=_Refused("/v1/completions"),
             response_handler=_Refused("/v1/responses"), transcription_handler=_Refused("/v1/audio/transcriptions"),

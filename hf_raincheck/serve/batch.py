@@ -1,17 +1,21 @@
 """Running prepared turns: several requests in ONE batched Raincheck `generate`, or one alone.
 
 Which requests share a call (`batch_key`): those with the same model, Raincheck config and generation config
-(``temperature`` / ``top_p`` / ``max_tokens`` / ``stop`` / ``frequency_penalty`` / ``logit_bias`` /
-``generation_config``: one `GenerationConfig` per call, so equal settings only; different ``max_tokens`` make
-different groups). A request runs alone (a batch of one) when it samples with a ``seed`` (its random draws must
-not depend on what it is batched with) or when it streams while `STREAM_IN_BATCHES` is False.
+(``temperature`` / ``top_p`` / ``stop`` / ``frequency_penalty`` / ``logit_bias`` / ``generation_config``: one
+`GenerationConfig` per call, so equal settings only) but any ``max_tokens``: the call runs the largest
+``max_new_tokens`` of its rows and stops each row at its own (`RowTokenLimits`, a stopping criterion: a stopped
+row is fed nothing more, so its cache holds exactly its prompt and its own answer). Under
+``attn_backend="flash"`` the batched engine runs the rows one after the other (`generation.batch`), where one
+criterion cannot tell the rows apart: there ``max_tokens`` stays part of the key. A request runs alone (a batch of
+one) when it samples with a ``seed`` (its random draws must not depend on what it is batched with) or when it
+streams while `STREAM_IN_BATCHES` is False.
 
 A batch (`run_batch`): each row is one conversation, continued from its pooled `DeferredPrefillCache` (its
 cached tokens + the new ones) or new (its whole chat); the rows are left-padded into one batch
 (`conversation.batch_inputs`) and run as ``model.generate(**batch, past_key_values=
 BatchedDeferredPrefillCache([cache or None, ...]), ...)``. Row i's answer is its new tokens up to its first
-end-of-sequence token (`turn.answer_length`); its cache is ``past_key_values.rows[i]``. Streaming rows get their
-tokens through a `FanOutStreamer`.
+end-of-sequence token or its own ``max_tokens`` (`turn.answer_length`); its cache is ``past_key_values.rows[i]``.
+Streaming rows get their tokens through a `FanOutStreamer` (which ends each row at its own limit too).
 
 A batched call that raises runs its requests again one at a time, so a bad request fails only itself: a row
 whose cache the failed call left as it was runs on it; a row whose cache it advanced (the call ran in part) or
@@ -22,12 +26,14 @@ only.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
 from dataclasses import dataclass, field
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.cli.serving.utils import _GenerationCancelled
 
 from ..cache.batched import BatchedDeferredPrefillCache
@@ -74,6 +80,10 @@ class BatchStats:
                     "sizes": {str(k): v for k, v in sorted(self.sizes.items())}, "fallbacks": self.fallbacks}
 
 
+#: generation-config fields that may differ between the rows of one call (each row stops at its own limit)
+PER_ROW_FIELDS = ("max_new_tokens",)
+
+
 def batch_key(turn: PreparedTurn) -> tuple | None:
     """Requests with equal keys may share a batched call; None: the request runs alone (module docstring)."""
     job = turn.job
@@ -82,8 +92,43 @@ def batch_key(turn: PreparedTurn) -> tuple | None:
         return None
     if job.streamer is not None and not STREAM_IN_BATCHES:
         return None
-    settings = json.dumps(gen.to_dict(), sort_keys=True, default=repr)
+    settings = gen.to_dict()
+    if job.raincheck_config.attn_backend != "flash":  # (flash: the rows run one by one, module docstring)
+        for name in PER_ROW_FIELDS:
+            if isinstance(settings.get(name), int):
+                settings.pop(name)
+    settings = json.dumps(settings, sort_keys=True, default=repr)
     return id(job.model), id(job.processor), id(job.raincheck_config), settings
+
+
+class RowTokenLimits(StoppingCriteria):
+    """Stops row i of a batched `generate` once it has produced ``limits[i]`` new tokens.
+
+    transformers calls stopping criteria once per step, after appending that step's tokens, with the whole
+    ``[B, prompt width + new tokens]`` sequences; a row it reports done gets padding from then on and the Raincheck
+    batch feeds it nothing more (`hf_raincheck.generation.row_stops`).
+
+    Args:
+        limits: each row's ``max_new_tokens`` (ints >= 1).
+        prompt_width: the width of the call's (left-padded) prompt.
+    """
+
+    def __init__(self, limits: list[int], prompt_width: int):
+        if not limits or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in limits):
+            raise ValueError(f"RowTokenLimits: limits must be a non-empty list of ints >= 1, got {limits!r}")
+        if isinstance(prompt_width, bool) or not isinstance(prompt_width, int) or prompt_width < 1:
+            raise ValueError(f"RowTokenLimits: prompt_width must be an int >= 1, got {prompt_width!r}")
+        self.limits = list(limits)
+        self.prompt_width = prompt_width
+        self._limits_tensor: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        if input_ids.shape[0] != len(self.limits):
+            raise ValueError(f"RowTokenLimits: built for {len(self.limits)} rows, called with a batch of "
+                             f"{input_ids.shape[0]} (the rows must run in one batched call)")
+        if self._limits_tensor is None or self._limits_tensor.device != input_ids.device:
+            self._limits_tensor = torch.tensor(self.limits, device=input_ids.device)
+        return (input_ids.shape[1] - self.prompt_width) >= self._limits_tensor
 
 
 def group_turns(turns: list[PreparedTurn], max_batch_size: int) -> list[list[PreparedTurn]]:
@@ -159,6 +204,10 @@ def run_batch(turns: list[PreparedTurn], pool: ConversationPool, stats: BatchSta
     first = turns[0].job
     model, processor = first.model, first.processor
     kwargs = _call_kwargs(turns[0])
+    limits = [t.job.generation_config.max_new_tokens for t in turns]  # (unequal only if all are ints: batch_key)
+    if len(set(limits)) > 1:  # the call runs the largest; each row stops at its own (RowTokenLimits)
+        kwargs["generation_config"] = copy.deepcopy(kwargs["generation_config"])
+        kwargs["generation_config"].max_new_tokens = max(limits)
     gen = kwargs["generation_config"]
     streamer = None
     stats.count(len(turns))
@@ -166,9 +215,12 @@ def run_batch(turns: list[PreparedTurn], pool: ConversationPool, stats: BatchSta
         pad = gen.pad_token_id = _pad_token_id(processor, gen)  # the call pads with the same token
         eos = eos_ids(gen)
         if any(t.job.streamer is not None for t in turns):
-            streamer = kwargs["streamer"] = FanOutStreamer([t.job.streamer for t in turns], eos, pad)
+            streamer = kwargs["streamer"] = FanOutStreamer([t.job.streamer for t in turns], eos, pad,
+                                                           limits if len(set(limits)) > 1 else None)
         batch = batch_inputs([t.inputs for t in turns], pad)
         width = int(batch["input_ids"].shape[1])
+        if len(set(limits)) > 1:
+            kwargs["stopping_criteria"] = StoppingCriteriaList([RowTokenLimits(limits, width)])
         past = BatchedDeferredPrefillCache([t.conv.cache if t.conv is not None else None for t in turns])
         out = model.generate(**_to_device(dict(batch), model.device), past_key_values=past, **kwargs)
     except _GenerationCancelled:  # every row's client went away
@@ -187,7 +239,8 @@ def run_batch(turns: list[PreparedTurn], pool: ConversationPool, stats: BatchSta
             fail_turn(turn, None)
             continue
         try:
-            answer_ids = sequences[i][:answer_length(sequences[i], eos, pad, gen.max_new_tokens)]
+            new_ids = sequences[i][:limits[i]]  # (after its limit a row holds padding only)
+            answer_ids = new_ids[:answer_length(new_ids, eos, pad, limits[i])]
             finish_turn(turn, pool, caches[i], answer_ids, batch_size=len(turns))
         except Exception as error:  # noqa: BLE001 - this row only
             logger.exception("finishing row %d of a batched generate failed", i)

@@ -8,6 +8,7 @@ import sys
 
 from ..config import RaincheckConfig
 from .app import DEFAULT_CACHE_BUDGET_MB
+from .images import DEFAULT_CACHE_MB as DEFAULT_IMAGE_CACHE_MB
 from .scheduler import DEFAULT_BATCH_WINDOW_S, DEFAULT_MAX_BATCH_SIZE
 from .models import DEFAULT_MODEL
 
@@ -43,13 +44,17 @@ def build_parser(prog: str = "hf-raincheck serve") -> argparse.ArgumentParser:
                           f"({DEFAULT_CACHE_BUDGET_MB})")
     srv.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE,
                      help="the most concurrent requests answered by one batched generate call; requests batch when "
-                          f"their sampling settings are equal (1: one request at a time; {DEFAULT_MAX_BATCH_SIZE})")
+                          f"their sampling settings are equal, max_tokens aside (1: one request at a time; "
+                          f"{DEFAULT_MAX_BATCH_SIZE})")
     srv.add_argument("--batch-window-ms", type=float, default=DEFAULT_BATCH_WINDOW_S * 1000,
                      help="how long after a request arrives the server waits for others to batch with it; requests "
                           "that arrive while the model is busy are batched anyway "
                           f"(0: no waiting; {DEFAULT_BATCH_WINDOW_S * 1000:g})")
     srv.add_argument("--image-dir", action="append", default=[],
                      help="a folder image_url local paths may point into (repeatable; none: local paths refused)")
+    srv.add_argument("--image-cache-mb", type=float, default=DEFAULT_IMAGE_CACHE_MB,
+                     help="decoded images kept for follow-up turns that send the same image again (MB of pixels; "
+                          f"0: decode every time; {DEFAULT_IMAGE_CACHE_MB})")
     srv.add_argument("--device", default="auto",
                      help="device_map of the model (auto, cuda, cpu, ...; the default model: cpu unless given)")
     srv.add_argument("--dtype", default="auto",
@@ -83,13 +88,15 @@ def main(argv: list[str] | None = None, prog: str = "hf-raincheck serve") -> int
         parser.error(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
     if not 0 <= args.batch_window_ms <= 10000:
         parser.error(f"--batch-window-ms must be in [0, 10000], got {args.batch_window_ms:g}")
+    if args.image_cache_mb < 0:
+        parser.error(f"--image-cache-mb must be >= 0, got {args.image_cache_mb:g}")
     from .app import RaincheckServer
 
     try:
         server = RaincheckServer(
             args.model, config, cache_budget_mb=args.cache_budget_mb,
             restore_between_requests=not args.no_restore_between_requests, max_batch_size=args.max_batch_size,
-            batch_window_ms=args.batch_window_ms, image_dirs=args.image_dir,
+            batch_window_ms=args.batch_window_ms, image_dirs=args.image_dir, image_cache_mb=args.image_cache_mb,
             host=args.host, port=args.port, device=args.device, dtype=args.dtype,
             attn_implementation=args.attn_implementation, trust_remote_code=args.trust_remote_code,
             log_level=args.log_level)

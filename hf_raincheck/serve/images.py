@@ -1,4 +1,9 @@
-"""Loading the images of ``image_url`` content parts: ``data:`` URLs and local files; never a remote fetch."""
+"""Loading the images of ``image_url`` content parts: ``data:`` URLs and local files; never a remote fetch.
+
+A client sends a conversation's images again with every turn; the loader keeps the most recently decoded images
+(keyed by a hash of their encoded bytes, within ``cache_mb`` of decoded pixels, LRU) so that a follow-up turn does
+not decode and hash the same pixels again.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ import binascii
 import hashlib
 import io
 import os
+import threading
+from collections import OrderedDict
 from urllib.parse import unquote, urlparse
 
 from PIL import Image, ImageOps
@@ -17,6 +24,8 @@ from .errors import RequestError
 #: the largest encoded image accepted (bytes) and the most pixels a decoded image may have
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
 MAX_IMAGE_PIXELS = 40_000_000
+#: decoded images an `ImageLoader` keeps by default (MB of RGB pixels: ~20 images of 2048 x 2048)
+DEFAULT_CACHE_MB = 256
 
 
 class ImageLoader:
@@ -25,10 +34,19 @@ class ImageLoader:
     Args:
         image_dirs: folders a local path (``/abs/file.png``, ``rel/file.png`` or ``file://...``) may point into;
             a path outside them is refused (403). Empty: local paths are refused.
+        cache_mb: decoded images kept for requests that send the same encoded bytes again (MB of RGB pixels; 0:
+            none). The images handed out are shared: they must not be modified.
     """
 
-    def __init__(self, image_dirs: list[str] | tuple[str, ...] = ()):
+    def __init__(self, image_dirs: list[str] | tuple[str, ...] = (), cache_mb: float = DEFAULT_CACHE_MB):
+        if isinstance(cache_mb, bool) or not isinstance(cache_mb, (int, float)) or cache_mb < 0:
+            raise ValueError(f"ImageLoader: cache_mb must be a number >= 0, got {cache_mb!r}")
         self.image_dirs = [os.path.realpath(d) for d in image_dirs]
+        self.cache_bytes = int(cache_mb * 1024 * 1024)
+        self._cache: OrderedDict[str, tuple[Image.Image, str, int]] = OrderedDict()  # sha256 of the bytes -> ...
+        self._cached_bytes = 0
+        self._lock = threading.Lock()
+        self.hits = 0
 
     def load(self, url, where: str) -> tuple[Image.Image, str]:
         if not isinstance(url, str) or not url:
@@ -45,7 +63,35 @@ class ImageLoader:
             data = self._local_file(url, where)
         else:
             raise RequestError(f"{where}: unsupported image URL scheme {scheme!r}; use a data: URL or a local file path")
-        return self._decode(data, where)
+        if not self.cache_bytes:
+            return self._decode(data, where)
+        key = hashlib.sha256(data).hexdigest()
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return cached[0], cached[1]
+        image, digest = self._decode(data, where)
+        self._remember(key, image, digest)
+        return image, digest
+
+    def _remember(self, key: str, image: Image.Image, digest: str) -> None:
+        size = image.width * image.height * 3
+        if size > self.cache_bytes:
+            return
+        with self._lock:
+            if key in self._cache:
+                return
+            self._cache[key] = (image, digest, size)
+            self._cached_bytes += size
+            while self._cached_bytes > self.cache_bytes:
+                _, (_, _, freed) = self._cache.popitem(last=False)
+                self._cached_bytes -= freed
+
+    @property
+    def cached_images(self) -> int:
+        return len(self._cache)
 
     # ------------------------------------------------------------------ sources
     @staticmethod

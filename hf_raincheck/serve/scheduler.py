@@ -9,9 +9,9 @@ Collecting a batch: the requests queued when the model thread takes the next one
 that arrived while the model was busy), up to ``max_batch_size``; when fewer are queued, it waits until
 ``batch_window_s`` after the first one arrived for more (a request that already waited that long is not held
 back). Each collected request is prepared (`turn.prepare_turn`: its conversation, inputs, context check; a bad
-one gets its 4xx), then the prepared ones are grouped by `batch.batch_key` (equal generation settings) and each
-group runs as one batched `generate` (`batch.run_batch`), in order of arrival. ``max_batch_size=1`` serves
-requests one at a time.
+one gets its 4xx), then the prepared ones are grouped by `batch.batch_key` (equal generation settings;
+``max_tokens`` may differ) and each group runs as one batched `generate` (`batch.run_batch`), in order of
+arrival. ``max_batch_size=1`` serves requests one at a time.
 
 Between requests (the queue is empty), it restores the pending deferred tokens of pooled conversations, the
 most recently used first, one `complete_deferred` chunk (``completion_chunk_size`` tokens) at a time, checking

@@ -4,8 +4,10 @@ transformers calls ``streamer.put(prompt)`` once with the prompt ``[B, L]``, the
 next tokens of each decode step, and ``end()`` once. A row that stopped early keeps receiving ``pad_token_id``
 in the later steps. The fan-out gives row i's streamer what a batch-1 `generate` of that row would have given
 it: its prompt row (``[1, L]``, left padding included), then its tokens one step at a time (``[1]``), up to and
-including its first end-of-sequence token; a padding token is held back until a later real token of the row
-shows it was part of the answer (a row ended by a stop string is followed by padding only), then ``end()``.
+including its first end-of-sequence token or its own token limit (``row_limits``: rows of one call with different
+``max_tokens``); a padding token is held back until a later real token of the row, or the row reaching its
+limit, shows it was part of the answer (a row ended by a stop string is followed by padding only), then
+``end()``.
 
 A row's streamer sees nothing before its first token: until then the row can still be run again alone with the
 same streamer (``started(i)`` says whether it has seen anything). A row whose streamer raises transformers'
@@ -28,15 +30,23 @@ class FanOutStreamer:
             streamed).
         eos_token_ids: the tokens that end a row.
         pad_token_id: the token that pads a row after it stopped.
+        row_limits: each row's most new tokens (None: no limit of its own; the call's ``max_new_tokens`` ends it).
     """
 
-    def __init__(self, streamers: list, eos_token_ids, pad_token_id: int):
+    def __init__(self, streamers: list, eos_token_ids, pad_token_id: int, row_limits: list[int] | None = None):
         if not isinstance(streamers, (list, tuple)) or not streamers:
             raise ValueError("FanOutStreamer: streamers must be a non-empty list (a streamer or None per row)")
+        rows = len(streamers)
+        if row_limits is not None and (
+                not isinstance(row_limits, (list, tuple)) or len(row_limits) != rows
+                or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in row_limits)):
+            raise ValueError(f"FanOutStreamer: row_limits must be None or one int >= 1 per row ({rows}), got "
+                             f"{row_limits!r}")
         self.streamers = list(streamers)
         self.eos = {int(t) for t in eos_token_ids}
         self.pad = int(pad_token_id)
-        rows = len(self.streamers)
+        self.row_limits = list(row_limits) if row_limits is not None else [None] * rows
+        self._count = [0] * rows  # tokens of the row so far (given or held)
         self.cancelled = [False] * rows
         self._ended = [s is None for s in self.streamers]  # nothing more goes to the row
         self._prompt: list[torch.Tensor | None] = [None] * rows  # given with the row's first token
@@ -67,7 +77,9 @@ class FanOutStreamer:
         for row, token in enumerate(tokens):
             if self._ended[row]:
                 continue
-            if token == self.pad and token not in self.eos:
+            self._count[row] += 1
+            at_limit = self._count[row] == self.row_limits[row]
+            if token == self.pad and token not in self.eos and not at_limit:
                 self._held[row] += 1
                 continue
             try:
@@ -76,7 +88,7 @@ class FanOutStreamer:
                 self.cancelled[row] = self._ended[row] = True
                 continue
             self._held[row] = 0
-            if token in self.eos:
+            if token in self.eos or at_limit:
                 self._ended[row] = True
         if all(self.cancelled):
             raise _GenerationCancelled()
