@@ -63,6 +63,11 @@ class BatchedDeferredPrefillCache(RunningCall, DynamicCache):
         self.values: list[torch.Tensor | None] = []
         self.filled: torch.Tensor | None = None  # bool [B, capacity]: row i's filled-slot mask is row i of it
         self.capacity = 0
+        # static (``cache_implementation="static"``): the shared buffers are reserved once per call
+        # (`reserve_static`) and are static addresses that compiled steps read and write in place
+        self.static = False
+        # compiled static steps: every row's deferred store, padded (`hf_raincheck.generation.shared_static`)
+        self.store_buffers: dict | None = None
 
     # ------------------------------------------------------------------ per-row views
     @property
@@ -159,6 +164,29 @@ class BatchedDeferredPrefillCache(RunningCall, DynamicCache):
             owner = weakref.ref(self)  # (weak: a row must not keep the other rows' caches alive)
             for row in self.rows:
                 row.shared_by = owner
+        if self.static:  # (an eager forward that needed more room: the new buffers are static addresses too)
+            self._mark_static()
+
+    def reserve_static(self, needed: int, device: torch.device) -> None:
+        """A static batch (``cache_implementation="static"``): shared buffers of at least `needed` slots, reserved
+        before the call's prefill so that nothing in the call reallocates them, and marked as static addresses
+        (compiled steps write them in place, CUDA graphs keep their addresses). The capacity grows only when a
+        later call needs more, geometrically in multiples of 256 like a batch-1 static cache, so a conversation's
+        later turns mostly keep the shapes its compiled steps were built for. Every row must have started
+        (no None)."""
+        self.static = True
+        for row in self.rows:
+            row.reserve(min(needed, 256), device)  # (the rows' bookkeeping on `device`; the shared mask replaces it)
+        if not (self._views_current() and needed <= self.capacity):
+            current = self.capacity if self._views_current() else 0
+            target = needed if needed <= current else max(needed, current + current // 2)
+            self.share_buffers(target)
+        self._mark_static()
+
+    def _mark_static(self) -> None:
+        for tensor in self.keys + self.values + [self.filled]:
+            if tensor is not None:
+                torch._dynamo.mark_static_address(tensor, guard=False)
 
     def _point_layer(self, idx: int) -> None:
         keys, values = self.keys[idx], self.values[idx]
@@ -219,6 +247,9 @@ class BatchedDeferredPrefillCache(RunningCall, DynamicCache):
             b, h, _, dk = key_states.shape
             self.keys[layer_idx] = key_states.new_zeros((b, h, self.capacity, dk))
             self.values[layer_idx] = value_states.new_zeros((b, h, self.capacity, value_states.shape[-1]))
+            if self.static:
+                torch._dynamo.mark_static_address(self.keys[layer_idx], guard=False)
+                torch._dynamo.mark_static_address(self.values[layer_idx], guard=False)
             self._point_layer(layer_idx)
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         slots = context.slots_on(key_states.device)  # [B, q]

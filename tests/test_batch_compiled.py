@@ -1,0 +1,141 @@
+"""Compiled static batches (``cache_implementation="static"``, B > 1 rows, attention-only families): the decode and
+fused steps of every row in one compiled graph per batch size and step kind (`generation/shared_static.py`).
+
+On the CPU dynamo compiles with the eager backend and ``fullgraph=True`` (a graph break fails the test), as
+tests/test_compiled_steps.py does for one row. Every row of a mixed left-padded batch (images of different sizes,
+two images, a text-only row, different lengths) must equal its own batch-1 compiled run and the dynamic shared
+engine (greedy tokens, step logits within the tolerance, caches, accounting), on the next turn too; rows that stop
+early keep restoring; the graphs are built once per batch size and reused across steps, turns, plans and
+conversations.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+
+from hf_raincheck import RaincheckConfig, enable_raincheck
+from hf_raincheck.cache.batched import BatchedDeferredPrefillCache
+from hf_raincheck.generation.shared_static import StaticBatchStep
+from hf_raincheck.testing import load_tiny_qwen2_5_vl, load_tiny_qwen3_vl, make_image
+from test_batch import CONVERSATIONS, _gen, _inputs, _messages, _next_turn_batch, assert_same_cache
+from test_compiled_steps import compile_config, graphs
+
+TOL = dict(atol=2e-5, rtol=1e-4)
+N = 8
+
+
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen2_5_vl"])
+def family(request, tiny_vl_path, tiny_qwen2_5_vl_path):
+    if request.param == "qwen3_vl":
+        model, processor = load_tiny_qwen3_vl(tiny_vl_path)
+    else:
+        model, processor = load_tiny_qwen2_5_vl(tiny_qwen2_5_vl_path)
+    return enable_raincheck(model), processor
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def steps(monkeypatch):
+    """Every compiled batch step run: ``(batch size, carry counts)``."""
+    seen = []
+    original = StaticBatchStep.__call__
+
+    def recording(self, adapter, group, bturn, tokens, live, counts):
+        seen.append((group.batch_size, list(counts), list(live)))
+        return original(self, adapter, group, bturn, tokens, live, counts)
+
+    monkeypatch.setattr(StaticBatchStep, "__call__", recording)
+    return seen
+
+
+def compiled(model, inputs, cfg, n=N, **kw):
+    return _gen(model, inputs, cfg, n=n, output_logits=True, cache_implementation="static",
+                compile_config=compile_config(), **kw)
+
+
+def assert_rows_equal(out, ref, width, rows, ref_width=None, ref_rows=None):
+    """Rows `rows` of batch output `out` equal rows `ref_rows` of `ref` (tokens, and step logits while the row
+    runs)."""
+    ref_width = width if ref_width is None else ref_width
+    for i, j in zip(rows, rows if ref_rows is None else ref_rows):
+        new = ref.sequences[j, ref_width:].tolist()
+        assert out.sequences[i, width:width + len(new)].tolist() == new, f"row {i}"
+        for step, (a, b) in enumerate(zip(out.logits[: len(new)], ref.logits)):
+            torch.testing.assert_close(a[i], b[j], **TOL, msg=f"row {i} step {step}")
+
+
+FOLLOW = [{"role": "user", "content": [{"type": "image", "image": make_image(9, (64, 96))},
+                                       {"type": "text", "text": "And this one?"}]}]
+
+
+def test_compiled_static_batch_equals_batch1_and_the_shared_engine(family, steps):
+    """A mixed batch, two turns (the second with a new image in every row: new plans, and what each row left
+    pending folded into its prefill), then new conversations: every row equals its batch-1 compiled run and the
+    dynamic shared engine; two graphs in all (decode-only and fused, at B = 4), never recompiled."""
+    model, processor = family
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion="next_turn")
+    batch = _inputs(processor, CONVERSATIONS)
+    width = batch["input_ids"].shape[1]
+    alone_runs = []
+    for conversation in CONVERSATIONS:  # each row alone, compiled at B = 1 (graphs of their own)
+        alone = _inputs(processor, [conversation])
+        alone_runs.append((alone, compiled(model, alone, cfg)))
+    before = graphs()
+    out = compiled(model, batch, cfg)
+    assert graphs() == before + 2
+    fused = [s for s in steps if s[0] == len(CONVERSATIONS) and any(s[1])]
+    assert len(steps) == N - 1 and fused  # every decode step of the batch ran compiled, fused ones among them
+    group = out.past_key_values
+    assert isinstance(group, BatchedDeferredPrefillCache) and group.static
+    eager = _gen(model, batch, cfg, n=N, output_logits=True)  # the dynamic shared engine
+    assert torch.equal(out.sequences, eager.sequences)
+    assert_rows_equal(out, eager, width, range(len(CONVERSATIONS)))
+    for i, (alone, ref) in enumerate(alone_runs):
+        assert_rows_equal(out, ref, width, [i], alone["input_ids"].shape[1], [0])
+        row = group.rows[i]
+        assert group.row_turn_stats[i] == ref.past_key_values.turn_stats == eager.past_key_values.row_turn_stats[i]
+        assert row.token_ids == ref.past_key_values.token_ids
+        assert_same_cache(row, eager.past_key_values.rows[i])
+        record = row.turn_stats[0]  # exactly once: carried during decode, or still pending
+        assert record.deferred == record.restored_during_decode + record.pending_at_answer_end == row.total_deferred
+    assert group.row_pending == eager.past_key_values.row_pending and group.row_pending[1] > 0
+    capacity = group.capacity
+
+    # turn 2: every row continues (past_key_values=the batch cache), each with a new image
+    rows = list(range(len(CONVERSATIONS)))
+    turn2 = _next_turn_batch(processor, batch, out, rows, FOLLOW)
+    pending = group.row_pending
+    out2 = compiled(model, turn2, cfg, past_key_values=group)
+    eager2 = _gen(model, turn2, cfg, n=N, output_logits=True, past_key_values=eager.past_key_values)
+    width2 = turn2["input_ids"].shape[1]
+    assert out2.past_key_values is group and group.capacity == capacity
+    assert torch.equal(out2.sequences, eager2.sequences)
+    assert_rows_equal(out2, eager2, width2, rows)
+    assert group.row_turn_stats == eager2.past_key_values.row_turn_stats
+    for i, row in enumerate(group.rows):
+        assert row.turn_stats[1].restored_in_prefill == pending[i]
+        ref_plans = eager2.past_key_values.row_plans[i]
+        assert [p.deferred.tolist() for p in row.plans] == [p.deferred.tolist() for p in ref_plans]
+        assert_same_cache(row, eager2.past_key_values.rows[i])
+    assert any(any(s[1]) for s in steps[len(fused):])
+    assert graphs() == before + 2  # the same two graphs: other plans, another turn
+
+    # new conversations of the same batch size and capacity (other images, other plans): still the same graphs
+    others = [_messages([make_image(5, (96, 64))], "Shapes?"), _messages([], "Hello there"),
+              _messages([make_image(6), make_image(7, (64, 64))], "Which is brighter?"),
+              _messages([make_image(8)], "Count the colours, please")]
+    batch3 = _inputs(processor, others)
+    out3 = compiled(model, batch3, cfg)
+    assert out3.past_key_values.capacity == capacity and graphs() == before + 2
+    eager3 = _gen(model, batch3, cfg, n=N, output_logits=True)
+    assert_rows_equal(out3, eager3, batch3["input_ids"].shape[1], range(len(others)))
+
