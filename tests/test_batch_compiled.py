@@ -62,14 +62,15 @@ def compiled(model, inputs, cfg, n=N, **kw):
                 compile_config=compile_config(), **kw)
 
 
-def assert_rows_equal(out, ref, width, rows, ref_width=None, ref_rows=None):
+def assert_rows_equal(out, ref, width, rows, ref_width=None, ref_rows=None, eos=None):
     """Rows `rows` of batch output `out` equal rows `ref_rows` of `ref` (tokens, and step logits while the row
-    runs)."""
+    runs: up to its `eos`; a stopped row's logits are padding's)."""
     ref_width = width if ref_width is None else ref_width
     for i, j in zip(rows, rows if ref_rows is None else ref_rows):
         new = ref.sequences[j, ref_width:].tolist()
         assert out.sequences[i, width:width + len(new)].tolist() == new, f"row {i}"
-        for step, (a, b) in enumerate(zip(out.logits[: len(new)], ref.logits)):
+        ran = new.index(eos) + 1 if eos in new else len(new)
+        for step, (a, b) in enumerate(zip(out.logits[:ran], ref.logits[:ran])):
             torch.testing.assert_close(a[i], b[j], **TOL, msg=f"row {i} step {step}")
 
 
@@ -139,3 +140,40 @@ def test_compiled_static_batch_equals_batch1_and_the_shared_engine(family, steps
     eager3 = _gen(model, batch3, cfg, n=N, output_logits=True)
     assert_rows_equal(out3, eager3, batch3["input_ids"].shape[1], range(len(others)))
 
+
+
+@pytest.mark.parametrize("completion", ["blocking", "next_turn"])
+def test_rows_stopping_early_keep_restoring_in_compiled_steps(family, steps, completion):
+    """A row that stops early (EOS) is fed nothing more but keeps restoring its deferred tokens in the compiled
+    fused steps (``blocking``), or leaves them for its next turn (``next_turn``), exactly as the dynamic shared
+    engine; every row's deferred tokens are prefilled exactly once; a binding ``step_deferred_budget`` cuts the
+    carries as there."""
+    model, processor = family
+    conversations = [CONVERSATIONS[1], CONVERSATIONS[0], CONVERSATIONS[3]]
+    batch = _inputs(processor, conversations)
+    width = batch["input_ids"].shape[1]
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=1, completion=completion, step_deferred_budget=5)
+    probe = _gen(model, batch, cfg, n=N)
+    new = probe.sequences[:, width:].tolist()
+    stop = next(t for t in new[0][1:4] if t not in new[1] and t not in new[2])  # row 0 stops early, the others not
+    kw = dict(eos_token_id=stop, pad_token_id=0)
+    out = compiled(model, batch, cfg, n=N + 4, **kw)
+    eager = _gen(model, batch, cfg, n=N + 4, output_logits=True, **kw)
+    assert torch.equal(out.sequences, eager.sequences)
+    assert_rows_equal(out, eager, width, range(len(conversations)), eos=stop)
+    stopped = [s for s in steps if not s[2][0]]
+    assert stopped and any(s[1][0] for s in stopped) == (completion == "blocking")  # restoring after its stop
+    assert any(sum(s[1]) == 5 and any(0 < c < 3 for c in s[1]) for s in steps)  # the budget did bind
+    group, ref = out.past_key_values, eager.past_key_values
+    assert group.row_turn_stats == ref.row_turn_stats and group.row_pending == ref.row_pending
+    for i, row in enumerate(group.rows):
+        record = row.turn_stats[0]
+        assert record.deferred == record.restored_during_decode + record.pending_at_answer_end > 0
+        assert row.token_ids == ref.rows[i].token_ids
+        if completion == "blocking":
+            assert record.restored_after_answer == record.pending_at_answer_end and row.pending == 0
+            assert bool(row.filled_prefix(row.length).all())  # every slot restored once, nothing else marked
+            assert_same_cache(row, ref.rows[i])
+        else:
+            assert row.pending == record.pending_at_answer_end
+    assert int(group.filled.sum()) == sum(int(r.filled_prefix(r.length).sum()) for r in group.rows)  # no scratch

@@ -230,6 +230,8 @@ def generate_batch(model, state, raincheck_config, kwargs: dict, gen_config, cac
                 static_new = max(gen_config.max_length - input_ids.shape[1], 1)
         return _generate_shared(model, state, raincheck_config, kwargs, gen_config, input_ids, mask, rows, past,
                                 backend, static_new)
+    if cache_implementation is not None:  # (each row's batch-1 call builds its cache of that kind)
+        kwargs["cache_implementation"] = cache_implementation
     return _generate_one_by_one(model, raincheck_config, kwargs, gen_config, input_ids, rows, past)
 
 
