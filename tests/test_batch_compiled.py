@@ -177,3 +177,46 @@ def test_rows_stopping_early_keep_restoring_in_compiled_steps(family, steps, com
         else:
             assert row.pending == record.pending_at_answer_end
     assert int(group.filled.sum()) == sum(int(r.filled_prefix(r.length).sum()) for r in group.rows)  # no scratch
+
+
+def test_an_interrupted_compiled_step_rolls_every_row_back(family, monkeypatch):
+    """Ctrl-C after a compiled fused step marked its slots inside the graph (while its progress is being counted):
+    every row's transaction puts the row back as before the step (filled mask, plan progress, tokens, counters),
+    and the rows' locks are free."""
+    import dataclasses
+
+    import hf_raincheck.generation.shared_static as shared_static
+
+    model, processor = family
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=1, completion="next_turn")
+    batch = _inputs(processor, CONVERSATIONS[:3])
+    before = []
+    original = StaticBatchStep.__call__
+
+    def snapshot(self, adapter, group, bturn, tokens, live, counts):
+        if any(counts):
+            before.append([(r.filled_prefix(group.capacity).clone(), [p.restored for p in r.plans], r.token_ids,
+                            dataclasses.astuple(r.stats), [dataclasses.astuple(t) for t in r.turn_stats])
+                           for r in group.rows])
+        return original(self, adapter, group, bturn, tokens, live, counts)
+
+    count_restored = shared_static.count_restored
+
+    def interrupted_at_the_second_fused_step(cache, plan, count):
+        if len(before) == 2:
+            raise KeyboardInterrupt
+        count_restored(cache, plan, count)
+
+    group = BatchedDeferredPrefillCache([None] * 3)
+    monkeypatch.setattr(StaticBatchStep, "__call__", snapshot)
+    monkeypatch.setattr(shared_static, "count_restored", interrupted_at_the_second_fused_step)
+    with pytest.raises(KeyboardInterrupt):
+        compiled(model, batch, cfg, past_key_values=group)
+    assert len(before) == 2
+    for row, (filled, restored, tokens, stats, turns) in zip(group.rows, before[-1]):
+        assert torch.equal(row.filled_prefix(group.capacity), filled)
+        assert [p.restored for p in row.plans] == restored and row.token_ids == tokens
+        assert dataclasses.astuple(row.stats) == stats and [dataclasses.astuple(t) for t in row.turn_stats] == turns
+        assert row.lock.acquire(blocking=False)
+        row.lock.release()
+    assert group.active_turn is None and group.forward_context is None
