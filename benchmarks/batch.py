@@ -631,7 +631,7 @@ def parse_args(argv=None):
                         help=f"comma list of {sorted(SHAPES)} (default qwen3-vl-8b; --quick tiny)")
     parser.add_argument("--cache", default="dynamic", choices=("dynamic", "static"),
                         help="dynamic: eager decode (the shared engine); static: cache_implementation='static', "
-                             "compiled steps (Raincheck's rows one by one for now)")
+                             "compiled steps (Qwen3.5's Raincheck rows one by one)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="default 1 4 8 16 (--quick 1 3)")
     parser.add_argument("--image-tokens", default=None,
                         help="merged tokens of each row's image (squares), a comma list cycled over the rows for "

@@ -220,3 +220,34 @@ def test_an_interrupted_compiled_step_rolls_every_row_back(family, monkeypatch):
         assert row.lock.acquire(blocking=False)
         row.lock.release()
     assert group.active_turn is None and group.forward_context is None
+
+
+def test_a_new_static_batch_takes_a_freed_batchs_buffers(family):
+    """A freed static batch's buffers (KV, filled mask, padded store) go to the static buffer pool once no row
+    cache views them, so the next batch of the same size and capacity takes those very tensors (its CUDA graphs
+    replay instead of recording again); a row kept after its batch keeps its entries: its buffers are not handed
+    out."""
+    import gc
+
+    model, processor = family
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=1, completion="next_turn")
+    batch = _inputs(processor, CONVERSATIONS)
+    run = lambda: compiled(model, batch, cfg, n=6)  # noqa: E731
+    out = run()
+    first = dict(out.past_key_values.pooled)  # (held: their memory cannot be reused by chance)
+    assert {"filled", "store.embeds"} <= first.keys() and any(k.endswith(".keys") for k in first)
+    assert out.past_key_values.store_buffers["embeds"] is first["store.embeds"]
+    kept = out.past_key_values.split()[1]
+    keys = next(layer.keys for layer in kept.layers if layer.is_initialized)
+    before = keys[:, :, : kept.length].clone()
+    del out
+    gc.collect()
+    again = run()
+    second = dict(again.past_key_values.pooled)
+    assert not any(second[k] is first[k] for k in second)  # row 1 still views the first batch's buffers
+    torch.testing.assert_close(keys[:, :, : kept.length], before, atol=0, rtol=0)
+    del kept, keys, again
+    gc.collect()
+    third = run()
+    assert all(t is second[k] or t is first[k] for k, t in third.past_key_values.pooled.items())
+    assert third.past_key_values.pooled.keys() == second.keys()

@@ -117,7 +117,7 @@ class StaticBatchStep:
         key = (width, len(caches), ref.store_embeds.shape[-1], ref.store_embeds.dtype, group.filled.device, layers,
                ref.store_positions.shape[0])
         if buffers is None or buffers["key"] != key:
-            buffers = group.store_buffers = _store_buffers(key, ref)
+            buffers = group.store_buffers = _store_buffers(group, key, ref)
         for name in ("embeds", "positions", "slots", "valid", "boundary", "deferred_slots"):
             buffers[name].zero_()
         for f in buffers["deepstack"] or ():
@@ -186,23 +186,19 @@ class StaticBatchStep:
         return logits
 
 
-def _store_buffers(key: tuple, ref) -> dict:
-    """Zero padded-store buffers for `key` ``(width, B, H, dtype, device, deepstack layers, position axes)``,
-    marked as static addresses (compiled steps read them in place; CUDA graphs keep their addresses)."""
+def _store_buffers(group: BatchedDeferredPrefillCache, key: tuple, ref) -> dict:
+    """Zero padded-store buffers for `key` ``(width, B, H, dtype, device, deepstack layers, position axes)``: the
+    batch's pooled static addresses (`BatchedDeferredPrefillCache.zeros`; compiled steps read them in place, CUDA
+    graphs keep their addresses)."""
     width, batch, hidden, dtype, device, layers, axes = key
-    buffers = dict(
+    zeros = group.zeros
+    return dict(
         key=key, plans=[], width=width,
-        embeds=torch.zeros((batch, width, hidden), dtype=dtype, device=device),
-        positions=torch.zeros((axes, batch, width), dtype=ref.store_positions.dtype, device=device),
-        slots=torch.zeros((batch, width), dtype=torch.long, device=device),
-        valid=torch.zeros((batch, width), dtype=torch.bool, device=device),
-        deepstack=[torch.zeros((batch, width, hidden), dtype=dtype, device=device) for _ in range(layers)] or None,
-        boundary=torch.zeros((batch,), dtype=torch.long, device=device),
-        deferred_slots=torch.zeros((batch, width), dtype=torch.bool, device=device),
+        embeds=zeros("store.embeds", (batch, width, hidden), dtype, device),
+        positions=zeros("store.positions", (axes, batch, width), ref.store_positions.dtype, device),
+        slots=zeros("store.slots", (batch, width), torch.long, device),
+        valid=zeros("store.valid", (batch, width), torch.bool, device),
+        deepstack=[zeros(f"store.deepstack{k}", (batch, width, hidden), dtype, device) for k in range(layers)] or None,
+        boundary=zeros("store.boundary", (batch,), torch.long, device),
+        deferred_slots=zeros("store.deferred_slots", (batch, width), torch.bool, device),
     )
-    for name, value in buffers.items():
-        if isinstance(value, torch.Tensor):
-            torch._dynamo.mark_static_address(value, guard=False)
-    for f in buffers["deepstack"] or ():
-        torch._dynamo.mark_static_address(f, guard=False)
-    return buffers
