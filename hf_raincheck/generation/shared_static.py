@@ -103,13 +103,14 @@ class StaticBatchStep:
         set of plans and capacity): row b's store row i at ``[b, i]``, zeros and ``valid`` False elsewhere, so
         each fused step passes the same tensors and gathers every row's window inside the graph."""
         caches = group.rows
-        plans = [c.plan if c.plan is not None and c.plan.pending else None for c in caches]
+        current = [c.plan for c in caches]  # (a plan finishing during the call keeps the copy: no new copy then)
+        plans = [p if p is not None and p.pending else None for p in current]
         if not any(plans):
             return
         width = group.capacity
         buffers = group.store_buffers
-        if buffers is not None and buffers["width"] == width and all(
-                a is b for a, b in zip(buffers["plans"], plans)):
+        if buffers is not None and buffers["width"] == width and len(buffers["plans"]) == len(current) and all(
+                a is b for a, b in zip(buffers["plans"], current)):
             return
         ref = next(p for p in plans if p is not None)
         layers = max((len(p.store_deepstack) for p in plans if p is not None and p.store_deepstack is not None),
@@ -139,7 +140,7 @@ class StaticBatchStep:
                     target[b, r:total] = source[r:total].to(target.dtype)
             buffers["boundary"][b] = plan.boundary
             buffers["deferred_slots"][b, : plan.boundary] = plan.deferred_slot_mask[: plan.boundary]
-        buffers["plans"] = plans
+        buffers["plans"] = current
         buffers["width"] = width
 
     def __call__(self, adapter, group: BatchedDeferredPrefillCache, bturn, tokens: torch.Tensor, live: list[bool],
