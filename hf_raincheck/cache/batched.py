@@ -293,7 +293,7 @@ class BatchedDeferredPrefillCache(RunningCall, DynamicCache):
 
 # freed static batches whose buffers some row cache still views: (buffers by name, weak references to the rows)
 _RETIRED: list[tuple[dict, list]] = []
-_RETIRED_LOCK = threading.Lock()
+_RETIRED_LOCK = threading.RLock()  # (re-entrant: a collection inside the lock may run a batch's `_retire`)
 
 
 def _viewed(row: DeferredPrefillCache | None, storages: set[int]) -> bool:
@@ -320,6 +320,10 @@ def _recycle() -> None:
         storages = {t.untyped_storage().data_ptr() for t in buffers.values()}
         if not any(_viewed(ref(), storages) for ref in rows):
             free.append(entry)
-    with _RETIRED_LOCK: _RETIRED[:] = [e for e in _RETIRED if all(e is not f for f in free)]  # noqa: E701
+    with _RETIRED_LOCK:
+        for entry in free:  # (by identity: entries appended meanwhile stay)
+            index = next((i for i, e in enumerate(_RETIRED) if e is entry), None)
+            if index is not None:
+                del _RETIRED[index]
     for buffers, _ in free:
         POOL.give({f"batch.{name}": tensor for name, tensor in buffers.items()})
