@@ -31,6 +31,7 @@ from ..cache.batched import BatchedDeferredPrefillCache
 from .row_stops import RowStopsSlot
 from .shared_batch import finish_batch, prepare_batch_turn
 from .shared_static import StaticBatchStep, scratch_rows
+from .static_step import static_step
 
 #: generate arguments that a batched Raincheck call refuses, and why
 _UNSUPPORTED_ALWAYS = {
@@ -301,10 +302,8 @@ def static_capacity(bturn, group: BatchedDeferredPrefillCache, max_new: int, con
 
 def static_batch_step(model, state, gen_config, device: torch.device) -> StaticBatchStep | None:
     """The compiled steps of a static batch, where transformers' rules compile a static cache's steps (as for
-    one row: `enable._static_step`), with the same compile options; None: the steps run eagerly."""
-    from .enable import _static_step  # (enable imports this module)
-
-    single = _static_step(model, state, gen_config, device)
+    one row: `static_step.static_step`), with the same compile options; None: the steps run eagerly."""
+    single = static_step(model, state, gen_config, device)
     if single is None:
         return None
     key = ("batch", repr(sorted(single.options.items())))
