@@ -19,9 +19,10 @@ pixels and text drawn from its own seed (different images). Answers of ``--new-t
   every row's deferred tokens restored (as ``latency.py``). Full and Hard are blocking too (nothing to complete).
 
 Cache kinds (``--cache``): ``dynamic`` (default; eager decode): batches run in the shared engine (every row in each
-forward; Qwen3.5 too); ``static`` (``cache_implementation="static"``, compiled steps): the Raincheck methods run the
-batch's rows one after the other through the batch-1 path for now. Each record says how its rows ran (``rows``: ``batched`` for plain generate, ``batch-1``,
-``shared`` or ``one by one``; ``rows_why`` says why). Plain generate on a static cache gets one ``StaticCache`` per
+forward; Qwen3.5 too); ``static`` (``cache_implementation="static"``, compiled steps): Qwen3-VL batches run the shared
+engine on a static batch cache with compiled decode / fused steps at batch B (``generation/shared_static.py``);
+Qwen3.5's rows run one after the other through the compiled batch-1 path. Each record says how its rows ran (``rows``:
+``batched`` for plain generate, ``batch-1``, ``shared`` or ``one by one``; ``rows_why`` says why). Plain generate on a static cache gets one ``StaticCache`` per
 batch size (emptied before each call, so its compiled decode step records one graph per B).
 
 Measurements, per (model, B): every method first warms up (an answer of ``--warmup-tokens``: 48 on a dynamic
@@ -630,7 +631,7 @@ def parse_args(argv=None):
                         help=f"comma list of {sorted(SHAPES)} (default qwen3-vl-8b; --quick tiny)")
     parser.add_argument("--cache", default="dynamic", choices=("dynamic", "static"),
                         help="dynamic: eager decode (the shared engine); static: cache_implementation='static', "
-                             "compiled steps (Raincheck's rows one by one for now)")
+                             "compiled steps (Qwen3.5's Raincheck rows one by one)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="default 1 4 8 16 (--quick 1 3)")
     parser.add_argument("--image-tokens", default=None,
                         help="merged tokens of each row's image (squares), a comma list cycled over the rows for "

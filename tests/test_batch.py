@@ -302,13 +302,16 @@ def test_a_binding_step_budget_equals_batch1_fed_the_same_counts(family, monkeyp
 def test_unsupported_batches_raise(family):
     model, processor = family
     batch = _inputs(processor, CONVERSATIONS[:2])
-    for kw, message in [
+    one_by_one = []
+    if model.config.model_type == "qwen3_5":  # (its static batches run row by row: test_static_batches_equal_batch1)
+        one_by_one = [(dict(cache_implementation="static", output_logits=True),
+                       "output_logits .* not supported when the rows run")]
+    for kw, message in one_by_one + [
         (dict(streamer=TextStreamer(processor.tokenizer)), "only supports batch size 1"),  # (transformers' own)
         (dict(output_attentions=True), "output_attentions"),
         (dict(num_beams=2), "beam search is not supported"),
         (dict(num_return_sequences=2, do_sample=True, past_key_values=BatchedDeferredPrefillCache([None, None])),
          "num_return_sequences > 1 starts new conversations"),
-        (dict(cache_implementation="static", output_logits=True), "output_logits .* not supported when the rows run"),
         (dict(past_key_values=DeferredPrefillCache(2)), "past_key_values must be a BatchedDeferredPrefillCache"),
         (dict(past_key_values=BatchedDeferredPrefillCache([None])), "holds 1 rows but input_ids has 2"),
     ]:
@@ -320,13 +323,23 @@ def test_unsupported_batches_raise(family):
         _gen(model, right, CFG, n=2)
 
 
-def test_static_batch_rows_one_after_the_other_equal_batch1(family):
-    """Static caches run a batch's rows one after the other through the batch-1 path."""
+def test_static_batches_equal_batch1(family):
+    """Static caches: Qwen3-VL and Qwen2.5-VL run the shared engine on a static batch cache (its steps eager on the
+    CPU without a compile config, compiled otherwise: tests/test_batch_compiled.py); Qwen3.5 runs the rows one after
+    the other through the batch-1 path, and says why."""
+    from hf_raincheck.generation.batch import shared_steps_supported
+    from hf_raincheck.generation.state import raincheck_state
+
     model, processor = family
     kw = dict(cache_implementation="static")
     conversations = CONVERSATIONS[:3]
     batch = _inputs(processor, conversations)
     out = _gen(model, batch, CFG, n=6, **kw)
+    why = shared_steps_supported(raincheck_state(model, "test"), "static", "sdpa", None)
+    if model.config.model_type == "qwen3_5":
+        assert "Gated DeltaNet" in why and all(r.static for r in out.past_key_values.rows)
+    else:
+        assert why is None and out.past_key_values.static and not any(r.static for r in out.past_key_values.rows)
     width = batch["input_ids"].shape[1]
     for i, conversation in enumerate(conversations):
         alone = _inputs(processor, [conversation])

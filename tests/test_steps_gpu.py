@@ -219,3 +219,48 @@ def test_eager_decode_attention_builds_no_cudnn_plan_per_step():
     assert attention and not any("cudnn" in name for name in names), sorted(names)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
+def test_compiled_static_batch_equals_eager_on_cuda(family, tiny_vl_path, tiny_qwen2_5_vl_path):
+    """A mixed left-padded batch of 4 rows on a static cache (inductor, CUDA graphs: transformers' default
+    ``CompileConfig``): the same tokens as the eager shared engine on a dynamic cache, step logits within the
+    CUDA tolerance, two graphs (decode-only and fused at B = 4) that a second batch of other conversations reuses,
+    and every compiled step replays as a CUDA graph."""
+    from test_batch import CONVERSATIONS, _inputs, _messages
+    from transformers.generation.configuration_utils import CompileConfig
+
+    from hf_raincheck.testing import load_tiny_qwen2_5_vl, load_tiny_qwen3_vl, make_image
+
+    load = load_tiny_qwen3_vl if family == "qwen3_vl" else load_tiny_qwen2_5_vl
+    model, processor = load(tiny_vl_path if family == "qwen3_vl" else tiny_qwen2_5_vl_path)
+    model = enable_raincheck(model.cuda())
+    cfg = RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=2, pruning="uniform", completion="blocking")
+    others = [_messages([make_image(5, (96, 64))], "Shapes?"), _messages([], "Hello there"),
+              _messages([make_image(6), make_image(7, (64, 64))], "Which is brighter?"),
+              _messages([make_image(8)], "Count the colours, please")]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+    def run(conversations, **kw):
+        batch = _cuda(_inputs(processor, conversations))
+        with torch.no_grad():
+            out = model.generate(**batch, raincheck_config=cfg, max_new_tokens=16, do_sample=False,
+                                 return_dict_in_generate=True, output_logits=True, **kw)
+        return out
+
+    static = dict(cache_implementation="static", compile_config=CompileConfig())
+    with _CudagraphSkips() as skips:
+        for conversations in (CONVERSATIONS, others):
+            eager = run(conversations)
+            compiled = run(conversations, **static)
+            diff = float((torch.stack(compiled.logits) - torch.stack(eager.logits)).abs().max())
+            print(f"\n{family}: compiled static batch vs eager shared engine: max abs logit diff {diff:.2e}; "
+                  f"graphs {torch._dynamo.utils.counters['stats']['unique_graphs']}")
+            assert torch.equal(compiled.sequences, eager.sequences)
+            torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(eager.logits), atol=2e-3, rtol=2e-3)
+            assert compiled.past_key_values.static
+            assert compiled.past_key_values.row_turn_stats == eager.past_key_values.row_turn_stats
+            assert compiled.past_key_values.row_pending == [0] * len(conversations)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0, skips.messages

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
 from transformers.cache_utils import DynamicCache
 
+from .buffer_pool import POOL
 from .deferred_cache import DeferredPrefillCache
 from .forward_context import RunningCall
 from .slot_layer import _GROWTH
@@ -40,6 +42,10 @@ class BatchedDeferredPrefillCache(RunningCall, DynamicCache):
             (``model.generate(**next_inputs_of_row_i, past_key_values=caches[i], raincheck_config=cfg)``).
         wait(timeout=None) / cancel(): every row's background completion worker (``completion="background"``).
 
+    Static batches (``cache_implementation="static"``): `reserve_static` reserves the shared buffers once per call
+    as static addresses; they come from and go back to the static buffer pool (`zeros`), like a batch-1 static
+    cache's, once the batch is freed and no row cache views them.
+
     For the generation code: `share_buffers` (the shared buffers and the rows' views; ``filled``, bool
     ``[B, capacity]``, whose row i is row i's filled-slot mask),
     `begin_forward` / `end_forward` (a `ForwardContext` whose ``write_slots`` are ``[B, q]``), `update` (the
@@ -63,6 +69,12 @@ class BatchedDeferredPrefillCache(RunningCall, DynamicCache):
         self.values: list[torch.Tensor | None] = []
         self.filled: torch.Tensor | None = None  # bool [B, capacity]: row i's filled-slot mask is row i of it
         self.capacity = 0
+        # static (``cache_implementation="static"``): the shared buffers are reserved once per call
+        # (`reserve_static`) and are static addresses that compiled steps read and write in place
+        self.static = False
+        # compiled static steps: every row's deferred store, padded (`hf_raincheck.generation.shared_static`)
+        self.store_buffers: dict | None = None
+        self.pooled: dict[str, torch.Tensor] = {}  # static: the buffers by role name (`zeros`)
 
     # ------------------------------------------------------------------ per-row views
     @property
@@ -134,8 +146,11 @@ class BatchedDeferredPrefillCache(RunningCall, DynamicCache):
             ref = next((r.layers[idx] for r in self.rows if r.layers[idx].is_initialized), None)
             if ref is None:
                 continue
-            k = ref.keys.new_zeros((self.batch_size, ref.keys.shape[1], capacity, ref.keys.shape[3]))
-            v = ref.values.new_zeros((self.batch_size, ref.values.shape[1], capacity, ref.values.shape[3]))
+            k = self.zeros(f"layer{idx}.keys", (self.batch_size, ref.keys.shape[1], capacity, ref.keys.shape[3]),
+                           ref.keys.dtype, ref.keys.device)
+            v = self.zeros(f"layer{idx}.values",
+                           (self.batch_size, ref.values.shape[1], capacity, ref.values.shape[3]),
+                           ref.values.dtype, ref.values.device)
             for i, row in enumerate(self.rows):
                 layer = row.layers[idx]
                 if layer.is_initialized:
@@ -148,7 +163,7 @@ class BatchedDeferredPrefillCache(RunningCall, DynamicCache):
             device = next((r.device for r in self.rows if r.device is not None), None)
         filled = None
         if device is not None:
-            filled = torch.zeros((self.batch_size, capacity), dtype=torch.bool, device=device)
+            filled = self.zeros("filled", (self.batch_size, capacity), torch.bool, device)
             for i, row in enumerate(self.rows):
                 row.adopt_filled(filled[i])
         self.keys, self.values, self.capacity, self.filled = keys, values, capacity, filled
@@ -159,6 +174,51 @@ class BatchedDeferredPrefillCache(RunningCall, DynamicCache):
             owner = weakref.ref(self)  # (weak: a row must not keep the other rows' caches alive)
             for row in self.rows:
                 row.shared_by = owner
+        if self.static:  # (an eager forward that needed more room: the new buffers are static addresses too)
+            self._mark_static()
+
+    def reserve_static(self, needed: int, device: torch.device) -> None:
+        """A static batch (``cache_implementation="static"``): shared buffers of at least `needed` slots, reserved
+        before the call's prefill so that nothing in the call reallocates them, and marked as static addresses
+        (compiled steps write them in place, CUDA graphs keep their addresses). The capacity grows only when a
+        later call needs more, geometrically in multiples of 256 like a batch-1 static cache, so a conversation's
+        later turns mostly keep the shapes its compiled steps were built for. Every row must have started
+        (no None)."""
+        if not self.static:
+            self.static = True
+            _recycle()  # (freed static batches whose rows have let go of their buffers: into the pool first)
+            rows = [weakref.ref(r) for r in self.rows]
+            weakref.finalize(self, _retire, self.pooled, rows).atexit = False
+            for row in self.rows:  # (a row freed after the batch may be the last one viewing its buffers)
+                weakref.finalize(row, _recycle).atexit = False
+        for row in self.rows:
+            row.reserve(min(needed, 256), device)  # (the rows' bookkeeping on `device`; the shared mask replaces it)
+        if not (self._views_current() and needed <= self.capacity):
+            current = self.capacity if self._views_current() else 0
+            target = needed if needed <= current else max(needed, current + current // 2)
+            self.share_buffers(target)
+        self._mark_static()
+
+    def zeros(self, name: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
+        """A zero buffer of role `name` (``"layer3.keys"``, ``"filled"``, ``"store.embeds"``...). A static batch's
+        buffers come from, and go back to, the static buffer pool (`hf_raincheck.cache.buffer_pool`, under
+        ``"batch."`` names), so a new batch of the same size and capacity takes a freed one's addresses and its
+        compiled steps' CUDA graphs replay instead of recording again; they are unguarded static addresses. They go
+        back once this cache is freed and no row cache still views them (a row kept after the batch, continued
+        alone or in another batch, moves to buffers of its own first: `DeferredPrefillCache.detach_shared`)."""
+        if not self.static:
+            return torch.zeros(shape, dtype=dtype, device=device)
+        tensor = POOL.take(f"batch.{name}", shape, dtype, device)
+        if tensor is None:
+            tensor = torch.zeros(shape, dtype=dtype, device=device)
+        torch._dynamo.mark_static_address(tensor, guard=False)
+        self.pooled[name] = tensor
+        return tensor
+
+    def _mark_static(self) -> None:
+        for tensor in self.keys + self.values + [self.filled]:
+            if tensor is not None:
+                torch._dynamo.mark_static_address(tensor, guard=False)
 
     def _point_layer(self, idx: int) -> None:
         keys, values = self.keys[idx], self.values[idx]
@@ -217,8 +277,11 @@ class BatchedDeferredPrefillCache(RunningCall, DynamicCache):
             )
         if self.keys[layer_idx] is None:  # the layer's first write in any row: its shared buffers now
             b, h, _, dk = key_states.shape
-            self.keys[layer_idx] = key_states.new_zeros((b, h, self.capacity, dk))
-            self.values[layer_idx] = value_states.new_zeros((b, h, self.capacity, value_states.shape[-1]))
+            self.keys[layer_idx] = self.zeros(f"layer{layer_idx}.keys", (b, h, self.capacity, dk), key_states.dtype,
+                                              key_states.device)
+            self.values[layer_idx] = self.zeros(f"layer{layer_idx}.values",
+                                                (b, h, self.capacity, value_states.shape[-1]), value_states.dtype,
+                                                value_states.device)
             self._point_layer(layer_idx)
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         slots = context.slots_on(key_states.device)  # [B, q]
@@ -226,3 +289,41 @@ class BatchedDeferredPrefillCache(RunningCall, DynamicCache):
         keys.scatter_(2, index.expand(-1, keys.shape[1], -1, keys.shape[3]), key_states.to(keys.dtype))
         values.scatter_(2, index.expand(-1, values.shape[1], -1, values.shape[3]), value_states.to(values.dtype))
         return keys[:, :, : context.kv_len], values[:, :, : context.kv_len]
+
+
+# freed static batches whose buffers some row cache still views: (buffers by name, weak references to the rows)
+_RETIRED: list[tuple[dict, list]] = []
+_RETIRED_LOCK = threading.RLock()  # (re-entrant: a collection inside the lock may run a batch's `_retire`)
+
+
+def _viewed(row: DeferredPrefillCache | None, storages: set[int]) -> bool:
+    """Whether `row` (alive) still has a KV layer or its filled mask in one of `storages` (data pointers)."""
+    if row is None:
+        return False
+    tensors = [t for layer in row.layers if layer.is_initialized for t in (layer.keys, layer.values)]
+    tensors.append(row._filled)
+    return any(t is not None and t.untyped_storage().data_ptr() in storages for t in tensors)
+
+
+def _retire(buffers: dict, rows: list) -> None:
+    """A static batch was freed: its buffers go to the pool once no row views them (now, or at a later `_recycle`)."""
+    with _RETIRED_LOCK: _RETIRED.append((buffers, rows))  # noqa: E701  (one line: see `buffer_pool.give`)
+    _recycle()
+
+
+def _recycle() -> None:
+    """Hands the pool every retired batch's buffers that no live row cache views any more."""
+    with _RETIRED_LOCK: entries = _RETIRED[:]  # noqa: E701
+    free = []
+    for entry in entries:
+        buffers, rows = entry
+        storages = {t.untyped_storage().data_ptr() for t in buffers.values()}
+        if not any(_viewed(ref(), storages) for ref in rows):
+            free.append(entry)
+    with _RETIRED_LOCK:
+        for entry in free:  # (by identity: entries appended meanwhile stay)
+            index = next((i for i, e in enumerate(_RETIRED) if e is entry), None)
+            if index is not None:
+                del _RETIRED[index]
+    for buffers, _ in free:
+        POOL.give({f"batch.{name}": tensor for name, tensor in buffers.items()})

@@ -6,8 +6,13 @@ grids of its own images / videos, of the whole conversation or only its new part
 
 * shared forwards (`shared_batch`, the default): each row prepared as its batch-1 call would be, and every forward
   (prefill, fused decode steps, blocking completion) run once for all rows (`shared_rows`);
-* one row after the other through the batch-1 path (static caches, ``attn_backend="flash"``), assembled as
-  transformers' batched ``generate`` lays out its outputs.
+* one row after the other through the batch-1 path (``attn_backend="flash"``; static caches of Qwen3.5), assembled
+  as transformers' batched ``generate`` lays out its outputs.
+
+A static cache (``cache_implementation="static"``) of an attention-only family runs the shared engine on a static
+batch cache (`BatchedDeferredPrefillCache.reserve_static`: its capacity reserved once per call), its decode steps
+compiled (`shared_static.StaticBatchStep`: one graph per batch size for decode-only steps, one for fused steps)
+where transformers compiles a static cache's steps (accelerators, or a compile config that compiles everywhere).
 
 ``past_key_values`` (given and returned) is a `BatchedDeferredPrefillCache` of batch-1 row caches. What is not
 supported raises a `ValueError` (`check_batch_supported`).
@@ -25,6 +30,8 @@ from ..cache import DeferredPrefillCache
 from ..cache.batched import BatchedDeferredPrefillCache
 from .row_stops import RowStopsSlot
 from .shared_batch import finish_batch, prepare_batch_turn
+from .shared_static import StaticBatchStep, scratch_rows
+from .static_step import static_step
 
 #: generate arguments that a batched Raincheck call refuses, and why
 _UNSUPPORTED_ALWAYS = {
@@ -58,8 +65,8 @@ def check_batch_supported(model, state, kwargs: dict, gen_config, cache_implemen
     for name, what in unsupported.items():
         value = kwargs.get(name, getattr(gen_config, name, None))
         if value:
-            suffix = "" if shared else (" when the rows run one after the other (static caches, "
-                                        "attn_backend='flash')")
+            suffix = "" if shared else (" when the rows run one after the other (attn_backend='flash', "
+                                        "static caches of Qwen3.5)")
             raise ValueError(f"{where}: {what} is not supported{suffix}")
 
 
@@ -168,13 +175,16 @@ def _expand(input_ids, mask, row_ids, media, mm_types, n: int):
 
 
 def shared_steps_supported(state, cache_implementation, backend: str, past) -> str | None:
-    """None when the shared-step engine runs this batch, else why the rows run one after the other."""
-    if cache_implementation == "static":
-        return "cache_implementation='static' (compiled steps are built for one row)"
+    """None when the shared-step engine runs this batch (with ``cache_implementation="static"``: on a static batch
+    cache, its decode steps compiled where the compile config applies, `shared_static`), else why the rows run one
+    after the other."""
     if backend == "flash":
         return "attn_backend='flash' (its key gather is built for one row)"
     if isinstance(past, BatchedDeferredPrefillCache) and any(r is not None and r.static for r in past.rows):
-        return "a static row cache"
+        return "a static row cache (rows of a batch that ran one after the other)"
+    if cache_implementation == "static" and state.adapter.gdn_glue is not None:
+        return ("cache_implementation='static' with Gated DeltaNet layers (Qwen3.5): compiled batched steps are "
+                "built for attention-only families so far, so each row runs the compiled batch-1 steps")
     return None
 
 
@@ -214,11 +224,20 @@ def generate_batch(model, state, raincheck_config, kwargs: dict, gen_config, cac
             row["mm_token_type_ids"] = mm_types[i][mask[i].to(mm_types.device)][None]
         rows.append(row)
     if why_not_shared is None:
-        return _generate_shared(model, state, raincheck_config, kwargs, input_ids, mask, rows, past, backend)
+        static_new = None
+        if cache_implementation == "static":  # the most new tokens per row (lengths count the padded prompt)
+            static_new = gen_config.max_new_tokens
+            if static_new is None:
+                static_new = max(gen_config.max_length - input_ids.shape[1], 1)
+        return _generate_shared(model, state, raincheck_config, kwargs, gen_config, input_ids, mask, rows, past,
+                                backend, static_new)
+    if cache_implementation is not None:  # (each row's batch-1 call builds its cache of that kind)
+        kwargs["cache_implementation"] = cache_implementation
     return _generate_one_by_one(model, raincheck_config, kwargs, gen_config, input_ids, rows, past)
 
 
-def _generate_shared(model, state, config, kwargs: dict, input_ids, mask, rows: list[dict], past, backend: str):
+def _generate_shared(model, state, config, kwargs: dict, gen_config, input_ids, mask, rows: list[dict], past,
+                     backend: str, static_new: int | None):
     adapter = state.adapter
     if past is None:
         past = BatchedDeferredPrefillCache([None] * input_ids.shape[0])
@@ -239,15 +258,19 @@ def _generate_shared(model, state, config, kwargs: dict, input_ids, mask, rows: 
     with contextlib.ExitStack() as locks:
         for row in sorted(past.rows, key=id):  # (one order everywhere: no deadlock between two batches)
             locks.enter_context(row.lock)
-        return _generate_shared_locked(model, state, config, kwargs, rows, past, backend)
+        return _generate_shared_locked(model, state, config, kwargs, gen_config, rows, past, backend, static_new)
 
 
-def _generate_shared_locked(model, state, config, kwargs, rows, past, backend):
+def _generate_shared_locked(model, state, config, kwargs, gen_config, rows, past, backend, static_new):
     for row in past.rows:
         row.config = config
         row.tidy()
     stops = RowStopsSlot()
     bturn = prepare_batch_turn(state.adapter, past, config, rows, backend, stops)
+    if static_new is not None:
+        device = bturn.turns[0].positions.device
+        past.reserve_static(static_capacity(bturn, past, static_new, config), device)
+        bturn.static_step = static_batch_step(model, state, gen_config, device)
     state.row_stops.slot = stops
     hf.forget_rope_deltas(model)  # (deltas of a call with another batch size break transformers' position ids)
     past.begin_turn(bturn)
@@ -258,6 +281,36 @@ def _generate_shared_locked(model, state, config, kwargs, rows, past, backend):
         state.row_stops.slot = None
     finish_batch(model, state.adapter, past, config, backend)
     return output
+
+
+def static_capacity(bturn, group: BatchedDeferredPrefillCache, max_new: int, config) -> int:
+    """Slots a static batch reserves before its prefill, so that nothing in the call reallocates its buffers:
+    the shared prefill's width, and the longest row's conversation plus `max_new` tokens plus room for the
+    padding of a compiled step (`shared_static.scratch_rows`) or of a blocking completion chunk."""
+    kv_real = max(c.length for c in group.rows)
+    sizes = []
+    for turn in bturn.turns:
+        size = 0 if turn.prefill is None else turn.prefill.size
+        sizes.append(size)
+        if size:
+            kv_real = max(kv_real, turn.prefill.max_slot + 1)
+    prefill_width = kv_real + max(sizes) - min(sizes)
+    longest = max(turn.prompt_ids.numel() for turn in bturn.turns)
+    room = max(scratch_rows(config.chunk_size), config.completion_chunk_size)
+    return max(prefill_width, longest + max_new + room)
+
+
+def static_batch_step(model, state, gen_config, device: torch.device) -> StaticBatchStep | None:
+    """The compiled steps of a static batch, where transformers' rules compile a static cache's steps (as for
+    one row: `static_step.static_step`), with the same compile options; None: the steps run eagerly."""
+    single = static_step(model, state, gen_config, device)
+    if single is None:
+        return None
+    key = ("batch", repr(sorted(single.options.items())))
+    step = state.static_steps.get(key)
+    if step is None:
+        step = state.static_steps[key] = StaticBatchStep(single.options)
+    return step
 
 
 def _generate_one_by_one(model, raincheck_config, kwargs: dict, gen_config, input_ids, rows: list[dict], past):

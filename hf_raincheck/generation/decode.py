@@ -151,6 +151,7 @@ class StaticStep:
 
     def __init__(self, adapter, compile_options: dict):
         self.adapter = adapter
+        self.options = dict(compile_options)  # (a static batch's steps compile with the same options)
         self.compiled = torch.compile(_step_graph, **compile_options)
 
     @staticmethod

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import warnings
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -21,9 +20,10 @@ from .shared_batch import shared_step
 from .completion import prefill_pending
 from .rows import run_rows
 from .schedule import FixedChunkSchedule
-from .decode import StaticStep, decode_step
+from .decode import decode_step
 from .state import STATE_ATTR as _STATE_ATTR
 from .state import RaincheckState, raincheck_state
+from .static_step import static_step as _static_step
 from .turn import Turn, prepare_turn
 
 # processor outputs that Raincheck consumes itself before handing the call to transformers' generate
@@ -190,37 +190,6 @@ def _generate_locked(model, state: RaincheckState, past: DeferredPrefillCache, r
     elif raincheck_config.completion == "background":
         start_background_completion(model, past)
     return output
-
-
-def _static_step(model, state: RaincheckState, gen_config, device: torch.device) -> StaticStep | None:
-    """The compiled step for a static cache, as transformers decides for its own static caches: unless
-    ``disable_compile``, on accelerators (or any device when the compile config says so,
-    `hf_raincheck.transformers_coupling.compiles_on_all_devices`), with ``compile_config`` (default: transformers'
-    `CompileConfig`), for Qwen3-VL and Qwen3.5 alike."""
-    if gen_config.disable_compile:
-        return None
-    compile_config = hf.compile_config_or_default(gen_config.compile_config)
-    if device.type not in ("cuda", "xpu") and not hf.compiles_on_all_devices(compile_config):
-        return None
-    devices = state.adapter.decoder_devices()
-    if len(devices) > 1:
-        # a model split over devices (accelerate device_map): Inductor failed to lower the fused step's cache
-        # writes through accelerate's hooks, and CUDA graphs cannot span devices (torch skips them, and a compiled
-        # step without them is slower than an eager one). Steps run eagerly on the static cache, with the same
-        # results.
-        if not state.warned_multi_device:
-            state.warned_multi_device = True
-            warnings.warn(
-                f"Raincheck: the model's decoder spans {len(devices)} devices ({', '.join(map(str, devices))}); "
-                "compiled steps need one device, so this static cache's steps run eagerly (same results). "
-                "Pass disable_compile=True to silence this.", stacklevel=4)
-        return None
-    options = compile_config.to_dict()
-    key = repr(sorted(options.items()))
-    step = state.static_steps.get(key)
-    if step is None:
-        step = state.static_steps[key] = StaticStep(state.adapter, options)
-    return step
 
 
 def _forward(model, *args, past_key_values=None, **kwargs):

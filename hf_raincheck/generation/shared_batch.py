@@ -9,6 +9,8 @@ fed nothing more (transformers feeds it padding: `row_stops`), but keeps restori
 shared steps while the others decode, unless its completion is ``"next_turn"``; what is still pending when the
 batch ends is completed per row as the config says (``"blocking"``: in shared forwards of
 ``completion_chunk_size`` rows per row). Every forward and its bookkeeping are one transaction per row cache.
+A static batch (``cache_implementation="static"``) runs its decode steps compiled (`shared_static`) whenever every
+row's carry fits ``chunk_size``; the other steps run the eager shared steps on the same buffers.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class BatchTurn:
     stops: RowStopsSlot
     prefill_done: bool = False
     masks: StepMasks = field(default_factory=StepMasks)  # the rows' boundaries and deferred-slot masks
+    static_step: object = None  # a static batch's compiled steps (`shared_static.StaticBatchStep`), or None
     _rope_deltas: torch.Tensor | None = None
 
     @property
@@ -143,6 +146,8 @@ def shared_step(adapter, group: BatchedDeferredPrefillCache, bturn: BatchTurn, i
             turn.record, turn.restored_in_prefill, turn.prefill_done = record, turn.prefill.restored, True
             turn.prefill = None
         bturn.prefill_done = True
+        if bturn.static_step is not None:  # every row's pending store in the batch's padded buffers now
+            bturn.static_step.prepare(group, config.chunk_size)
         return logits
 
     stopped = bturn.stops.finished_rows(len(caches))
@@ -157,12 +162,15 @@ def shared_step(adapter, group: BatchedDeferredPrefillCache, bturn: BatchTurn, i
             wanted.append(carried_tokens(turn.schedule, turn.step, pending))
     counts = carry_counts(wanted, config.step_deferred_budget)
     tokens = input_ids[:, -1:].to(bturn.turns[0].positions.device)
-    embeds = adapter.embed_tokens(tokens)  # [B, 1, H]
     live = [not done for done in stopped]
     with row_transactions(caches):
-        if not any(counts):  # the common step: every row feeds its token, or nothing (stopped)
+        if bturn.static_step is not None and max(counts) <= config.chunk_size:  # compiled (`shared_static`)
+            logits = bturn.static_step(adapter, group, bturn, tokens, live, counts)
+        elif not any(counts):  # the common step: every row feeds its token, or nothing (stopped)
+            embeds = adapter.embed_tokens(tokens)  # [B, 1, H]
             logits = run_shared_decode(adapter, group, embeds, live, bturn.rope_deltas(embeds.device), bturn.backend)
         else:
+            embeds = adapter.embed_tokens(tokens)
             logits = run_shared_step(adapter, group, embeds, live, counts, bturn.row_rope_deltas, bturn.masks,
                                      bturn.backend, config.visibility)
         for b, (cache, count, alive) in enumerate(zip(caches, counts, live)):

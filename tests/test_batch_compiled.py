@@ -1,0 +1,253 @@
+"""Compiled static batches (``cache_implementation="static"``, B > 1 rows, attention-only families): the decode and
+fused steps of every row in one compiled graph per batch size and step kind (`generation/shared_static.py`).
+
+On the CPU dynamo compiles with the eager backend and ``fullgraph=True`` (a graph break fails the test), as
+tests/test_compiled_steps.py does for one row. Every row of a mixed left-padded batch (images of different sizes,
+two images, a text-only row, different lengths) must equal its own batch-1 compiled run and the dynamic shared
+engine (greedy tokens, step logits within the tolerance, caches, accounting), on the next turn too; rows that stop
+early keep restoring; the graphs are built once per batch size and reused across steps, turns, plans and
+conversations.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+
+from hf_raincheck import RaincheckConfig, enable_raincheck
+from hf_raincheck.cache.batched import BatchedDeferredPrefillCache
+from hf_raincheck.generation.shared_static import StaticBatchStep
+from hf_raincheck.testing import load_tiny_qwen2_5_vl, load_tiny_qwen3_vl, make_image
+from test_batch import CONVERSATIONS, _gen, _inputs, _messages, _next_turn_batch, assert_same_cache
+from test_compiled_steps import compile_config, graphs
+
+TOL = dict(atol=2e-5, rtol=1e-4)
+N = 8
+
+
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen2_5_vl"])
+def family(request, tiny_vl_path, tiny_qwen2_5_vl_path):
+    if request.param == "qwen3_vl":
+        model, processor = load_tiny_qwen3_vl(tiny_vl_path)
+    else:
+        model, processor = load_tiny_qwen2_5_vl(tiny_qwen2_5_vl_path)
+    return enable_raincheck(model), processor
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def steps(monkeypatch):
+    """Every compiled batch step run: ``(batch size, carry counts)``."""
+    seen = []
+    original = StaticBatchStep.__call__
+
+    def recording(self, adapter, group, bturn, tokens, live, counts):
+        seen.append((group.batch_size, list(counts), list(live)))
+        return original(self, adapter, group, bturn, tokens, live, counts)
+
+    monkeypatch.setattr(StaticBatchStep, "__call__", recording)
+    return seen
+
+
+def compiled(model, inputs, cfg, n=N, **kw):
+    return _gen(model, inputs, cfg, n=n, output_logits=True, cache_implementation="static",
+                compile_config=compile_config(), **kw)
+
+
+def assert_rows_equal(out, ref, width, rows, ref_width=None, ref_rows=None, eos=None):
+    """Rows `rows` of batch output `out` equal rows `ref_rows` of `ref` (tokens, and step logits while the row
+    runs: up to its `eos`; a stopped row's logits are padding's)."""
+    ref_width = width if ref_width is None else ref_width
+    for i, j in zip(rows, rows if ref_rows is None else ref_rows):
+        new = ref.sequences[j, ref_width:].tolist()
+        assert out.sequences[i, width:width + len(new)].tolist() == new, f"row {i}"
+        ran = new.index(eos) + 1 if eos in new else len(new)
+        for step, (a, b) in enumerate(zip(out.logits[:ran], ref.logits[:ran])):
+            torch.testing.assert_close(a[i], b[j], **TOL, msg=f"row {i} step {step}")
+
+
+FOLLOW = [{"role": "user", "content": [{"type": "image", "image": make_image(9, (64, 96))},
+                                       {"type": "text", "text": "And this one?"}]}]
+
+
+def test_compiled_static_batch_equals_batch1_and_the_shared_engine(family, steps):
+    """A mixed batch, two turns (the second with a new image in every row: new plans, and what each row left
+    pending folded into its prefill), then new conversations: every row equals its batch-1 compiled run and the
+    dynamic shared engine; two graphs in all (decode-only and fused, at B = 4), never recompiled."""
+    model, processor = family
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion="next_turn")
+    batch = _inputs(processor, CONVERSATIONS)
+    width = batch["input_ids"].shape[1]
+    alone_runs = []
+    for conversation in CONVERSATIONS:  # each row alone, compiled at B = 1 (graphs of their own)
+        alone = _inputs(processor, [conversation])
+        alone_runs.append((alone, compiled(model, alone, cfg)))
+    before = graphs()
+    out = compiled(model, batch, cfg)
+    assert graphs() == before + 2
+    fused = [s for s in steps if s[0] == len(CONVERSATIONS) and any(s[1])]
+    assert len(steps) == N - 1 and fused  # every decode step of the batch ran compiled, fused ones among them
+    group = out.past_key_values
+    assert isinstance(group, BatchedDeferredPrefillCache) and group.static
+    eager = _gen(model, batch, cfg, n=N, output_logits=True)  # the dynamic shared engine
+    assert torch.equal(out.sequences, eager.sequences)
+    assert_rows_equal(out, eager, width, range(len(CONVERSATIONS)))
+    for i, (alone, ref) in enumerate(alone_runs):
+        assert_rows_equal(out, ref, width, [i], alone["input_ids"].shape[1], [0])
+        row = group.rows[i]
+        assert group.row_turn_stats[i] == ref.past_key_values.turn_stats == eager.past_key_values.row_turn_stats[i]
+        assert row.token_ids == ref.past_key_values.token_ids
+        assert_same_cache(row, eager.past_key_values.rows[i])
+        record = row.turn_stats[0]  # exactly once: carried during decode, or still pending
+        assert record.deferred == record.restored_during_decode + record.pending_at_answer_end == row.total_deferred
+    assert group.row_pending == eager.past_key_values.row_pending and group.row_pending[1] > 0
+    capacity = group.capacity
+
+    # turn 2: every row continues (past_key_values=the batch cache), each with a new image
+    rows = list(range(len(CONVERSATIONS)))
+    turn2 = _next_turn_batch(processor, batch, out, rows, FOLLOW)
+    pending = group.row_pending
+    out2 = compiled(model, turn2, cfg, past_key_values=group)
+    eager2 = _gen(model, turn2, cfg, n=N, output_logits=True, past_key_values=eager.past_key_values)
+    width2 = turn2["input_ids"].shape[1]
+    assert out2.past_key_values is group and group.capacity == capacity
+    assert torch.equal(out2.sequences, eager2.sequences)
+    assert_rows_equal(out2, eager2, width2, rows)
+    assert group.row_turn_stats == eager2.past_key_values.row_turn_stats
+    for i, row in enumerate(group.rows):
+        assert row.turn_stats[1].restored_in_prefill == pending[i]
+        ref_plans = eager2.past_key_values.row_plans[i]
+        assert [p.deferred.tolist() for p in row.plans] == [p.deferred.tolist() for p in ref_plans]
+        assert_same_cache(row, eager2.past_key_values.rows[i])
+    assert any(any(s[1]) for s in steps[len(fused):])
+    assert graphs() == before + 2  # the same two graphs: other plans, another turn
+
+    # new conversations of the same batch size and capacity (other images, other plans): still the same graphs
+    others = [_messages([make_image(5, (96, 64))], "Shapes?"), _messages([], "Hello there"),
+              _messages([make_image(6), make_image(7, (64, 64))], "Which is brighter?"),
+              _messages([make_image(8)], "Count the colours, please")]
+    batch3 = _inputs(processor, others)
+    out3 = compiled(model, batch3, cfg)
+    assert out3.past_key_values.capacity == capacity and graphs() == before + 2
+    eager3 = _gen(model, batch3, cfg, n=N, output_logits=True)
+    assert_rows_equal(out3, eager3, batch3["input_ids"].shape[1], range(len(others)))
+
+
+
+@pytest.mark.parametrize("completion", ["blocking", "next_turn"])
+def test_rows_stopping_early_keep_restoring_in_compiled_steps(family, steps, completion):
+    """A row that stops early (EOS) is fed nothing more but keeps restoring its deferred tokens in the compiled
+    fused steps (``blocking``), or leaves them for its next turn (``next_turn``), exactly as the dynamic shared
+    engine; every row's deferred tokens are prefilled exactly once; a binding ``step_deferred_budget`` cuts the
+    carries as there."""
+    model, processor = family
+    conversations = [CONVERSATIONS[1], CONVERSATIONS[0], CONVERSATIONS[3]]
+    batch = _inputs(processor, conversations)
+    width = batch["input_ids"].shape[1]
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=1, completion=completion, step_deferred_budget=5)
+    probe = _gen(model, batch, cfg, n=N)
+    new = probe.sequences[:, width:].tolist()
+    stop = next(t for t in new[0][1:4] if t not in new[1] and t not in new[2])  # row 0 stops early, the others not
+    kw = dict(eos_token_id=stop, pad_token_id=0)
+    out = compiled(model, batch, cfg, n=N + 4, **kw)
+    eager = _gen(model, batch, cfg, n=N + 4, output_logits=True, **kw)
+    assert torch.equal(out.sequences, eager.sequences)
+    assert_rows_equal(out, eager, width, range(len(conversations)), eos=stop)
+    stopped = [s for s in steps if not s[2][0]]
+    assert stopped and any(s[1][0] for s in stopped) == (completion == "blocking")  # restoring after its stop
+    assert any(sum(s[1]) == 5 and any(0 < c < 3 for c in s[1]) for s in steps)  # the budget did bind
+    group, ref = out.past_key_values, eager.past_key_values
+    assert group.row_turn_stats == ref.row_turn_stats and group.row_pending == ref.row_pending
+    for i, row in enumerate(group.rows):
+        record = row.turn_stats[0]
+        assert record.deferred == record.restored_during_decode + record.pending_at_answer_end > 0
+        assert row.token_ids == ref.rows[i].token_ids
+        if completion == "blocking":
+            assert record.restored_after_answer == record.pending_at_answer_end and row.pending == 0
+            assert bool(row.filled_prefix(row.length).all())  # every slot restored once, nothing else marked
+            assert_same_cache(row, ref.rows[i])
+        else:
+            assert row.pending == record.pending_at_answer_end
+    assert int(group.filled.sum()) == sum(int(r.filled_prefix(r.length).sum()) for r in group.rows)  # no scratch
+
+
+def test_an_interrupted_compiled_step_rolls_every_row_back(family, monkeypatch):
+    """Ctrl-C after a compiled fused step marked its slots inside the graph (while its progress is being counted):
+    every row's transaction puts the row back as before the step (filled mask, plan progress, tokens, counters),
+    and the rows' locks are free."""
+    import dataclasses
+
+    import hf_raincheck.generation.shared_static as shared_static
+
+    model, processor = family
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=1, completion="next_turn")
+    batch = _inputs(processor, CONVERSATIONS[:3])
+    before = []
+    original = StaticBatchStep.__call__
+
+    def snapshot(self, adapter, group, bturn, tokens, live, counts):
+        if any(counts):
+            before.append([(r.filled_prefix(group.capacity).clone(), [p.restored for p in r.plans], r.token_ids,
+                            dataclasses.astuple(r.stats), [dataclasses.astuple(t) for t in r.turn_stats])
+                           for r in group.rows])
+        return original(self, adapter, group, bturn, tokens, live, counts)
+
+    count_restored = shared_static.count_restored
+
+    def interrupted_at_the_second_fused_step(cache, plan, count):
+        if len(before) == 2:
+            raise KeyboardInterrupt
+        count_restored(cache, plan, count)
+
+    group = BatchedDeferredPrefillCache([None] * 3)
+    monkeypatch.setattr(StaticBatchStep, "__call__", snapshot)
+    monkeypatch.setattr(shared_static, "count_restored", interrupted_at_the_second_fused_step)
+    with pytest.raises(KeyboardInterrupt):
+        compiled(model, batch, cfg, past_key_values=group)
+    assert len(before) == 2
+    for row, (filled, restored, tokens, stats, turns) in zip(group.rows, before[-1]):
+        assert torch.equal(row.filled_prefix(group.capacity), filled)
+        assert [p.restored for p in row.plans] == restored and row.token_ids == tokens
+        assert dataclasses.astuple(row.stats) == stats and [dataclasses.astuple(t) for t in row.turn_stats] == turns
+        assert row.lock.acquire(blocking=False)
+        row.lock.release()
+    assert group.active_turn is None and group.forward_context is None
+
+
+def test_a_new_static_batch_takes_a_freed_batchs_buffers(family):
+    """A freed static batch's buffers (KV, filled mask, padded store) go to the static buffer pool once no row
+    cache views them, so the next batch of the same size and capacity takes those very tensors (its CUDA graphs
+    replay instead of recording again); a row kept after its batch keeps its entries: its buffers are not handed
+    out."""
+    import gc
+
+    model, processor = family
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=1, completion="next_turn")
+    batch = _inputs(processor, CONVERSATIONS)
+    run = lambda: compiled(model, batch, cfg, n=6)  # noqa: E731
+    out = run()
+    first = dict(out.past_key_values.pooled)  # (held: their memory cannot be reused by chance)
+    assert {"filled", "store.embeds"} <= first.keys() and any(k.endswith(".keys") for k in first)
+    assert out.past_key_values.store_buffers["embeds"] is first["store.embeds"]
+    kept = out.past_key_values.split()[1]
+    keys = next(layer.keys for layer in kept.layers if layer.is_initialized)
+    before = keys[:, :, : kept.length].clone()
+    del out
+    gc.collect()
+    again = run()
+    second = dict(again.past_key_values.pooled)
+    assert not any(second[k] is first[k] for k in second)  # row 1 still views the first batch's buffers
+    torch.testing.assert_close(keys[:, :, : kept.length], before, atol=0, rtol=0)
+    del kept, keys, again
+    gc.collect()
+    third = run()
+    assert all(t is second[k] or t is first[k] for k, t in third.past_key_values.pooled.items())
+    assert third.past_key_values.pooled.keys() == second.keys()
