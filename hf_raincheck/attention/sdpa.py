@@ -171,7 +171,52 @@ def sdpa_attention(
         # without cuDNN has no masked GQA kernel and falls back to its math path, which repeats K and V per query
         # head, more than half of such a decode step's GPU time in the profiles)
         return grouped_attention(query, key, value, visible, scaling)
+    if visible is not None and not torch.compiler.is_compiling():
+        return _dense_masked_sdpa(query, key, value, visible, scaling, enable_gqa)
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=visible, scale=scaling, enable_gqa=enable_gqa
     )
     return out.transpose(1, 2).contiguous()
+
+
+#: the most attention scores (batch rows x query heads x query rows x keys) one dense-masked SDPA call may cover
+#: (`_dense_masked_sdpa`): 2^28, 1 GiB of fp32 scores
+MAX_SCORE_ELEMENTS = 1 << 28
+
+
+def score_blocks(batch: int, heads: int, rows: int, keys: int, limit: int) -> tuple[int, int]:
+    """(batch rows, query rows) per SDPA call such that each call covers at most `limit` scores (at least one
+    query row of one batch row per call)."""
+    per_row = heads * rows * keys
+    if per_row <= limit:
+        return max(1, min(batch, limit // max(per_row, 1))), rows
+    return 1, max(1, min(rows, limit // max(heads * keys, 1)))
+
+
+def _dense_masked_sdpa(query, key, value, visible, scaling, enable_gqa) -> torch.Tensor:
+    """SDPA under a dense boolean mask, split over batch rows and query rows so that no call covers more than
+    `MAX_SCORE_ELEMENTS` scores. A masked call with grouped-query heads has no fused kernel on CUDA unless cuDNN
+    takes it: SDPA's math path then repeats K and V per query head and materialises the fp32 scores (several
+    ``[B, Hq, q, k]`` copies: a batched prefill of 8 rows of ~1,300 kept image tokens over ~4,100 keys at the
+    Qwen3-VL-8B shape, ~20 GiB, where each row's batch-1 prefill runs unmasked). Every query row's attention
+    depends only on its own row of the mask, so the blocks give the rows the unsplit call gives (up to float
+    rounding)."""
+    b, hq, q, _ = query.shape
+    k = key.shape[2]
+    rows_b, rows_q = score_blocks(b, hq, q, k, MAX_SCORE_ELEMENTS)
+    if rows_b >= b and rows_q >= q:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scaling,
+                                             enable_gqa=enable_gqa)
+        return out.transpose(1, 2).contiguous()
+    out = query.new_empty(b, q, hq, value.shape[-1])
+    for b0 in range(0, b, rows_b):
+        b1 = min(b0 + rows_b, b)
+        mask_b = visible[b0:b1] if visible.shape[0] > 1 else visible
+        for q0 in range(0, q, rows_q):
+            q1 = min(q0 + rows_q, q)
+            mask = mask_b[:, :, q0:q1] if mask_b.shape[2] > 1 else mask_b
+            keys, values = (key, value) if key.shape[0] == 1 else (key[b0:b1], value[b0:b1])
+            part = F.scaled_dot_product_attention(query[b0:b1, :, q0:q1], keys, values, attn_mask=mask,
+                                                  scale=scaling, enable_gqa=enable_gqa)
+            out[b0:b1, q0:q1] = part.transpose(1, 2)
+    return out
