@@ -155,3 +155,38 @@ def test_dense_masked_sdpa_blocks_give_the_unsplit_result(monkeypatch):
     assert sdpa.score_blocks(3, 8, 70, 50, 8 * 70 * 50 * 2) == (2, 70)
     assert sdpa.score_blocks(3, 8, 70, 50, 8 * 50 * 5) == (1, 5)
     assert sdpa.score_blocks(3, 8, 70, 50, 1) == (1, 1)
+
+
+def test_split_prefill_gives_the_unsplit_answers_and_caches(monkeypatch):
+    """A batched generate whose masked forwards are split into many SDPA calls (a tiny cap) answers and caches
+    what it does unsplit."""
+    model = _model()
+    rows = [_row(seed) for seed in range(3)]
+    batch = {key: torch.cat([r[key] for r in rows]) for key in rows[0]}
+    config = RaincheckConfig(retention=0.3, pruning="mmtok", completion="blocking", chunk_size=7)
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("attn_mask") is not None)
+        return F.scaled_dot_product_attention(*args, **kwargs)
+
+    monkeypatch.setattr(sdpa, "F", types.SimpleNamespace(scaled_dot_product_attention=counted))
+
+    def run():
+        calls.clear()
+        with torch.no_grad():
+            out = model.generate(**batch, raincheck_config=config, max_new_tokens=6, do_sample=False,
+                                 return_dict_in_generate=True)
+        return out, sum(calls)
+
+    whole, whole_calls = run()
+    monkeypatch.setattr(sdpa, "MAX_SCORE_ELEMENTS", 16 * 64 * 1100)  # (16 heads) 64 query rows per call, ~1,100 keys
+    split, split_calls = run()
+    assert split_calls > whole_calls > 0  # the masked forwards did run in blocks
+    assert torch.equal(split.sequences, whole.sequences)
+    for a, b in zip(split.past_key_values.split(), whole.past_key_values.split()):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.layers, b.layers):
+            torch.testing.assert_close(la.keys[:, :, :b.length], lb.keys[:, :, :b.length], atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(la.values[:, :, :b.length], lb.values[:, :, :b.length], atol=2e-5, rtol=1e-4)

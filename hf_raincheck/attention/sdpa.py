@@ -5,7 +5,8 @@ deferred rows over the whole static cache) goes to `grouped_attention` instead: 
 and do not split the keys, so a call of a few dozen rows costs several times a one-row decode call, where the
 grouped product reads the keys and values once per KV head whatever the row count. One row stays on SDPA (its
 decode kernel is as fast as the grouped path there). `GROUPED_MAX_ROWS` is the largest row count that takes the
-grouped path. Where Triton runs, the grouped path's masked softmax is one kernel (`softmax_triton`). The timings
+grouped path. Longer masked forwards (a batch's shared prefill) are split so that no SDPA call covers more than
+`MAX_SCORE_ELEMENTS` scores (`_dense_masked_sdpa`: memory, not speed). Where Triton runs, the grouped path's masked softmax is one kernel (`softmax_triton`). The timings
 behind these choices are in the benchmarks page (``benchmarks/attention_speed.py``).
 """
 
@@ -197,14 +198,16 @@ def _dense_masked_sdpa(query, key, value, visible, scaling, enable_gqa) -> torch
     """SDPA under a dense boolean mask, split over batch rows and query rows so that no call covers more than
     `MAX_SCORE_ELEMENTS` scores. A masked call with grouped-query heads has no fused kernel on CUDA unless cuDNN
     takes it: SDPA's math path then repeats K and V per query head and materialises the fp32 scores (several
-    ``[B, Hq, q, k]`` copies: a batched prefill of 8 rows of ~1,300 kept image tokens over ~4,100 keys at the
-    Qwen3-VL-8B shape, ~20 GiB, where each row's batch-1 prefill runs unmasked). Every query row's attention
+    ``[B, Hq, q, k]`` copies, per layer: at the Qwen3-VL-8B shape, a batched prefill of 8 rows of ~1,260 rows
+    over ~4,150 keys (first turns with a 4096-token image, retention 0.3) ~20 GiB, of 8 follow-up turns that fold
+    ~1,900 pending deferred rows into their prefill ~31 GiB; one row's batch-1 first-turn prefill runs unmasked,
+    on flash). Every query row's attention
     depends only on its own row of the mask, so the blocks give the rows the unsplit call gives (up to float
     rounding)."""
     b, hq, q, _ = query.shape
     k = key.shape[2]
     rows_b, rows_q = score_blocks(b, hq, q, k, MAX_SCORE_ELEMENTS)
-    if rows_b >= b and rows_q >= q:
+    if (rows_b >= b and rows_q >= q) or visible.dim() != 4:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scaling,
                                              enable_gqa=enable_gqa)
         return out.transpose(1, 2).contiguous()
