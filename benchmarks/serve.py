@@ -509,6 +509,10 @@ def print_table(report: dict, args) -> None:
         print(f"turn-2 TTFT raincheck / plain: {report['turn2_ttft_raincheck_over_plain']:.3f} (target <= 0.3)")
     if "batches" in report["servers"].get("raincheck", {}):
         print(f"raincheck generate calls by rows (all runs): {report['servers']['raincheck']['batches']['sizes']}")
+    for name, result in report["servers"].items():
+        peaks = {phase: round(m["peak_allocated_gb"], 1) for phase, m in result.get("gpu_memory", {}).items() if m}
+        if peaks:
+            print(f"{name} GPU peak allocated per phase (GiB): {peaks}")
     if report["skipped"]:
         print(f"skipped (--budget-s {args.budget_s:g}): {', '.join(report['skipped'])}")
     print(f"total {report['total_s']:.0f} s (setup {report['setup_s']:.0f} s)")
