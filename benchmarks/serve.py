@@ -32,6 +32,8 @@ the device:
 
 ``--budget-s``: a phase (a TTFT repeat, a concurrency level) starts only if its estimated time (from the phases
 before) fits in what is left; the phases that do not fit are listed under ``skipped`` for both servers alike.
+On CUDA each server's phases record the GPU memory (``gpu_memory``: allocated at the phase's start, its peak
+``torch.cuda.max_memory_allocated``, allocated at its end); a run that fails still writes its JSON (``error``).
 Images: the GridQA grids for the default model, otherwise smooth random RGB images (seeded per conversation).
 Answers differ between the two servers (Raincheck answers from the kept tokens first), so throughput is per
 generated token.
@@ -211,6 +213,27 @@ class PlainSide:
         self.serve.kill_server()
 
 
+# ---------------------------------------------------------------------------------------------- device memory
+def gpu_memory_start() -> dict | None:
+    """Resets CUDA's peak counter; the bytes allocated now (None without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.reset_peak_memory_stats()
+    return {"allocated_at_start_gb": torch.cuda.memory_allocated() / 2**30}
+
+
+def gpu_memory_end(start: dict | None) -> dict | None:
+    """`start` plus the peak allocated since it (``torch.cuda.max_memory_allocated``) and what is allocated now."""
+    import torch
+
+    if start is None:
+        return None
+    return dict(start, peak_allocated_gb=torch.cuda.max_memory_allocated() / 2**30,
+                allocated_at_end_gb=torch.cuda.memory_allocated() / 2**30)
+
+
 # ---------------------------------------------------------------------------------------------- the phases
 class Budget:
     """What is left of ``--budget-s`` (None: no limit) and what each server's requests took so far."""
@@ -260,13 +283,14 @@ def measure(sides: list, args, budget: Budget, after_phase=lambda results, skipp
     called after each phase, once `results` and `skipped` (the objects returned) are up to date."""
     think_s = args.think_ms / 1000
     results = {side.name: {"ttft_turn1_all_s": [], "ttft_turn2_all_s": [], "turn2_raincheck": [],
-                           "throughput": {}} for side in sides}
+                           "throughput": {}, "gpu_memory": {}} for side in sides}
     skipped = []
 
     def phase_done():
         summarize(sides, results)
         after_phase(results, skipped)
 
+    after_phase(results, skipped)
     for side in sides:  # warm-up: one 2-turn conversation each (not measured); the first per-request estimate
         start = time.perf_counter()
         conversation(side, args, 999, 2, 0)
@@ -278,7 +302,11 @@ def measure(sides: list, args, budget: Budget, after_phase=lambda results, skipp
             continue
         for side in sides:
             begin = time.perf_counter()
-            first, second = conversation(side, args, i, 2, think_s)
+            memory = gpu_memory_start()
+            try:
+                first, second = conversation(side, args, i, 2, think_s)
+            finally:
+                results[side.name]["gpu_memory"][f"ttft {i + 1}"] = gpu_memory_end(memory)
             budget.observe(side.name, time.perf_counter() - begin - think_s, 2)
             results[side.name]["ttft_turn1_all_s"].append(first["ttft"])
             results[side.name]["ttft_turn2_all_s"].append(second["ttft"])
@@ -291,7 +319,11 @@ def measure(sides: list, args, budget: Budget, after_phase=lambda results, skipp
             skipped.append(f"throughput at {n} conversations")
             continue
         for side in sides:
-            run = throughput_run(side, args, n, think_s)
+            memory = gpu_memory_start()
+            try:
+                run = throughput_run(side, args, n, think_s)
+            finally:
+                results[side.name]["gpu_memory"][f"throughput {n}"] = gpu_memory_end(memory)
             results[side.name]["throughput"][str(n)] = run
             budget.observe(side.name, run["wall_s"], run["requests"])
             side.settle()
@@ -436,12 +468,25 @@ def main(argv=None) -> dict:
                 json.dump(report, f, indent=2)
 
     sides = []
+    seen = {}
+
+    def after_phase(results, skipped) -> None:
+        seen.update(results=results, skipped=skipped)
+        write(results, skipped, partial=True)
+
     try:
         for name in args.servers:
             sides.append(kinds[name](args, *(models.get(name) or (None, None))))
         report["setup_s"] = time.monotonic() - start
-        results, skipped = measure(sides, args, Budget(args.budget_s, start),
-                                   after_phase=lambda results, skipped: write(results, skipped, partial=True))
+        setup_memory = gpu_memory_end(gpu_memory_start())
+        if setup_memory is not None:
+            report["gpu_allocated_after_setup_gb"] = setup_memory["allocated_at_end_gb"]
+        results, skipped = measure(sides, args, Budget(args.budget_s, start), after_phase=after_phase)
+    except Exception as error:
+        if seen:  # the phases so far and the failing phase's GPU memory (gpu_memory), then the error
+            report["error"] = f"{type(error).__name__}: {error}"
+            write(seen["results"], seen["skipped"], partial=True)
+        raise
     finally:
         for side in sides:
             side.stop()
@@ -464,6 +509,10 @@ def print_table(report: dict, args) -> None:
         print(f"turn-2 TTFT raincheck / plain: {report['turn2_ttft_raincheck_over_plain']:.3f} (target <= 0.3)")
     if "batches" in report["servers"].get("raincheck", {}):
         print(f"raincheck generate calls by rows (all runs): {report['servers']['raincheck']['batches']['sizes']}")
+    for name, result in report["servers"].items():
+        peaks = {phase: round(m["peak_allocated_gb"], 1) for phase, m in result.get("gpu_memory", {}).items() if m}
+        if peaks:
+            print(f"{name} GPU peak allocated per phase (GiB): {peaks}")
     if report["skipped"]:
         print(f"skipped (--budget-s {args.budget_s:g}): {', '.join(report['skipped'])}")
     print(f"total {report['total_s']:.0f} s (setup {report['setup_s']:.0f} s)")

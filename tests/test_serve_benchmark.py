@@ -60,6 +60,7 @@ def test_serve_benchmark_random_weights_smoke(tmp_path):
         for n, run in result["throughput"].items():
             assert run["requests"] == int(n) * 2 and run["answers_of_max_tokens"] == run["requests"], name
             assert run["completion_tokens"] == run["requests"] * 6, name
+        assert result["gpu_memory"] == {"ttft 1": None, "throughput 1": None, "throughput 2": None}, name  # CPU
     batches = report["servers"]["raincheck"]["batches"]
     assert batches["rows"] == 10 and batches["fallbacks"] == 0
     pool = report["servers"]["raincheck"]["pool"]  # 5 conversations (warm-up, TTFT, 1 + 2), 5 follow-ups
@@ -96,3 +97,25 @@ def test_serve_benchmark_budget_skips_phases_for_both_servers(tmp_path):
     for result in report["servers"].values():
         assert result["ttft_turn1_s"] is None and result["throughput"] == {}
     assert "turn2_ttft_raincheck_over_plain" not in report and json.loads(out.read_text()) == report
+
+
+@needs_gridqa
+def test_serve_benchmark_failing_phase_still_writes_its_json(tmp_path, monkeypatch):
+    """A phase that fails (e.g. the server runs out of memory): the JSON of the phases so far is written, partial,
+    with the error and the failing phase's ``gpu_memory`` entry, and the error is raised."""
+    import serve as serve_benchmark
+
+    def fail(side, args, n, think_s):
+        raise RuntimeError("generation failed: OutOfMemoryError")
+
+    monkeypatch.setattr(serve_benchmark, "throughput_run", fail)
+    out = tmp_path / "serve.json"
+    with pytest.raises(RuntimeError, match="OutOfMemoryError"):
+        serve_benchmark.main(["--random-weights", "tiny", "--device", "cpu", "--repeats", "1", "--turns", "1",
+                              "--concurrency", "2", "--max-tokens", "2", "--image-tokens", "16",
+                              "--servers", "raincheck", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["partial"] and report["error"] == "RuntimeError: generation failed: OutOfMemoryError"
+    result = report["servers"]["raincheck"]
+    assert result["ttft_turn1_s"] > 0 and result["throughput"] == {}
+    assert result["gpu_memory"] == {"ttft 1": None, "throughput 2": None}

@@ -5,7 +5,8 @@ deferred rows over the whole static cache) goes to `grouped_attention` instead: 
 and do not split the keys, so a call of a few dozen rows costs several times a one-row decode call, where the
 grouped product reads the keys and values once per KV head whatever the row count. One row stays on SDPA (its
 decode kernel is as fast as the grouped path there). `GROUPED_MAX_ROWS` is the largest row count that takes the
-grouped path. Where Triton runs, the grouped path's masked softmax is one kernel (`softmax_triton`). The timings
+grouped path. Longer masked forwards (a batch's shared prefill) are split so that no SDPA call covers more than
+`MAX_SCORE_ELEMENTS` scores (`_dense_masked_sdpa`: memory, not speed). Where Triton runs, the grouped path's masked softmax is one kernel (`softmax_triton`). The timings
 behind these choices are in the benchmarks page (``benchmarks/attention_speed.py``).
 """
 
@@ -171,7 +172,54 @@ def sdpa_attention(
         # without cuDNN has no masked GQA kernel and falls back to its math path, which repeats K and V per query
         # head, more than half of such a decode step's GPU time in the profiles)
         return grouped_attention(query, key, value, visible, scaling)
+    if visible is not None and not torch.compiler.is_compiling():
+        return _dense_masked_sdpa(query, key, value, visible, scaling, enable_gqa)
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=visible, scale=scaling, enable_gqa=enable_gqa
     )
     return out.transpose(1, 2).contiguous()
+
+
+#: the most attention scores (batch rows x query heads x query rows x keys) one dense-masked SDPA call may cover
+#: (`_dense_masked_sdpa`): 2^28, 1 GiB of fp32 scores
+MAX_SCORE_ELEMENTS = 1 << 28
+
+
+def score_blocks(batch: int, heads: int, rows: int, keys: int, limit: int) -> tuple[int, int]:
+    """(batch rows, query rows) per SDPA call such that each call covers at most `limit` scores (at least one
+    query row of one batch row per call)."""
+    per_row = heads * rows * keys
+    if per_row <= limit:
+        return max(1, min(batch, limit // max(per_row, 1))), rows
+    return 1, max(1, min(rows, limit // max(heads * keys, 1)))
+
+
+def _dense_masked_sdpa(query, key, value, visible, scaling, enable_gqa) -> torch.Tensor:
+    """SDPA under a dense boolean mask, split over batch rows and query rows so that no call covers more than
+    `MAX_SCORE_ELEMENTS` scores. A masked call with grouped-query heads has no fused kernel on CUDA unless cuDNN
+    takes it: SDPA's math path then repeats K and V per query head and materialises the fp32 scores (several
+    ``[B, Hq, q, k]`` copies, per layer: at the Qwen3-VL-8B shape, a batched prefill of 8 rows of ~1,260 rows
+    over ~4,150 keys (first turns with a 4096-token image, retention 0.3) ~20 GiB, of 8 follow-up turns that fold
+    ~1,900 pending deferred rows into their prefill ~31 GiB; one row's batch-1 first-turn prefill runs unmasked,
+    on flash). Every query row's attention
+    depends only on its own row of the mask, so the blocks give the rows the unsplit call gives (up to float
+    rounding)."""
+    b, hq, q, _ = query.shape
+    k = key.shape[2]
+    rows_b, rows_q = score_blocks(b, hq, q, k, MAX_SCORE_ELEMENTS)
+    if (rows_b >= b and rows_q >= q) or visible.dim() != 4:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scaling,
+                                             enable_gqa=enable_gqa)
+        return out.transpose(1, 2).contiguous()
+    out = query.new_empty(b, q, hq, value.shape[-1])
+    for b0 in range(0, b, rows_b):
+        b1 = min(b0 + rows_b, b)
+        mask_b = visible[b0:b1] if visible.shape[0] > 1 else visible
+        for q0 in range(0, q, rows_q):
+            q1 = min(q0 + rows_q, q)
+            mask = mask_b[:, :, q0:q1] if mask_b.shape[2] > 1 else mask_b
+            keys, values = (key, value) if key.shape[0] == 1 else (key[b0:b1], value[b0:b1])
+            part = F.scaled_dot_product_attention(query[b0:b1, :, q0:q1], keys, values, attn_mask=mask,
+                                                  scale=scaling, enable_gqa=enable_gqa)
+            out[b0:b1, q0:q1] = part.transpose(1, 2)
+    return out
