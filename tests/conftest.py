@@ -60,6 +60,17 @@ def tiny_vl(tiny_vl_path):
 
 
 @pytest.fixture
+def fresh_dynamo():
+    """Dynamo reset (and its counters cleared) before and after the test: each compiled test compiles afresh (the
+    tests' different capacities would otherwise add up past dynamo's recompile limit) and counts its own graphs.
+    Modules of compiled tests use it for every test: ``pytestmark = pytest.mark.usefixtures("fresh_dynamo")``."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def fresh_tiny_vl(tiny_vl_path):
     """A freshly loaded ``(model, processor)`` for tests that patch or modify the model."""
     return load_tiny_qwen3_vl(tiny_vl_path)

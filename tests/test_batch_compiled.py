@@ -35,12 +35,7 @@ def family(request, tiny_vl_path, tiny_qwen2_5_vl_path):
     return enable_raincheck(model), processor
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 @pytest.fixture

@@ -32,13 +32,7 @@ def model():
     return enable_raincheck(_tiny_model("eager"))
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    """Each test compiles afresh (the tests' different capacities would add up past dynamo's recompile limit)."""
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def two_images(seed=0):

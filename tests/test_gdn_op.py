@@ -100,11 +100,7 @@ def hybrid():
     return enable_raincheck(tiny_qwen3_5("eager"))
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def test_compiled_steps_hold_the_op_not_the_traced_kernels(hybrid):
