@@ -153,6 +153,11 @@ class RaincheckSide:
         self.model_id = args.model or (model.name_or_path if model is not None else DEFAULT_MODEL)
         self.server.start()
         self.base_url = self.server.base_url
+        self.call_log = None
+        if getattr(args, "log_calls", False):  # every batched call's rows and (CUDA) memory: `serve_memory.CallLog`
+            from serve_memory import CallLog
+
+            self.call_log = CallLog().install()
 
     def settle(self, timeout: float = 120.0) -> None:
         """Waits until the server has nothing queued, running or left to restore."""
@@ -160,10 +165,15 @@ class RaincheckSide:
             raise RuntimeError(f"the Raincheck server was still busy {timeout:g} s after a phase")
 
     def extra(self) -> dict:
-        return {"pool": self.server.pool.snapshot(), "batches": self.server.scheduler.batch_stats.snapshot(),
-                "restored_between_requests": self.server.scheduler.restored_between_requests}
+        extra = {"pool": self.server.pool.snapshot(), "batches": self.server.scheduler.batch_stats.snapshot(),
+                 "restored_between_requests": self.server.scheduler.restored_between_requests}
+        if self.call_log is not None:
+            extra["calls"] = list(self.call_log.entries)
+        return extra
 
     def stop(self) -> None:
+        if self.call_log is not None:
+            self.call_log.uninstall()
         self.server.stop()
 
 
@@ -366,6 +376,9 @@ def parse_args(argv=None):
                         help="seconds for the whole script (model build included); phases that would not fit are "
                              "skipped (default: 420 with --random-weights qwen3-vl-8b, else none)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--log-calls", action="store_true",
+                        help="record every batched call of the Raincheck server (rows, KV capacity, CUDA memory "
+                             "before / after) under its result's 'calls' (benchmarks/serve_memory.py)")
     parser.add_argument("--save", action="store_true", help=f"write the JSON to {os.path.relpath(RESULTS, ROOT)}")
     parser.add_argument("--out", default=None, help="write the JSON here")
     args = parser.parse_args(argv)
@@ -485,6 +498,9 @@ def main(argv=None) -> dict:
     except Exception as error:
         if seen:  # the phases so far and the failing phase's GPU memory (gpu_memory), then the error
             report["error"] = f"{type(error).__name__}: {error}"
+            for side in sides:  # (the failing phase's calls too)
+                if getattr(side, "call_log", None) is not None:
+                    seen["results"][side.name]["calls"] = list(side.call_log.entries)
             write(seen["results"], seen["skipped"], partial=True)
         raise
     finally:

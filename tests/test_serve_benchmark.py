@@ -119,3 +119,30 @@ def test_serve_benchmark_failing_phase_still_writes_its_json(tmp_path, monkeypat
     result = report["servers"]["raincheck"]
     assert result["ttft_turn1_s"] > 0 and result["throughput"] == {}
     assert result["gpu_memory"] == {"ttft 1": None, "throughput 2": None}
+
+
+@needs_gridqa
+def test_serve_benchmark_logs_the_raincheck_servers_calls(tmp_path):
+    """``--log-calls``: every batched call of the Raincheck server, its rows (a continued row: its conversation,
+    cached and pending tokens, KV capacity before and after) and memory fields (CUDA only: None on the CPU)."""
+    import serve as serve_benchmark
+    from hf_raincheck.serve import scheduler as scheduler_module
+
+    original = scheduler_module.run_batch
+    out = tmp_path / "serve.json"
+    report = serve_benchmark.main(["--random-weights", "tiny", "--device", "cpu", "--repeats", "0", "--turns", "2",
+                                   "--concurrency", "2", "--max-tokens", "3", "--image-tokens", "16",
+                                   "--think-ms", "0", "--servers", "raincheck", "--log-calls", "--out", str(out)])
+    assert scheduler_module.run_batch is original  # uninstalled when the server stopped
+    result = report["servers"]["raincheck"]
+    calls = result["calls"]
+    assert sum(len(c["rows"]) for c in calls) == result["batches"]["rows"] == 6  # warm-up 2, then 2 x 2 turns
+    assert len(calls) == result["batches"]["calls"]
+    continued = [row for c in calls for row in c["rows"] if row["conversation"] is not None]
+    assert len(continued) == result["pool"]["hits"] == 3
+    for row in continued:
+        assert row["cached"] > 0 and row["capacity"] >= row["cached"] and row["capacity_after"] >= row["prompt"]
+    for call in calls:
+        assert call["allocated_before"] is None and call["allocated_after"] is None and "error" not in call
+        assert call["pool_bytes"] > 0 and call["seconds"] >= 0
+    assert json.loads(out.read_text())["servers"]["raincheck"]["calls"] == calls
