@@ -233,6 +233,20 @@ def test_step_ops_counts_operators_per_step_kind(tmp_path):
     assert "| tiny | raincheck, fused |" in out
 
 
+def test_serve_memory_logs_every_batched_call(tmp_path):
+    """benchmarks/serve_memory.py on a small shape: one JSON line per batched call of the real server (its rows, their
+    cached and pending tokens, the pool's bytes equal to the live caches' own count), then the pool's snapshot."""
+    out = run_script(["benchmarks/serve_memory.py", "--conversations", "2", "--turns", "2", "--image-tokens", "64",
+                      "--layers", "1", "--stagger-s", "0", "--think-ms", "0", "--max-tokens", "4", "--threads", "1"],
+                     tmp_path, timeout=180)
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    calls, summary = lines[:-1], lines[-1]
+    assert sum(len(c["rows"]) for c in calls) == summary["batches"]["rows"] >= 4, out
+    assert all(c["pool_bytes"] == c["live_cache_bytes"] > 0 for c in calls), out
+    assert any(r["cached"] > 0 for c in calls for r in c["rows"]), out  # turn 2 continued a pooled conversation
+    assert summary["pool"]["conversations"] == 2 and summary["pool"]["pending"] == 0, out
+
+
 def test_step_host_time_splits_wrapper_and_compiled_call(tmp_path):
     """benchmarks/step_host_time.py on the CPU: both kinds of step are timed, the wrapper's share is reported."""
     out = run_script(["benchmarks/step_host_time.py", "--new-tokens", "24"], tmp_path)
