@@ -4,12 +4,14 @@ the fan-out streamer of a batched call; which requests share a call."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
 import threading
 import urllib.error
 import urllib.request
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -289,6 +291,7 @@ def test_a_bad_request_in_a_batch_fails_only_itself(reference, monkeypatch, adva
         served = srv.model
         real_generate = served.generate
         calls, inside = [], []
+        failed_calls, held_during_fallback = [], []  # weak refs to a tensor of each failed call's frame
 
         def generate(*args, **kwargs):
             if inside:  # a call made by the batched generate itself (its rows, one after another)
@@ -296,6 +299,9 @@ def test_a_bad_request_in_a_batch_fails_only_itself(reference, monkeypatch, adva
             ids = kwargs["input_ids"]
             poisoned = any(POISON in processor.tokenizer.decode(row) for row in ids)
             calls.append((ids.shape[0], poisoned))
+            if failed_calls and ids.shape[0] == 1:  # a rerun: nothing of the failed batched call may be held
+                gc.collect()
+                held_during_fallback.append(failed_calls[0]() is not None)
             if poisoned and advance and ids.shape[0] > 1:
                 inside.append(True)
                 try:
@@ -303,6 +309,8 @@ def test_a_bad_request_in_a_batch_fails_only_itself(reference, monkeypatch, adva
                 finally:
                     inside.clear()
             if poisoned:
+                its_tensors = torch.zeros(8)  # stands for what a failed call's frames hold (KV, activations)
+                failed_calls.append(weakref.ref(its_tensors))
                 raise RuntimeError("poisoned row")
             inside.append(True)
             try:
@@ -323,6 +331,10 @@ def test_a_bad_request_in_a_batch_fails_only_itself(reference, monkeypatch, adva
                          lambda r: _post(srv, r[1]) if r[0] == "poison" else ask(client, r[1]))[0]
         (answer_a2, usage_a2), (answer_b2, usage_b2), (status, body) = results
         assert status == 500 and "poisoned row" in body["error"]["message"]
+        # the failed calls' frames were let go: before the reruns, and once the failed request was answered
+        assert held_during_fallback and not any(held_during_fallback)
+        gc.collect()
+        assert len(failed_calls) == 2 and all(ref() is None for ref in failed_calls)
         after = stats(srv)["batches"]
         assert after["fallbacks"] == before["fallbacks"] + 1
         assert any(rows == 3 and poisoned for rows, poisoned in calls)  # the three requests shared a call

@@ -41,7 +41,8 @@ from ..conversation import batch_inputs
 from .errors import RequestError
 from .pool import ConversationPool
 from .streaming import FanOutStreamer
-from .turn import PreparedTurn, answer_length, cache_state, eos_ids, fail_turn, finish_turn, restart_as_new
+from .turn import (PreparedTurn, answer_length, cache_state, eos_ids, fail_turn, finish_turn, log_failure,
+                   restart_as_new)
 
 logger = logging.getLogger("hf_raincheck.serve")
 
@@ -192,7 +193,7 @@ def run_alone(turn: PreparedTurn, pool: ConversationPool, stats: BatchStats) -> 
     except _GenerationCancelled:  # the client went away mid-stream: the conversation is dropped
         fail_turn(turn, None)
     except Exception as error:  # noqa: BLE001 - reported to this request only; its conversation is dropped
-        logger.exception("generation failed")
+        log_failure(logger, "generation failed")
         fail_turn(turn, error)
 
 
@@ -228,7 +229,12 @@ def run_batch(turns: list[PreparedTurn], pool: ConversationPool, stats: BatchSta
             fail_turn(turn, None)
         return
     except Exception:  # noqa: BLE001 - each request again on its own: only a bad one fails
-        logger.exception("a batched generate of %d requests failed; running them one at a time", len(turns))
+        log_failure(logger, "a batched generate of %d requests failed; running them one at a time", len(turns))
+        failed = True
+    else:
+        failed = False
+    if failed:  # outside the handler: the failed call's frames (its buffers, its activations) are gone by now
+        past = None
         stats.count_fallback()
         _one_at_a_time(turns, streamer, pool, stats)
         return
@@ -243,7 +249,7 @@ def run_batch(turns: list[PreparedTurn], pool: ConversationPool, stats: BatchSta
             answer_ids = new_ids[:answer_length(new_ids, eos, pad, limits[i])]
             finish_turn(turn, pool, caches[i], answer_ids, batch_size=len(turns))
         except Exception as error:  # noqa: BLE001 - this row only
-            logger.exception("finishing row %d of a batched generate failed", i)
+            log_failure(logger, "finishing row %d of a batched generate failed", i)
             fail_turn(turn, error)
 
 

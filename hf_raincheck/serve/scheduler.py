@@ -30,7 +30,7 @@ import time
 from ..generation import complete_deferred
 from .batch import BatchStats, group_turns, run_batch
 from .pool import ConversationPool
-from .turn import TurnJob, fail_turn, prepare_turn
+from .turn import TurnJob, fail_turn, log_failure, prepare_turn
 
 logger = logging.getLogger("hf_raincheck.serve")
 _STOP = object()
@@ -134,7 +134,7 @@ class BatchingScheduler:
             try:
                 turn = prepare_turn(job, self.pool)
             except BaseException as error:  # noqa: BLE001 - the thread must survive any request
-                logger.exception("preparing a turn failed")
+                log_failure(logger, "preparing a turn failed")
                 job.resolve(job.prepared, error=error)
                 job.resolve(job.done, error=error)
                 continue
@@ -144,7 +144,7 @@ class BatchingScheduler:
             try:
                 run_batch(group, self.pool, self.batch_stats)
             except BaseException as error:  # noqa: BLE001 - the thread must survive any request
-                logger.exception("running a batch failed")
+                log_failure(logger, "running a batch failed")
                 for turn in group:
                     fail_turn(turn, error)
 
@@ -170,7 +170,7 @@ class BatchingScheduler:
         try:
             self.restored_between_requests += complete_deferred(model, conv.cache, max_tokens=chunk)
         except Exception:  # noqa: BLE001 - the cache stays consistent, but stop retrying this conversation
-            logger.exception("restoring conversation %s failed; it is dropped", conv.id)
+            log_failure(logger, "restoring conversation %s failed; it is dropped", conv.id)
             self.pool.discard(conv)
             return
         self.pool.remeasure(conv)

@@ -16,6 +16,7 @@ import asyncio
 import copy
 import logging
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import torch
@@ -235,5 +236,24 @@ def fail_turn(turn: PreparedTurn, error: BaseException | None) -> None:
     """A turn whose generation failed (``error``) or was cancelled by its client (None): its stream ends, its
     ``done`` is settled, its conversation (checked out) is dropped."""
     job = turn.job
+    error = without_frames(error)
     job.end_stream(error)
     job.resolve(job.done, error=error if error is not None else asyncio.CancelledError())
+
+
+def log_failure(logger, message: str, *args) -> None:
+    """``logger.exception`` with the traceback as text: a log record that kept the traceback object (a capturing
+    or buffering handler keeps records) would keep every frame of the failed call alive (see `without_frames`)."""
+    logger.error(message + "\n%s", *args, traceback.format_exc())
+
+
+def without_frames(error: BaseException | None) -> BaseException | None:
+    """`error` (already logged) with the tracebacks of it and of the exceptions it chains dropped: a request's
+    error is kept until its response is sent, and a traceback keeps every frame of the failed call alive, with its
+    tensors (a batch's KV buffers, a forward's activations: on a GPU, memory the next requests need)."""
+    seen, chained = set(), error
+    while chained is not None and id(chained) not in seen:
+        seen.add(id(chained))
+        chained.__traceback__ = None
+        chained = chained.__cause__ or chained.__context__
+    return error
