@@ -28,6 +28,7 @@ from ..cache import ForwardContext
 from ..cache.batched import BatchedDeferredPrefillCache
 from .rows import count_restored
 from .shared_step import host_to_device
+from .visibility import visible_rows
 
 
 def scratch_rows(chunk_size: int) -> int:
@@ -74,15 +75,10 @@ def _batch_step_graph(adapter, group, tokens, meta, rope_deltas, chunk, backend:
         if s_deepstack is not None:
             deepstack = [torch.cat([f.gather(1, by_row).to(live_embeds.dtype),
                                     live_embeds.new_zeros((batch, 1, hidden_size))], dim=1) for f in s_deepstack]
-    # every row's mask at once: `visibility.visible`'s rules over the row's own slots
-    present = filled.clone().scatter_(1, slots, True)  # [B, W] (padding sees its own scratch slot)
+    # every row's mask at once, each over its own slots (padding sees its own scratch slot)
+    present = filled.clone().scatter_(1, slots, True)  # [B, W]
     keys = torch.arange(width, device=device)
-    row_slots = slots[:, :, None]  # [B, q, 1]
-    seen = present[:, None, :] & (keys <= row_slots)
-    if deferred is not None and visibility == "boundary":
-        restoring = present[:, None, :] & (keys < boundary[:, None, None]) \
-            & ~(deferred_slots[:, None, :] & (keys > row_slots))
-        seen = torch.where(deferred[:, :, None], restoring, seen)
+    seen = visible_rows(present, keys, slots, deferred, boundary, deferred_slots, visibility)
     context.write_slots = slots
     hidden = adapter.language_forward(embeds, positions, seen[:, None], group, deepstack, backend)
     filled.scatter_(1, slots, filled.gather(1, slots) | valid)

@@ -20,6 +20,7 @@ from ..cache.batched import BatchedDeferredPrefillCache
 from ..gdn_state import resolve as resolve_gdn_backend
 from ..gdn_state.layer import SharedGDNSteps
 from .rows import Rows, count_restored, gdn_step
+from .visibility import visible_rows
 
 _PAD, _LIVE, _DEFERRED = 0, 1, 2
 
@@ -132,14 +133,12 @@ def run_shared_step(adapter, group: BatchedDeferredPrefillCache, live_embeds: to
     real = kind != _PAD
     present = group.filled[:, :width].clone().scatter_(1, slots, real)
     keys = torch.arange(width, device=device)
-    row_slots = slots[:, :, None]
-    seen = present[:, None, :] & (keys <= row_slots)
+    deferred, boundary, deferred_slots = None, None, None
     if visibility == "boundary" and any(counts):
+        deferred = kind == _DEFERRED
         boundary, deferred_slots = masks.get(group, device)
-        restoring = present[:, None, :] & (keys < boundary[:, None, None]) \
-            & ~(deferred_slots[:, None, :width] & (keys > row_slots))
-        seen = torch.where((kind == _DEFERRED)[:, :, None], restoring, seen)
-    mask = torch.where(real[:, :, None], seen, keys == row_slots)[:, None]
+    seen = visible_rows(present, keys, slots, deferred, boundary, deferred_slots, visibility)
+    mask = torch.where(real[:, :, None], seen, keys == slots[:, :, None])[:, None]
 
     context = ForwardContext(write_slots=slots, kv_len=width)
     if adapter.gdn_glue is not None:  # each row on its own states (docs/design.md rule 3)

@@ -29,6 +29,22 @@ def visible(present, row_slots, deferred_rows, boundary, deferred_slots, mode: s
     return torch.where(deferred_rows[:, None], restoring, live)
 
 
+def visible_rows(present, keys, row_slots, deferred_rows, boundary, deferred_slots, mode: str) -> torch.Tensor:
+    """`visible` for every batch row of a shared forward at once: boolean ``[B, q, width]``.
+
+    `present` bool ``[B, width]``, `keys` ``arange(width)``, `row_slots` ``[B, q]``, `deferred_rows` bool ``[B, q]``
+    or None, `boundary` ``[B]`` and `deferred_slots` bool ``[B, >= width]`` (each row's own plan; read only when
+    `deferred_rows` is given and the mode is ``"boundary"``)."""
+    rows = row_slots[:, :, None]
+    seen = present[:, None, :] & (keys <= rows)
+    if deferred_rows is None or mode != "boundary":
+        return seen
+    width = present.shape[1]
+    restoring = present[:, None, :] & (keys < boundary[:, None, None]) \
+        & ~(deferred_slots[:, None, :width] & (keys > rows))
+    return torch.where(deferred_rows[:, :, None], restoring, seen)
+
+
 def visibility_mask(
     filled: torch.Tensor,
     row_slots: torch.Tensor,
