@@ -100,7 +100,7 @@ def sdpa_heads(query, key, value, visible, scaling, additive=None):
     rows = query.reshape(b, hkv, hq // hkv, d)
     mask = visible if additive is None else additive
     out = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scaling)
-    return out.view(b, hq, 1, d).transpose(1, 2).contiguous()
+    return out.reshape(b, hq, 1, d).transpose(1, 2).contiguous()
 
 
 _ADDITIVE: dict = {}

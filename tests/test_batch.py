@@ -436,6 +436,33 @@ def test_complete_deferred_of_a_batch(family):
         assert_same_cache(group.rows[i], ref.past_key_values)
 
 
+def test_batched_calls_build_no_autograd_graph(family):
+    """Called with gradients on (as a server thread or a script without ``torch.no_grad`` calls it), a batched
+    generate and a batch's ``complete_deferred`` run every forward without autograd, as transformers' generate does:
+    a graph kept by the cache held every vision block's and every prefill layer's activations (an 8-row server batch
+    of 4096-token images ran out of an H200's 140 GB)."""
+    from hf_raincheck import complete_deferred
+
+    model, processor = family
+    assert any(p.requires_grad for p in model.parameters())
+    seen = []
+    record = lambda *_: seen.append(torch.is_grad_enabled())  # noqa: E731
+    modules = [m for name, m in model.named_modules() if name.endswith(("visual", "layers.0"))]
+    assert len(modules) == 2
+    handles = [m.register_forward_pre_hook(record) for m in modules]
+    try:
+        cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion="next_turn")
+        kw = dict(max_new_tokens=3, do_sample=False, return_dict_in_generate=True, raincheck_config=cfg)
+        out = model.generate(**_inputs(processor, CONVERSATIONS[:2]), **kw)
+        assert complete_deferred(model, out.past_key_values) > 0
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen and not any(seen)
+    for row in out.past_key_values.rows:
+        assert not any(t.requires_grad for layer in row.layers if layer.is_initialized for t in (layer.keys, layer.values))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_shared_steps_on_cuda_equal_batch1(family):

@@ -188,6 +188,7 @@ def shared_steps_supported(state, cache_implementation, backend: str, past) -> s
     return None
 
 
+@torch.no_grad()  # as transformers' generate: without it the vision tower's and the prefill's activations stay alive
 def generate_batch(model, state, raincheck_config, kwargs: dict, gen_config, cache_implementation):
     """A left-padded batch (B > 1 rows, or one row with ``num_return_sequences > 1``): each row its own
     conversation, in shared forwards (`shared_batch`) where supported, else one row after the other through the
