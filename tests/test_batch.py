@@ -302,11 +302,10 @@ def test_a_binding_step_budget_equals_batch1_fed_the_same_counts(family, monkeyp
 def test_unsupported_batches_raise(family):
     model, processor = family
     batch = _inputs(processor, CONVERSATIONS[:2])
-    one_by_one = []
-    if model.config.model_type == "qwen3_5":  # (its static batches run row by row: test_static_batches_equal_batch1)
-        one_by_one = [(dict(cache_implementation="static", output_logits=True),
-                       "output_logits .* not supported when the rows run")]
-    for kw, message in one_by_one + [
+    static_rows = BatchedDeferredPrefillCache([DeferredPrefillCache(2, static=True, max_cache_len=64) for _ in range(2)])
+    for kw, message in [
+        (dict(past_key_values=static_rows, output_logits=True),  # (rows of batch-1 static caches: one after the other)
+         "output_logits .* not supported when the rows run"),
         (dict(streamer=TextStreamer(processor.tokenizer)), "only supports batch size 1"),  # (transformers' own)
         (dict(output_attentions=True), "output_attentions"),
         (dict(num_beams=2), "beam search is not supported"),
@@ -324,9 +323,8 @@ def test_unsupported_batches_raise(family):
 
 
 def test_static_batches_equal_batch1(family):
-    """Static caches: Qwen3-VL and Qwen2.5-VL run the shared engine on a static batch cache (its steps eager on the
-    CPU without a compile config, compiled otherwise: tests/test_batch_compiled.py); Qwen3.5 runs the rows one after
-    the other through the batch-1 path, and says why."""
+    """Static caches run the shared engine on a static batch cache (its steps eager on the CPU without a compile
+    config, compiled otherwise: tests/test_batch_compiled.py), Qwen3.5's Gated DeltaNet layers included."""
     from hf_raincheck.generation.batch import shared_steps_supported
     from hf_raincheck.generation.state import raincheck_state
 
@@ -336,10 +334,7 @@ def test_static_batches_equal_batch1(family):
     batch = _inputs(processor, conversations)
     out = _gen(model, batch, CFG, n=6, **kw)
     why = shared_steps_supported(raincheck_state(model, "test"), "static", "sdpa", None)
-    if model.config.model_type == "qwen3_5":
-        assert "Gated DeltaNet" in why and all(r.static for r in out.past_key_values.rows)
-    else:
-        assert why is None and out.past_key_values.static and not any(r.static for r in out.past_key_values.rows)
+    assert why is None and out.past_key_values.static and not any(r.static for r in out.past_key_values.rows)
     width = batch["input_ids"].shape[1]
     for i, conversation in enumerate(conversations):
         alone = _inputs(processor, [conversation])

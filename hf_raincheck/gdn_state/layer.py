@@ -230,3 +230,75 @@ def gdn_rows_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, layer: G
         outs.append(out)
     core = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return glue.output(module, core, z)
+
+
+@dataclass
+class GDNBatchGraphStep:
+    """The rows of a compiled static batch step (`hf_raincheck.generation.shared_static`), for every GDN layer:
+    tensors and shapes only (see `gdn_batch_forward_graph`).
+
+    Attributes:
+        layers: per GDN layer index, the batch's state buffers (`BatchedDeferredPrefillCache.gdn_buffers`): ``state``
+            ``[B, H_v, K, V + K]`` fp32 (``[S | P_tail]``, the fixed layout), ``conv`` ``[B, C, kernel]``,
+            ``prefix`` ``[B, H_v, K, V]`` fp32 and ``prefix_conv`` ``[B, C, kernel]`` (each row's checkpoint; a row
+            without a pending plan carries nothing, so its rows there are never read into its live state).
+        live: bool ``[B]``: which rows feed a decode row (a stopped row's decode position changes no state).
+        valid: bool ``[B, chunk]``: which chunk rows are real deferred rows (None: a decode-only step).
+        count: long ``[B]``: how many are, per row (the first ``count[b]``).
+        backend: ``"torch"`` or ``"fla"``.
+
+    `live`, `valid` and `count` are set inside the traced graph (from the step's ``[4, B]`` index tensor)."""
+
+    layers: dict
+    backend: str
+    live: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    count: torch.Tensor | None = None
+
+
+def gdn_batch_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, buffers: dict, step: GDNBatchGraphStep):
+    """`gdn_rows_forward_graph` for the B rows of a compiled static batch step, every row on its own states (rows
+    of `buffers`, updated in place), in one kernel call per row block for all rows.
+
+    `hidden` ``[B, chunk + 1, hidden]`` (row b: its deferred window, padding after its ``count[b]`` real rows, then
+    its decode row) or ``[B, 1, hidden]`` (decode rows only). Per row, as `gdn_rows_forward` (docs/design.md rule
+    3): the real deferred rows continue the row's prefix checkpoint (state and conv window; padding rows have
+    ``g = beta = 0``, the identity, and the conv window is taken at the last real row), the live state is joined
+    (``S_live += P_tail (S_prefix_new - S_prefix_old)``, only for rows that carried something), then the decode
+    row continues the live ``[S | P_tail]`` (its transition multiplies into P_tail) and the live conv window. A row
+    whose decode row is not live (it stopped) keeps its live state and conv window. `naive.naive_batch_graph_step`
+    is the plain per-row reference."""
+    qkv, z, b, a = glue.project(module, hidden)
+    state, conv = buffers["state"], buffers["conv"]
+    value_dim = buffers["prefix"].shape[-1]
+    outs = []
+    if step.valid is not None:
+        n = step.valid.shape[1]
+        prefix, prefix_conv = buffers["prefix"], buffers["prefix_conv"]
+        kernel = prefix_conv.shape[-1]
+        full = torch.cat([prefix_conv, qkv[..., :n]], dim=-1)  # [B, C, kernel + n]
+        conv_out = glue.conv_full(module, full)[:, -n:]
+        where = step.count[:, None] + torch.arange(kernel, device=full.device)  # [B, kernel]: ends at the last real row
+        new_window = full.gather(-1, where[:, None, :].expand(-1, full.shape[1], -1))
+        q, k, v, g, beta = glue.factors(module, conv_out, a[:, :n], b[:, :n])
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        valid = step.valid[:, :, None]
+        g = torch.where(valid, g, torch.zeros_like(g))
+        beta = torch.where(valid, beta, torch.zeros_like(beta))
+        out, new_prefix = advance(step.backend, q, k, v, g, beta, prefix, opaque=True)
+        carried = (step.count > 0)[:, None, None, None]
+        update = torch.matmul(state[..., value_dim:], new_prefix - prefix)
+        state[..., :value_dim] += torch.where(carried, update, torch.zeros_like(update))
+        prefix.copy_(torch.where(carried, new_prefix, prefix))
+        prefix_conv.copy_(torch.where(carried[..., 0], new_window, prefix_conv))
+        outs.append(out)
+    live = step.live
+    window = conv.clone()
+    conv_out = glue.conv_step_(module, qkv[..., -1:], window)  # (updates `window`: kept below for live rows only)
+    conv.copy_(torch.where(live[:, None, None], window, conv))
+    q, k, v, g, beta = glue.factors(module, conv_out, a[:, -1:], b[:, -1:])
+    out, new_state = advance(step.backend, q, k, v, g, beta, state, state.shape[-1] - value_dim, opaque=True)
+    state.copy_(torch.where(live[:, None, None, None], new_state, state))
+    outs.append(out)
+    core = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return glue.output(module, core, z)
