@@ -302,7 +302,8 @@ def test_a_binding_step_budget_equals_batch1_fed_the_same_counts(family, monkeyp
 def test_unsupported_batches_raise(family):
     model, processor = family
     batch = _inputs(processor, CONVERSATIONS[:2])
-    static_rows = BatchedDeferredPrefillCache([DeferredPrefillCache(2, static=True, max_cache_len=64) for _ in range(2)])
+    static_rows = BatchedDeferredPrefillCache([DeferredPrefillCache(2, static=True, max_cache_len=64)
+                                               for _ in range(2)])
     for kw, message in [
         (dict(past_key_values=static_rows, output_logits=True),  # (rows of batch-1 static caches: one after the other)
          "output_logits .* not supported when the rows run"),
