@@ -187,3 +187,49 @@ def test_batch_graph_step_matches_the_per_row_reference(chunk):
                                        msg=f"row {b} {name}")
     for name in rows[0]:  # the idle row: nothing carried, nothing fed
         assert torch.equal(buffers[name][3:], rows[3][name])
+
+
+def test_decode_rows_together_equal_each_row_alone():
+    """`gdn_decode_rows_forward` (the decode rows of an eager shared step in one call of each piece) against
+    `gdn_rows_forward` row by row (itself checked against the reference above): rows with P_tail, without, and one
+    whose plan just finished (P_tail dropped before its row); outputs and every new state, and the old states are
+    left untouched (a rollback keeps them)."""
+    import copy
+
+    from handmade_qwen3_5 import tiny_qwen3_5
+
+    from hf_raincheck.gdn_state import GDNLayerState, GDNStep, gdn_rows_forward
+    from hf_raincheck.gdn_state.layer import gdn_decode_rows_forward
+    from hf_raincheck.models.qwen3_5 import Qwen3_5GDNGlue
+
+    model = tiny_qwen3_5("eager")
+    module = next(layer.linear_attn for layer in model.model.language_model.layers if hasattr(layer, "linear_attn"))
+    glue = Qwen3_5GDNGlue()
+    heads, key_dim, value_dim, channels, kernel = glue.dims(module)
+    gen = torch.Generator().manual_seed(11)
+    layers, steps = [], []
+    for carry, track in [(key_dim, True), (0, False), (key_dim, False), (0, False)]:
+        layer = GDNLayerState()
+        live = 0.3 * torch.randn(1, heads, key_dim, value_dim, generator=gen)
+        if carry:
+            live = torch.cat([live, torch.eye(key_dim) + 0.05 * torch.randn(1, heads, key_dim, key_dim, generator=gen)],
+                             dim=-1)
+        layer.set_state(live, value_dim)
+        layer.conv = torch.randn(1, channels, kernel, generator=gen)
+        layers.append(layer)
+        steps.append(GDNStep(restore_plan=None, num_restore=0, checkpoint_plan=None, checkpoint_at=0, track=track,
+                             backend="torch"))
+    alone = copy.deepcopy(layers)
+    old = [(layer.state, layer.state.clone(), layer.conv, layer.conv.clone()) for layer in layers]
+    hidden = torch.randn(len(layers), 1, module.hidden_size, generator=gen)
+    with torch.no_grad():
+        out = gdn_decode_rows_forward(glue, module, hidden, layers, steps)
+        ref = torch.cat([gdn_rows_forward(glue, module, hidden[j : j + 1], alone[j], steps[j])
+                         for j in range(len(layers))])
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    for j, (layer, expected) in enumerate(zip(layers, alone)):
+        assert layer.carry == expected.carry == (key_dim if j == 0 else 0), j
+        torch.testing.assert_close(layer.state, expected.state, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(layer.conv, expected.conv, atol=1e-6, rtol=1e-5)
+    for state, state_before, conv, conv_before in old:
+        assert torch.equal(state, state_before) and torch.equal(conv, conv_before)

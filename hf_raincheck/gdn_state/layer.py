@@ -159,10 +159,28 @@ class SharedGDNSteps:
 
 def gdn_shared_forward(glue: GDNGlue, module, hidden: torch.Tensor, steps: SharedGDNSteps):
     """`gdn_rows_forward` for each batch row of a shared forward, on its own states; padding positions get zeros
-    (no row sees them: their attention keys go to scratch slots)."""
+    (no row sees them: their attention keys go to scratch slots). The rows whose only row is one decode row (a
+    decode-only step; the rows that carry nothing in a fused step) run together (`gdn_decode_rows_forward`: one
+    call of each piece for all of them), the others one by one."""
     out = None
+    last = hidden.shape[1] - 1
+    decode = [b for b, item in enumerate(steps.rows) if item is not None and _decode_row_only(item, last)]
+    if len(decode) > 1:
+        items = [steps.rows[b] for b in decode]
+        rows = hidden[:, last:] if len(decode) == hidden.shape[0] else torch.cat([hidden[b : b + 1, last:]
+                                                                                  for b in decode])
+        decode_out = gdn_decode_rows_forward(glue, module, rows, [layers(module.layer_idx) for _, _, layers in items],
+                                             [step for _, step, _ in items])
+        out = decode_out.new_zeros((hidden.shape[0], hidden.shape[1], decode_out.shape[-1]))
+        if len(decode) == hidden.shape[0]:
+            out[:, last:] = decode_out
+        else:
+            for j, b in enumerate(decode):
+                out[b, last] = decode_out[j, 0]
+    else:
+        decode = []
     for b, item in enumerate(steps.rows):
-        if item is None:
+        if item is None or b in decode:
             continue
         start, step, layers = item
         row_out = gdn_rows_forward(glue, module, hidden[b : b + 1, start:], layers(module.layer_idx), step)
@@ -170,6 +188,43 @@ def gdn_shared_forward(glue: GDNGlue, module, hidden: torch.Tensor, steps: Share
             out = row_out.new_zeros((hidden.shape[0], hidden.shape[1], row_out.shape[-1]))
         out[b, start:] = row_out[0]
     return out
+
+
+def _decode_row_only(item, last: int) -> bool:
+    """Whether a batch row's rows in a shared forward are one decode row continuing a live state (no deferred rows,
+    no new plan's boundary)."""
+    start, step, _ = item
+    return start == last and step.num_restore == 0 and step.checkpoint_plan is None
+
+
+def gdn_decode_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layers: list[GDNLayerState],
+                            steps: list[GDNStep]) -> torch.Tensor:
+    """`gdn_rows_forward` for n batch rows that each run one decode row on their own live state, in one call of
+    each piece (projections, short conv, gates, kernel, output) for all of them: `hidden` ``[n, 1, hidden]``, row j
+    on `layers[j]` as `steps[j]` says. Every state stays a new tensor (never written in place, as
+    `gdn_rows_forward`: a transaction's rollback keeps the old ones). Rows whose states carry P_tail and rows that
+    do not run together: the kernel acts on the state's columns one by one, so a row without P_tail runs with zero
+    columns in its place, which it drops after. Returns ``[n, 1, hidden]``."""
+    qkv, z, b, a = glue.project(module, hidden)
+    for layer, step in zip(layers, steps):
+        if layer.state is None:
+            raise RuntimeError("Raincheck GDN state: a decode row without a live state")
+        if not step.track and layer.carry:  # (the pending plan finished: its P_tail is no longer extended)
+            layer.release()
+    windows = layers[0].conv if len(layers) == 1 else torch.cat([layer.conv for layer in layers])
+    conv_out, new_windows = glue.conv(module, qkv, windows)
+    q, k, v, g, beta = glue.factors(module, conv_out, a, b)
+    value_dim = layers[0].value_dim
+    carries = [layer.carry for layer in layers]
+    most = max(carries)
+    states = torch.cat([layer.state if c == most else F.pad(layer.state, (0, most - c))
+                        for layer, c in zip(layers, carries)])
+    out, final = advance(steps[0].backend, q, k, v, g, beta, states, most)
+    for j, (layer, c) in enumerate(zip(layers, carries)):
+        state = final[j : j + 1]
+        layer.set_state(state if c == most else state[..., : value_dim + c].contiguous(), value_dim)
+        layer.conv = new_windows[j : j + 1]
+    return glue.output(module, out, z)
 
 
 @dataclass
