@@ -308,3 +308,36 @@ def test_a_new_static_batch_takes_a_freed_batchs_buffers(family):
     third = run()
     assert all(t is second[k] or t is first[k] for k, t in third.past_key_values.pooled.items())
     assert third.past_key_values.pooled.keys() == second.keys()
+
+
+def test_a_row_still_viewing_a_freed_batchs_gdn_states_keeps_them(tiny_qwen3_5_path):
+    """Qwen3.5: a row moved to another batch's KV buffers keeps viewing its freed static batch's GDN state buffers
+    until its next forward replaces them; those buffers stay out of the pool meanwhile (the next static batch of
+    the same shape takes others, the row's states are intact), and go back once no row views them."""
+    import gc
+
+    model, processor = load_tiny_qwen3_5(tiny_qwen3_5_path)
+    model = enable_raincheck(model)
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=1, completion="next_turn")
+    batch = _inputs(processor, CONVERSATIONS)
+    out = compiled(model, batch, cfg, n=6)
+    rows = out.past_key_values.split()
+    first = {name: t for name, t in out.past_key_values.pooled.items() if name.startswith("gdn")}
+    assert first and all(any(s.state.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                                 for t in first.values()) for s in rows[1].gdn_states.values())
+    moved = BatchedDeferredPrefillCache(rows)  # (a dynamic batch: the rows' KV move to its buffers, GDN states not)
+    moved.share_buffers(max(r.length for r in rows))
+    saved = {idx: (s.state.clone(), s.conv.clone()) for idx, s in rows[1].gdn_states.items()}
+    del out
+    gc.collect()
+    again = compiled(model, batch, cfg, n=6)
+    second = {name: t for name, t in again.past_key_values.pooled.items() if name.startswith("gdn")}
+    assert second.keys() == first.keys() and not any(second[k] is first[k] for k in second)
+    for idx, (state, conv) in saved.items():
+        assert torch.equal(rows[1].gdn_states[idx].state, state) and torch.equal(rows[1].gdn_states[idx].conv, conv)
+    for row in rows:
+        row.detach_shared()  # (its own GDN states now: the first batch's buffers are free)
+    del again
+    gc.collect()
+    third = compiled(model, batch, cfg, n=6)
+    assert all(t is first[k] or t is second[k] for k, t in third.past_key_values.pooled.items() if k in first)
