@@ -19,10 +19,10 @@ pixels and text drawn from its own seed (different images). Answers of ``--new-t
   every row's deferred tokens restored (as ``latency.py``). Full and Hard are blocking too (nothing to complete).
 
 Cache kinds (``--cache``): ``dynamic`` (default; eager decode): batches run in the shared engine (every row in each
-forward; Qwen3.5 too); ``static`` (``cache_implementation="static"``, compiled steps): Qwen3-VL batches run the shared
-engine on a static batch cache with compiled decode / fused steps at batch B (``generation/shared_static.py``);
-Qwen3.5's rows run one after the other through the compiled batch-1 path. Each record says how its rows ran (``rows``:
-``batched`` for plain generate, ``batch-1``, ``shared`` or ``one by one``; ``rows_why`` says why). Plain generate on a static cache gets one ``StaticCache`` per
+forward; Qwen3.5 too); ``static`` (``cache_implementation="static"``, compiled steps): batches run the shared engine
+on a static batch cache with compiled decode / fused steps at batch B (``generation/shared_static.py``; Qwen3.5's
+Gated DeltaNet layers too); ``--attn-backend flash`` runs the rows one after the other. Each record says how its rows
+ran (``rows``: ``batched`` for plain generate, ``batch-1``, ``shared`` or ``one by one``; ``rows_why`` says why). Plain generate on a static cache gets one ``StaticCache`` per
 batch size (emptied before each call, so its compiled decode step records one graph per B).
 
 Measurements, per (model, B): every method first warms up (an answer of ``--warmup-tokens``: 48 on a dynamic

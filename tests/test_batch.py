@@ -302,11 +302,11 @@ def test_a_binding_step_budget_equals_batch1_fed_the_same_counts(family, monkeyp
 def test_unsupported_batches_raise(family):
     model, processor = family
     batch = _inputs(processor, CONVERSATIONS[:2])
-    one_by_one = []
-    if model.config.model_type == "qwen3_5":  # (its static batches run row by row: test_static_batches_equal_batch1)
-        one_by_one = [(dict(cache_implementation="static", output_logits=True),
-                       "output_logits .* not supported when the rows run")]
-    for kw, message in one_by_one + [
+    static_rows = BatchedDeferredPrefillCache([DeferredPrefillCache(2, static=True, max_cache_len=64)
+                                               for _ in range(2)])
+    for kw, message in [
+        (dict(past_key_values=static_rows, output_logits=True),  # (rows of batch-1 static caches: one after the other)
+         "output_logits .* not supported when the rows run"),
         (dict(streamer=TextStreamer(processor.tokenizer)), "only supports batch size 1"),  # (transformers' own)
         (dict(output_attentions=True), "output_attentions"),
         (dict(num_beams=2), "beam search is not supported"),
@@ -324,9 +324,8 @@ def test_unsupported_batches_raise(family):
 
 
 def test_static_batches_equal_batch1(family):
-    """Static caches: Qwen3-VL and Qwen2.5-VL run the shared engine on a static batch cache (its steps eager on the
-    CPU without a compile config, compiled otherwise: tests/test_batch_compiled.py); Qwen3.5 runs the rows one after
-    the other through the batch-1 path, and says why."""
+    """Static caches run the shared engine on a static batch cache (its steps eager on the CPU without a compile
+    config, compiled otherwise: tests/test_batch_compiled.py), Qwen3.5's Gated DeltaNet layers included."""
     from hf_raincheck.generation.batch import shared_steps_supported
     from hf_raincheck.generation.state import raincheck_state
 
@@ -336,10 +335,7 @@ def test_static_batches_equal_batch1(family):
     batch = _inputs(processor, conversations)
     out = _gen(model, batch, CFG, n=6, **kw)
     why = shared_steps_supported(raincheck_state(model, "test"), "static", "sdpa", None)
-    if model.config.model_type == "qwen3_5":
-        assert "Gated DeltaNet" in why and all(r.static for r in out.past_key_values.rows)
-    else:
-        assert why is None and out.past_key_values.static and not any(r.static for r in out.past_key_values.rows)
+    assert why is None and out.past_key_values.static and not any(r.static for r in out.past_key_values.rows)
     width = batch["input_ids"].shape[1]
     for i, conversation in enumerate(conversations):
         alone = _inputs(processor, [conversation])
@@ -533,3 +529,38 @@ def test_a_batch_continued_without_raincheck_config_takes_its_rows_config(family
     assert out2.past_key_values.rows == rows
     with pytest.raises(ValueError, match="BatchedDeferredPrefillCache that no Raincheck call has used yet"):
         _gen(model, batch, None, n=2, past_key_values=BatchedDeferredPrefillCache([None, None]))
+
+
+def test_qwen3_5_decode_rows_share_one_gdn_call_per_layer(tiny_qwen3_5_path, monkeypatch):
+    """Eager shared steps of Qwen3.5: the rows that only decode (every row of a decode-only step, the rows that carry
+    nothing in a fused step) run each GDN layer in one kernel call for all of them; a row that carries deferred
+    tokens runs its own. Each row still equals its batch-1 run (step logits too)."""
+    from hf_raincheck.gdn_state import kernels
+
+    model, processor = load_tiny_qwen3_5(tiny_qwen3_5_path)
+    model = enable_raincheck(model)
+    calls = []
+    original = kernels.gated_delta
+    monkeypatch.setattr(kernels, "gated_delta", lambda *a, **kw: calls.append(a[1].shape[0]) or original(*a, **kw))
+    gdn_layers = model.config.text_config.layer_types.count("linear_attention")
+    batch = _inputs(processor, CONVERSATIONS)
+    width = batch["input_ids"].shape[1]
+    full = RaincheckConfig(retention=1.0)  # nothing deferred: every step after the prefill is decode-only
+    out = _gen(model, batch, full, n=6, output_logits=True)
+    decode = calls[len(CONVERSATIONS) * gdn_layers:]  # (the prefill: each row's own call per layer)
+    assert decode == [len(CONVERSATIONS)] * (5 * gdn_layers)
+    calls.clear()
+    conversations = [CONVERSATIONS[0], CONVERSATIONS[2], _messages([], "Hello there, how are you?")]
+    batch = _inputs(processor, conversations)
+    width = batch["input_ids"].shape[1]
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=1, completion="next_turn")
+    out = _gen(model, batch, cfg, n=6, output_logits=True)
+    assert 2 in calls and 1 in calls  # fused steps: the two text rows together, the carrying row alone
+    for i, conversation in enumerate(conversations):
+        alone = _inputs(processor, [conversation])
+        ref = _gen(model, alone, cfg, n=6, output_logits=True)
+        ref_new = ref.sequences[0, alone["input_ids"].shape[1]:].tolist()
+        assert out.sequences[i, width:width + len(ref_new)].tolist() == ref_new, f"row {i}"
+        for step, (a, b) in enumerate(zip(out.logits, ref.logits)):
+            torch.testing.assert_close(a[i], b[0], atol=2e-5, rtol=1e-4, msg=f"row {i} step {step}")
+        assert_same_cache(out.past_key_values.rows[i], ref.past_key_values)

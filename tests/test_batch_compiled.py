@@ -1,5 +1,6 @@
-"""Compiled static batches (``cache_implementation="static"``, B > 1 rows, attention-only families): the decode and
-fused steps of every row in one compiled graph per batch size and step kind (`generation/shared_static.py`).
+"""Compiled static batches (``cache_implementation="static"``, B > 1 rows; Qwen3-VL, Qwen2.5-VL and Qwen3.5, whose
+Gated DeltaNet layers run every row on its own states inside the graph): the decode and fused steps of every row in
+one compiled graph per batch size and step kind (`generation/shared_static.py`).
 
 On the CPU dynamo compiles with the eager backend and ``fullgraph=True`` (a graph break fails the test), as
 tests/test_compiled_steps.py does for one row. Every row of a mixed left-padded batch (images of different sizes,
@@ -18,7 +19,7 @@ import torch._dynamo
 from hf_raincheck import RaincheckConfig, enable_raincheck
 from hf_raincheck.cache.batched import BatchedDeferredPrefillCache
 from hf_raincheck.generation.shared_static import StaticBatchStep
-from hf_raincheck.testing import load_tiny_qwen2_5_vl, load_tiny_qwen3_vl, make_image
+from hf_raincheck.testing import load_tiny_qwen2_5_vl, load_tiny_qwen3_5, load_tiny_qwen3_vl, make_image
 from test_batch import CONVERSATIONS, _gen, _inputs, _messages, _next_turn_batch, assert_same_cache
 from test_compiled_steps import compile_config, graphs
 
@@ -26,10 +27,12 @@ TOL = dict(atol=2e-5, rtol=1e-4)
 N = 8
 
 
-@pytest.fixture(scope="module", params=["qwen3_vl", "qwen2_5_vl"])
-def family(request, tiny_vl_path, tiny_qwen2_5_vl_path):
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen2_5_vl", "qwen3_5"])
+def family(request, tiny_vl_path, tiny_qwen2_5_vl_path, tiny_qwen3_5_path):
     if request.param == "qwen3_vl":
         model, processor = load_tiny_qwen3_vl(tiny_vl_path)
+    elif request.param == "qwen3_5":
+        model, processor = load_tiny_qwen3_5(tiny_qwen3_5_path)
     else:
         model, processor = load_tiny_qwen2_5_vl(tiny_qwen2_5_vl_path)
     return enable_raincheck(model), processor
@@ -55,6 +58,31 @@ def steps(monkeypatch):
 def compiled(model, inputs, cfg, n=N, **kw):
     return _gen(model, inputs, cfg, n=n, output_logits=True, cache_implementation="static",
                 compile_config=compile_config(), **kw)
+
+
+def assert_same_row(row, ref):
+    """`assert_same_cache`, with Gated DeltaNet states compared as what they hold: the recurrent state and the conv
+    window always, the prefix checkpoint and P_tail where both caches keep them (a compiled step keeps P_tail's
+    columns even with nothing pending, the fixed layout; a dynamic cache drops them then)."""
+    if not ref.gdn_states:
+        assert_same_cache(row, ref)
+        return
+    n = ref.length
+    for a, b in zip(row.layers, ref.layers):
+        assert a.is_initialized == b.is_initialized
+        if b.is_initialized:
+            torch.testing.assert_close(a.keys[:, :, :n], b.keys[:, :, :n], **TOL)
+            torch.testing.assert_close(a.values[:, :, :n], b.values[:, :, :n], **TOL)
+    assert row.gdn_states.keys() == ref.gdn_states.keys()
+    for idx, state in ref.gdn_states.items():
+        mine = row.gdn_states[idx]
+        torch.testing.assert_close(mine.recurrent, state.recurrent, **TOL)
+        torch.testing.assert_close(mine.conv, state.conv, **TOL)
+        assert (mine.prefix is None) == (state.prefix is None)
+        if state.prefix is not None:
+            torch.testing.assert_close(mine.prefix.recurrent, state.prefix.recurrent, **TOL)
+            torch.testing.assert_close(mine.prefix.conv, state.prefix.conv, **TOL)
+            torch.testing.assert_close(mine.transition, state.transition, **TOL)
 
 
 def assert_rows_equal(out, ref, width, rows, ref_width=None, ref_rows=None, eos=None):
@@ -100,7 +128,8 @@ def test_compiled_static_batch_equals_batch1_and_the_shared_engine(family, steps
         row = group.rows[i]
         assert group.row_turn_stats[i] == ref.past_key_values.turn_stats == eager.past_key_values.row_turn_stats[i]
         assert row.token_ids == ref.past_key_values.token_ids
-        assert_same_cache(row, eager.past_key_values.rows[i])
+        assert_same_row(row, eager.past_key_values.rows[i])
+        assert_same_row(row, ref.past_key_values)
         record = row.turn_stats[0]  # exactly once: carried during decode, or still pending
         assert record.deferred == record.restored_during_decode + record.pending_at_answer_end == row.total_deferred
     assert group.row_pending == eager.past_key_values.row_pending and group.row_pending[1] > 0
@@ -121,9 +150,18 @@ def test_compiled_static_batch_equals_batch1_and_the_shared_engine(family, steps
         assert row.turn_stats[1].restored_in_prefill == pending[i]
         ref_plans = eager2.past_key_values.row_plans[i]
         assert [p.deferred.tolist() for p in row.plans] == [p.deferred.tolist() for p in ref_plans]
-        assert_same_cache(row, eager2.past_key_values.rows[i])
+        assert_same_row(row, eager2.past_key_values.rows[i])
     assert any(any(s[1]) for s in steps[len(fused):])
     assert graphs() == before + 2  # the same two graphs: other plans, another turn
+
+    # ... and every row's turn 2 equals its batch-1 compiled conversation's turn 2 (graphs at B = 1 of their own)
+    for i, (alone, ref) in enumerate(alone_runs):
+        alone2 = _next_turn_batch(processor, alone, ref, [0], FOLLOW)
+        ref2 = compiled(model, alone2, cfg, past_key_values=ref.past_key_values)
+        assert_rows_equal(out2, ref2, width2, [i], alone2["input_ids"].shape[1], [0])
+        assert group.row_turn_stats[i] == ref2.past_key_values.turn_stats
+        assert_same_row(group.rows[i], ref2.past_key_values)
+    before = graphs()
 
     # new conversations of the same batch size and capacity (other images, other plans): still the same graphs
     others = [_messages([make_image(5, (96, 64))], "Shapes?"), _messages([], "Hello there"),
@@ -131,7 +169,7 @@ def test_compiled_static_batch_equals_batch1_and_the_shared_engine(family, steps
               _messages([make_image(8)], "Count the colours, please")]
     batch3 = _inputs(processor, others)
     out3 = compiled(model, batch3, cfg)
-    assert out3.past_key_values.capacity == capacity and graphs() == before + 2
+    assert out3.past_key_values.capacity == capacity and graphs() == before
     eager3 = _gen(model, batch3, cfg, n=N, output_logits=True)
     assert_rows_equal(out3, eager3, batch3["input_ids"].shape[1], range(len(others)))
 
@@ -168,16 +206,37 @@ def test_rows_stopping_early_keep_restoring_in_compiled_steps(family, steps, com
         if completion == "blocking":
             assert record.restored_after_answer == record.pending_at_answer_end and row.pending == 0
             assert bool(row.filled_prefix(row.length).all())  # every slot restored once, nothing else marked
-            assert_same_cache(row, ref.rows[i])
         else:
             assert row.pending == record.pending_at_answer_end
+        assert_same_row(row, ref.rows[i])
     assert int(group.filled.sum()) == sum(int(r.filled_prefix(r.length).sum()) for r in group.rows)  # no scratch
+
+
+def test_eager_steps_between_compiled_ones(family, steps):
+    """A custom schedule whose carry sometimes exceeds ``chunk_size``: those steps run the eager shared step on the
+    same buffers (Qwen3.5: building new GDN states, which the next compiled step copies back into the batch's
+    buffers), the others compiled; every row equals the dynamic shared engine, at every step and in its cache."""
+    model, processor = family
+    carries = [0, 2, 7, 1, 3, 9, 0, 2, 5, 3]
+    schedule = lambda step, pending: min(pending, carries[step - 1] if step <= len(carries) else 3)  # noqa: E731
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, schedule=schedule, completion="blocking")
+    batch = _inputs(processor, CONVERSATIONS)
+    out = compiled(model, batch, cfg, n=10)
+    eager = _gen(model, batch, cfg, n=10, output_logits=True)
+    assert len(steps) < 9 and any(any(s[1]) for s in steps)  # some steps compiled, fused among them, some eager
+    assert torch.equal(out.sequences, eager.sequences)
+    assert_rows_equal(out, eager, batch["input_ids"].shape[1], range(len(CONVERSATIONS)))
+    group, ref = out.past_key_values, eager.past_key_values
+    assert group.row_turn_stats == ref.row_turn_stats
+    for row, ref_row in zip(group.rows, ref.rows):
+        assert_same_row(row, ref_row)
 
 
 def test_an_interrupted_compiled_step_rolls_every_row_back(family, monkeypatch):
     """Ctrl-C after a compiled fused step marked its slots inside the graph (while its progress is being counted):
     every row's transaction puts the row back as before the step (filled mask, plan progress, tokens, counters),
-    and the rows' locks are free."""
+    and the rows' locks are free. Qwen3.5: the step had updated the rows' GDN states in place, which no rollback
+    restores, so the rows then refuse to continue, with an error that says why (rule 8)."""
     import dataclasses
 
     import hf_raincheck.generation.shared_static as shared_static
@@ -215,6 +274,9 @@ def test_an_interrupted_compiled_step_rolls_every_row_back(family, monkeypatch):
         assert row.lock.acquire(blocking=False)
         row.lock.release()
     assert group.active_turn is None and group.forward_context is None
+    if model.config.model_type == "qwen3_5":  # rule 8's one exception: the step had updated GDN states in place
+        with pytest.raises(RuntimeError, match="cannot continue: a compiled static batch step was interrupted"):
+            compiled(model, batch, cfg, past_key_values=group)
 
 
 def test_a_new_static_batch_takes_a_freed_batchs_buffers(family):
@@ -246,3 +308,36 @@ def test_a_new_static_batch_takes_a_freed_batchs_buffers(family):
     third = run()
     assert all(t is second[k] or t is first[k] for k, t in third.past_key_values.pooled.items())
     assert third.past_key_values.pooled.keys() == second.keys()
+
+
+def test_a_row_still_viewing_a_freed_batchs_gdn_states_keeps_them(tiny_qwen3_5_path):
+    """Qwen3.5: a row moved to another batch's KV buffers keeps viewing its freed static batch's GDN state buffers
+    until its next forward replaces them; those buffers stay out of the pool meanwhile (the next static batch of
+    the same shape takes others, the row's states are intact), and go back once no row views them."""
+    import gc
+
+    model, processor = load_tiny_qwen3_5(tiny_qwen3_5_path)
+    model = enable_raincheck(model)
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=1, completion="next_turn")
+    batch = _inputs(processor, CONVERSATIONS)
+    out = compiled(model, batch, cfg, n=6)
+    rows = out.past_key_values.split()
+    first = {name: t for name, t in out.past_key_values.pooled.items() if name.startswith("gdn")}
+    assert first and all(any(s.state.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                                 for t in first.values()) for s in rows[1].gdn_states.values())
+    moved = BatchedDeferredPrefillCache(rows)  # (a dynamic batch: the rows' KV move to its buffers, GDN states not)
+    moved.share_buffers(max(r.length for r in rows))
+    saved = {idx: (s.state.clone(), s.conv.clone()) for idx, s in rows[1].gdn_states.items()}
+    del out
+    gc.collect()
+    again = compiled(model, batch, cfg, n=6)
+    second = {name: t for name, t in again.past_key_values.pooled.items() if name.startswith("gdn")}
+    assert second.keys() == first.keys() and not any(second[k] is first[k] for k in second)
+    for idx, (state, conv) in saved.items():
+        assert torch.equal(rows[1].gdn_states[idx].state, state) and torch.equal(rows[1].gdn_states[idx].conv, conv)
+    for row in rows:
+        row.detach_shared()  # (its own GDN states now: the first batch's buffers are free)
+    del again
+    gc.collect()
+    third = compiled(model, batch, cfg, n=6)
+    assert all(t is first[k] or t is second[k] for k, t in third.past_key_values.pooled.items() if k in first)

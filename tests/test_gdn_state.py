@@ -143,3 +143,93 @@ def test_eager_fla_calls_take_the_recurrent_kernel_up_to_their_own_limit(monkeyp
     op_31 = "recurrent" if compiled_most >= 31 else "chunk"
     op_41 = "recurrent" if compiled_most >= 41 else "chunk"
     assert calls == ["recurrent", "recurrent", "chunk", "recurrent", op_31, op_41]
+
+
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_batch_graph_step_matches_the_per_row_reference(chunk):
+    """`gdn_batch_forward_graph` (a compiled static batch step's GDN layer, run eagerly here) against the per-row,
+    per-token reference: rows with different carry counts (none, some, a whole chunk), live and stopped rows; a row
+    that carries nothing and stopped keeps its states bit for bit."""
+    from handmade_qwen3_5 import tiny_qwen3_5
+
+    from hf_raincheck.gdn_state import GDNBatchGraphStep, gdn_batch_forward_graph
+    from hf_raincheck.gdn_state.naive import naive_batch_graph_step
+    from hf_raincheck.models.qwen3_5 import Qwen3_5GDNGlue
+
+    model = tiny_qwen3_5("eager")
+    module = next(layer.linear_attn for layer in model.model.language_model.layers if hasattr(layer, "linear_attn"))
+    glue = Qwen3_5GDNGlue()
+    heads, key_dim, value_dim, channels, kernel = glue.dims(module)
+    counts, live = [0, 2, 5, 0], [True, False, True, False]
+    batch = len(counts)
+    gen = torch.Generator().manual_seed(7)
+    eye = torch.eye(key_dim).expand(1, heads, key_dim, key_dim)
+    rows = [dict(state=torch.cat([0.3 * torch.randn(1, heads, key_dim, value_dim, generator=gen),
+                                  eye + 0.05 * torch.randn(1, heads, key_dim, key_dim, generator=gen)], dim=-1),
+                 conv=torch.randn(1, channels, kernel, generator=gen),
+                 prefix=0.3 * torch.randn(1, heads, key_dim, value_dim, generator=gen),
+                 prefix_conv=torch.randn(1, channels, kernel, generator=gen)) for _ in range(batch)]
+    total = 1 if chunk is None else chunk + 1
+    hidden = torch.randn(batch, total, module.hidden_size, generator=gen)
+    buffers = {name: torch.cat([r[name] for r in rows]) for name in rows[0]}
+    step = GDNBatchGraphStep(layers={}, backend="torch", live=torch.tensor(live))
+    if chunk is not None:
+        step.count = torch.tensor(counts)
+        step.valid = torch.arange(chunk)[None, :] < step.count[:, None]
+    with torch.no_grad():
+        out = gdn_batch_forward_graph(glue, module, hidden, buffers, step)
+        ref_out, ref_rows = naive_batch_graph_step(glue, module, hidden, rows, counts, live, chunk)
+    for b in range(batch):
+        real = list(range(counts[b] if chunk is not None else 0)) + ([total - 1] if live[b] else [])
+        torch.testing.assert_close(out[b, real], ref_out[b, real], atol=1e-5, rtol=1e-4)
+        for name, tensor in ref_rows[b].items():
+            torch.testing.assert_close(buffers[name][b : b + 1].double(), tensor.double(), atol=1e-5, rtol=1e-4,
+                                       msg=f"row {b} {name}")
+    for name in rows[0]:  # the idle row: nothing carried, nothing fed
+        assert torch.equal(buffers[name][3:], rows[3][name])
+
+
+def test_decode_rows_together_equal_each_row_alone():
+    """`gdn_decode_rows_forward` (the decode rows of an eager shared step in one call of each piece) against
+    `gdn_rows_forward` row by row (itself checked against the reference above): rows with P_tail, without, and one
+    whose plan just finished (P_tail dropped before its row); outputs and every new state, and the old states are
+    left untouched (a rollback keeps them)."""
+    import copy
+
+    from handmade_qwen3_5 import tiny_qwen3_5
+
+    from hf_raincheck.gdn_state import GDNLayerState, GDNStep, gdn_rows_forward
+    from hf_raincheck.gdn_state.layer import gdn_decode_rows_forward
+    from hf_raincheck.models.qwen3_5 import Qwen3_5GDNGlue
+
+    model = tiny_qwen3_5("eager")
+    module = next(layer.linear_attn for layer in model.model.language_model.layers if hasattr(layer, "linear_attn"))
+    glue = Qwen3_5GDNGlue()
+    heads, key_dim, value_dim, channels, kernel = glue.dims(module)
+    gen = torch.Generator().manual_seed(11)
+    layers, steps = [], []
+    for carry, track in [(key_dim, True), (0, False), (key_dim, False), (0, False)]:
+        layer = GDNLayerState()
+        live = 0.3 * torch.randn(1, heads, key_dim, value_dim, generator=gen)
+        if carry:
+            live = torch.cat([live, torch.eye(key_dim) + 0.05 * torch.randn(1, heads, key_dim, key_dim, generator=gen)],
+                             dim=-1)
+        layer.set_state(live, value_dim)
+        layer.conv = torch.randn(1, channels, kernel, generator=gen)
+        layers.append(layer)
+        steps.append(GDNStep(restore_plan=None, num_restore=0, checkpoint_plan=None, checkpoint_at=0, track=track,
+                             backend="torch"))
+    alone = copy.deepcopy(layers)
+    old = [(layer.state, layer.state.clone(), layer.conv, layer.conv.clone()) for layer in layers]
+    hidden = torch.randn(len(layers), 1, module.hidden_size, generator=gen)
+    with torch.no_grad():
+        out = gdn_decode_rows_forward(glue, module, hidden, layers, steps)
+        ref = torch.cat([gdn_rows_forward(glue, module, hidden[j : j + 1], alone[j], steps[j])
+                         for j in range(len(layers))])
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    for j, (layer, expected) in enumerate(zip(layers, alone)):
+        assert layer.carry == expected.carry == (key_dim if j == 0 else 0), j
+        torch.testing.assert_close(layer.state, expected.state, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(layer.conv, expected.conv, atol=1e-6, rtol=1e-5)
+    for state, state_before, conv, conv_before in old:
+        assert torch.equal(state, state_before) and torch.equal(conv, conv_before)

@@ -221,19 +221,21 @@ def test_eager_decode_attention_builds_no_cudnn_plan_per_step():
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
-def test_compiled_static_batch_equals_eager_on_cuda(family, tiny_vl_path, tiny_qwen2_5_vl_path):
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl", "qwen3_5"])
+def test_compiled_static_batch_equals_eager_on_cuda(family, tiny_vl_path, tiny_qwen2_5_vl_path, tiny_qwen3_5_path):
     """A mixed left-padded batch of 4 rows on a static cache (inductor, CUDA graphs: transformers' default
-    ``CompileConfig``): the same tokens as the eager shared engine on a dynamic cache, step logits within the
-    CUDA tolerance, two graphs (decode-only and fused at B = 4) that a second batch of other conversations reuses,
-    and every compiled step replays as a CUDA graph."""
+    ``CompileConfig``; Qwen3.5: its GDN kernels resolved as everywhere, fla when installed): the same tokens as the
+    eager shared engine on a dynamic cache, step logits within the CUDA tolerance, two graphs (decode-only and fused
+    at B = 4) that a second batch of other conversations reuses, and every compiled step replays as a CUDA graph."""
     from test_batch import CONVERSATIONS, _inputs, _messages
     from transformers.generation.configuration_utils import CompileConfig
 
-    from hf_raincheck.testing import load_tiny_qwen2_5_vl, load_tiny_qwen3_vl, make_image
+    from hf_raincheck.testing import load_tiny_qwen2_5_vl, load_tiny_qwen3_5, load_tiny_qwen3_vl, make_image
 
-    load = load_tiny_qwen3_vl if family == "qwen3_vl" else load_tiny_qwen2_5_vl
-    model, processor = load(tiny_vl_path if family == "qwen3_vl" else tiny_qwen2_5_vl_path)
+    load, path = dict(qwen3_vl=(load_tiny_qwen3_vl, tiny_vl_path),
+                      qwen2_5_vl=(load_tiny_qwen2_5_vl, tiny_qwen2_5_vl_path),
+                      qwen3_5=(load_tiny_qwen3_5, tiny_qwen3_5_path))[family]
+    model, processor = load(path)
     model = enable_raincheck(model.cuda())
     cfg = RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=2, pruning="uniform", completion="blocking")
     others = [_messages([make_image(5, (96, 64))], "Shapes?"), _messages([], "Hello there"),

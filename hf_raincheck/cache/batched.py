@@ -75,6 +75,9 @@ class BatchedDeferredPrefillCache(RunningCall, DynamicCache):
         # compiled static steps: every row's deferred store, padded (`hf_raincheck.generation.shared_static`)
         self.store_buffers: dict | None = None
         self.pooled: dict[str, torch.Tensor] = {}  # static: the buffers by role name (`zeros`)
+        # compiled static steps of Gated DeltaNet layers: every row's GDN states as rows of batch buffers, by layer
+        # index (`sync_gdn_states`)
+        self.gdn_buffers: dict[int, dict] = {}
 
     # ------------------------------------------------------------------ per-row views
     @property
@@ -215,6 +218,57 @@ class BatchedDeferredPrefillCache(RunningCall, DynamicCache):
         self.pooled[name] = tensor
         return tensor
 
+    def sync_gdn_states(self) -> dict[int, dict]:
+        """Compiled static batch steps of a model with Gated DeltaNet layers (Qwen3.5): every row's GDN layer states
+        as rows of one buffer per layer and field, which the steps update in place
+        (`gdn_state.layer.gdn_batch_forward_graph`): ``state`` ``[B, H_v, K, V + K]`` fp32 (the fixed layout,
+        ``[S | P_tail]``), ``conv`` ``[B, C, kernel]``, ``prefix`` ``[B, H_v, K, V]`` fp32 and ``prefix_conv``
+        ``[B, C, kernel]`` (the pending plan's checkpoint). Each row's `GDNLayerState` then points at its rows
+        (views, as its KV layers view the shared KV buffers). Eager forwards (a prefill, an eager step, a
+        completion chunk) build new tensors and never write in place, so a row whose state is no longer its view is
+        copied in again here; after a compiled step this is a no-op. The buffers are static addresses from the
+        static buffer pool (`zeros`): the steps' graphs read the same tensors at every step, turn and plan.
+        Returns `gdn_buffers` (by layer index)."""
+        rows = self.rows
+        layers = sorted(rows[0].gdn_states)
+        if any(sorted(r.gdn_states) != layers for r in rows):
+            raise RuntimeError("compiled static batch steps: the rows hold different Gated DeltaNet layers")
+        for idx in layers:
+            ref = rows[0].gdn_states[idx]
+            if ref.state is None or not ref.fixed or ref.carry == 0:
+                raise RuntimeError("compiled static batch steps need every row's GDN states in the fixed layout")
+            value_dim = ref.value_dim
+            key = (tuple(ref.state.shape), value_dim, tuple(ref.conv.shape), ref.conv.dtype, ref.state.device)
+            buffers = self.gdn_buffers.get(idx)
+            if buffers is None or buffers["key"] != key:
+                _, heads, key_dim, columns = ref.state.shape
+                batch, device = len(rows), ref.state.device
+                conv_shape = (batch,) + tuple(ref.conv.shape[1:])
+                buffers = dict(
+                    key=key,
+                    state=self.zeros(f"gdn{idx}.state", (batch, heads, key_dim, columns), torch.float32, device),
+                    conv=self.zeros(f"gdn{idx}.conv", conv_shape, ref.conv.dtype, device),
+                    prefix=self.zeros(f"gdn{idx}.prefix", (batch, heads, key_dim, value_dim), torch.float32, device),
+                    prefix_conv=self.zeros(f"gdn{idx}.prefix_conv", conv_shape, ref.conv.dtype, device),
+                )
+                names = ("state", "conv", "prefix", "prefix_conv")
+                buffers["views"] = [{name: buffers[name][b : b + 1] for name in names} for b in range(batch)]
+                self.gdn_buffers[idx] = buffers
+            for row, views in zip(rows, buffers["views"]):
+                layer = row.gdn_states[idx]
+                if layer.state is not views["state"]:
+                    if layer.state.shape != views["state"].shape or layer.value_dim != value_dim:
+                        raise RuntimeError("compiled static batch steps: the rows' GDN states differ in shape")
+                    layer.state = views["state"].copy_(layer.state)
+                if layer.conv is not views["conv"]:
+                    layer.conv = views["conv"].copy_(layer.conv)
+                prefix = layer.prefix
+                if prefix is not None and prefix.recurrent is not views["prefix"]:
+                    prefix.recurrent = views["prefix"].copy_(prefix.recurrent)
+                if prefix is not None and prefix.conv is not views["prefix_conv"]:
+                    prefix.conv = views["prefix_conv"].copy_(prefix.conv)
+        return self.gdn_buffers
+
     def _mark_static(self) -> None:
         for tensor in self.keys + self.values + [self.filled]:
             if tensor is not None:
@@ -297,11 +351,20 @@ _RETIRED_LOCK = threading.RLock()  # (re-entrant: a collection inside the lock m
 
 
 def _viewed(row: DeferredPrefillCache | None, storages: set[int]) -> bool:
-    """Whether `row` (alive) still has a KV layer or its filled mask in one of `storages` (data pointers)."""
+    """Whether `row` (alive) still has a KV layer, its filled mask or a GDN state in one of `storages` (data
+    pointers), or would get one back if its open transaction rolled back."""
     if row is None:
         return False
     tensors = [t for layer in row.layers if layer.is_initialized for t in (layer.keys, layer.values)]
     tensors.append(row._filled)
+    for state in row.gdn_states.values():  # (views of a static batch's GDN buffers: `sync_gdn_states`)
+        tensors += [state.state, state.conv]
+        if state.prefix is not None:
+            tensors += [state.prefix.recurrent, state.prefix.conv]
+    transaction = row._transaction  # (an open transaction's rollback would point the row at its saved GDN states)
+    if transaction is not None and transaction.saved is not None:
+        for state, _, conv, _, fields in transaction.saved[-1].values():
+            tensors += [state, conv, *(fields or ())]
     return any(t is not None and t.untyped_storage().data_ptr() in storages for t in tensors)
 
 

@@ -490,8 +490,8 @@ class DeferredPrefillCache(RunningCall, DynamicCache):
         self._filled, self._slot_index = view, torch.arange(view.numel(), device=view.device)  # (one line)
 
     def detach_shared(self) -> None:
-        """Gives this cache buffers of its own when its KV layers and filled-slot mask are rows of a batch's shared
-        buffers (`BatchedDeferredPrefillCache`): a conversation continued alone then no longer keeps the whole
+        """Gives this cache buffers of its own when its KV layers, filled-slot mask (and GDN states) are rows of a
+        batch's shared buffers (`BatchedDeferredPrefillCache`): a conversation continued alone then no longer keeps the whole
         batch's buffers alive. A no-op for a cache with its own buffers."""
         if self.shared_by is None:
             return
@@ -500,6 +500,8 @@ class DeferredPrefillCache(RunningCall, DynamicCache):
                 layer.keys, layer.values = layer.keys.clone(), layer.values.clone()  # (one line: they match)
         if self._filled is not None:
             self._filled = self._filled.clone()
+        for state in self.gdn_states.values():  # (rows of a static batch's GDN buffers, compiled batch steps)
+            state.persist(lambda field, tensor: tensor.clone())
         self.shared_by = None
 
     def marks_filled(self, slots: torch.Tensor) -> None:

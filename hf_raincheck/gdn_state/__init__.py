@@ -9,11 +9,20 @@
 
 from .kernels import BACKENDS, fla_available, gated_delta, resolve
 from .ops import advance
-from .layer import GDNGlue, GDNGraphStep, GDNStep, gdn_rows_forward, gdn_rows_forward_graph
+from .layer import (
+    GDNBatchGraphStep,
+    GDNGlue,
+    GDNGraphStep,
+    GDNStep,
+    gdn_batch_forward_graph,
+    gdn_rows_forward,
+    gdn_rows_forward_graph,
+)
 from .state import GDNLayerState, PrefixCheckpoint
 
 __all__ = [
     "BACKENDS",
+    "GDNBatchGraphStep",
     "GDNGlue",
     "GDNGraphStep",
     "GDNLayerState",
@@ -22,6 +31,7 @@ __all__ = [
     "advance",
     "fla_available",
     "gated_delta",
+    "gdn_batch_forward_graph",
     "gdn_rows_forward",
     "gdn_rows_forward_graph",
     "resolve",

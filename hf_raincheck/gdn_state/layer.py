@@ -159,10 +159,28 @@ class SharedGDNSteps:
 
 def gdn_shared_forward(glue: GDNGlue, module, hidden: torch.Tensor, steps: SharedGDNSteps):
     """`gdn_rows_forward` for each batch row of a shared forward, on its own states; padding positions get zeros
-    (no row sees them: their attention keys go to scratch slots)."""
+    (no row sees them: their attention keys go to scratch slots). The rows whose only row is one decode row (a
+    decode-only step; the rows that carry nothing in a fused step) run together (`gdn_decode_rows_forward`: one
+    call of each piece for all of them), the others one by one."""
     out = None
+    last = hidden.shape[1] - 1
+    decode = [b for b, item in enumerate(steps.rows) if item is not None and _decode_row_only(item, last)]
+    if len(decode) > 1:
+        items = [steps.rows[b] for b in decode]
+        rows = hidden[:, last:] if len(decode) == hidden.shape[0] else torch.cat([hidden[b : b + 1, last:]
+                                                                                  for b in decode])
+        decode_out = gdn_decode_rows_forward(glue, module, rows, [layers(module.layer_idx) for _, _, layers in items],
+                                             [step for _, step, _ in items])
+        out = decode_out.new_zeros((hidden.shape[0], hidden.shape[1], decode_out.shape[-1]))
+        if len(decode) == hidden.shape[0]:
+            out[:, last:] = decode_out
+        else:
+            for j, b in enumerate(decode):
+                out[b, last] = decode_out[j, 0]
+    else:
+        decode = []
     for b, item in enumerate(steps.rows):
-        if item is None:
+        if item is None or b in decode:
             continue
         start, step, layers = item
         row_out = gdn_rows_forward(glue, module, hidden[b : b + 1, start:], layers(module.layer_idx), step)
@@ -170,6 +188,43 @@ def gdn_shared_forward(glue: GDNGlue, module, hidden: torch.Tensor, steps: Share
             out = row_out.new_zeros((hidden.shape[0], hidden.shape[1], row_out.shape[-1]))
         out[b, start:] = row_out[0]
     return out
+
+
+def _decode_row_only(item, last: int) -> bool:
+    """Whether a batch row's rows in a shared forward are one decode row continuing a live state (no deferred rows,
+    no new plan's boundary)."""
+    start, step, _ = item
+    return start == last and step.num_restore == 0 and step.checkpoint_plan is None
+
+
+def gdn_decode_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layers: list[GDNLayerState],
+                            steps: list[GDNStep]) -> torch.Tensor:
+    """`gdn_rows_forward` for n batch rows that each run one decode row on their own live state, in one call of
+    each piece (projections, short conv, gates, kernel, output) for all of them: `hidden` ``[n, 1, hidden]``, row j
+    on `layers[j]` as `steps[j]` says. Every state stays a new tensor (never written in place, as
+    `gdn_rows_forward`: a transaction's rollback keeps the old ones). Rows whose states carry P_tail and rows that
+    do not run together: the kernel acts on the state's columns one by one, so a row without P_tail runs with zero
+    columns in its place, which it drops after. Returns ``[n, 1, hidden]``."""
+    qkv, z, b, a = glue.project(module, hidden)
+    for layer, step in zip(layers, steps):
+        if layer.state is None:
+            raise RuntimeError("Raincheck GDN state: a decode row without a live state")
+        if not step.track and layer.carry:  # (the pending plan finished: its P_tail is no longer extended)
+            layer.release()
+    windows = layers[0].conv if len(layers) == 1 else torch.cat([layer.conv for layer in layers])
+    conv_out, new_windows = glue.conv(module, qkv, windows)
+    q, k, v, g, beta = glue.factors(module, conv_out, a, b)
+    value_dim = layers[0].value_dim
+    carries = [layer.carry for layer in layers]
+    most = max(carries)
+    states = torch.cat([layer.state if c == most else F.pad(layer.state, (0, most - c))
+                        for layer, c in zip(layers, carries)])
+    out, final = advance(steps[0].backend, q, k, v, g, beta, states, most)
+    for j, (layer, c) in enumerate(zip(layers, carries)):
+        state = final[j : j + 1]
+        layer.set_state(state if c == most else state[..., : value_dim + c].contiguous(), value_dim)
+        layer.conv = new_windows[j : j + 1]
+    return glue.output(module, out, z)
 
 
 @dataclass
@@ -228,5 +283,77 @@ def gdn_rows_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, layer: G
         out, state = advance(step.backend, q, k, v, g, beta, layer.state, layer.carry, opaque=True)
         layer.state.copy_(state)
         outs.append(out)
+    core = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return glue.output(module, core, z)
+
+
+@dataclass
+class GDNBatchGraphStep:
+    """The rows of a compiled static batch step (`hf_raincheck.generation.shared_static`), for every GDN layer:
+    tensors and shapes only (see `gdn_batch_forward_graph`).
+
+    Attributes:
+        layers: per GDN layer index, the batch's state buffers (`BatchedDeferredPrefillCache.gdn_buffers`): ``state``
+            ``[B, H_v, K, V + K]`` fp32 (``[S | P_tail]``, the fixed layout), ``conv`` ``[B, C, kernel]``,
+            ``prefix`` ``[B, H_v, K, V]`` fp32 and ``prefix_conv`` ``[B, C, kernel]`` (each row's checkpoint; a row
+            without a pending plan carries nothing, so its rows there are never read into its live state).
+        live: bool ``[B]``: which rows feed a decode row (a stopped row's decode position changes no state).
+        valid: bool ``[B, chunk]``: which chunk rows are real deferred rows (None: a decode-only step).
+        count: long ``[B]``: how many are, per row (the first ``count[b]``).
+        backend: ``"torch"`` or ``"fla"``.
+
+    `live`, `valid` and `count` are set inside the traced graph (from the step's ``[4, B]`` index tensor)."""
+
+    layers: dict
+    backend: str
+    live: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    count: torch.Tensor | None = None
+
+
+def gdn_batch_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, buffers: dict, step: GDNBatchGraphStep):
+    """`gdn_rows_forward_graph` for the B rows of a compiled static batch step, every row on its own states (rows
+    of `buffers`, updated in place), in one kernel call per row block for all rows.
+
+    `hidden` ``[B, chunk + 1, hidden]`` (row b: its deferred window, padding after its ``count[b]`` real rows, then
+    its decode row) or ``[B, 1, hidden]`` (decode rows only). Per row, as `gdn_rows_forward` (docs/design.md rule
+    3): the real deferred rows continue the row's prefix checkpoint (state and conv window; padding rows have
+    ``g = beta = 0``, the identity, and the conv window is taken at the last real row), the live state is joined
+    (``S_live += P_tail (S_prefix_new - S_prefix_old)``, only for rows that carried something), then the decode
+    row continues the live ``[S | P_tail]`` (its transition multiplies into P_tail) and the live conv window. A row
+    whose decode row is not live (it stopped) keeps its live state and conv window. `naive.naive_batch_graph_step`
+    is the plain per-row reference."""
+    qkv, z, b, a = glue.project(module, hidden)
+    state, conv = buffers["state"], buffers["conv"]
+    value_dim = buffers["prefix"].shape[-1]
+    outs = []
+    if step.valid is not None:
+        n = step.valid.shape[1]
+        prefix, prefix_conv = buffers["prefix"], buffers["prefix_conv"]
+        kernel = prefix_conv.shape[-1]
+        full = torch.cat([prefix_conv, qkv[..., :n]], dim=-1)  # [B, C, kernel + n]
+        conv_out = glue.conv_full(module, full)[:, -n:]
+        where = step.count[:, None] + torch.arange(kernel, device=full.device)  # [B, kernel]: ends at the last real row
+        new_window = full.gather(-1, where[:, None, :].expand(-1, full.shape[1], -1))
+        q, k, v, g, beta = glue.factors(module, conv_out, a[:, :n], b[:, :n])
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        valid = step.valid[:, :, None]
+        g = torch.where(valid, g, torch.zeros_like(g))
+        beta = torch.where(valid, beta, torch.zeros_like(beta))
+        out, new_prefix = advance(step.backend, q, k, v, g, beta, prefix, opaque=True)
+        carried = (step.count > 0)[:, None, None, None]
+        update = torch.matmul(state[..., value_dim:], new_prefix - prefix)
+        state[..., :value_dim] += torch.where(carried, update, torch.zeros_like(update))
+        prefix.copy_(torch.where(carried, new_prefix, prefix))
+        prefix_conv.copy_(torch.where(carried[..., 0], new_window, prefix_conv))
+        outs.append(out)
+    live = step.live
+    window = conv.clone()
+    conv_out = glue.conv_step_(module, qkv[..., -1:], window)  # (updates `window`: kept below for live rows only)
+    conv.copy_(torch.where(live[:, None, None], window, conv))
+    q, k, v, g, beta = glue.factors(module, conv_out, a[:, -1:], b[:, -1:])
+    out, new_state = advance(step.backend, q, k, v, g, beta, state, state.shape[-1] - value_dim, opaque=True)
+    state.copy_(torch.where(live[:, None, None, None], new_state, state))
+    outs.append(out)
     core = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return glue.output(module, core, z)

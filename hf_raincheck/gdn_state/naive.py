@@ -62,3 +62,49 @@ def naive_transition(k, g, beta, num_v_heads: int, transition=None, dtype=torch.
 def naive_join(live_state, transition, old_prefix, new_prefix):
     """The live state after the prefix state moved from `old_prefix` to `new_prefix` under fixed tail factors."""
     return live_state + transition @ (new_prefix - old_prefix)
+
+
+def naive_batch_graph_step(glue, module, hidden, rows: list[dict], count: list[int], live: list[bool],
+                           chunk: int | None):
+    """Reference of `layer.gdn_batch_forward_graph`: row after row, token by token (float64 state maps), only the
+    real rows of each (no padding rows, no identity factors).
+
+    `hidden` ``[B, T, hidden]`` (``T = chunk + 1``: row b's first ``count[b]`` positions are its deferred rows,
+    the last its decode row; `chunk` None: ``T = 1``, decode rows only). `rows[b]`: row b's ``state``
+    ``[1, H_v, K, V + K]`` (``[S | P_tail]``), ``conv``, ``prefix`` ``[1, H_v, K, V]``, ``prefix_conv`` (not
+    modified). Row b: its deferred rows continue ``prefix`` / ``prefix_conv`` and the live state takes the join
+    ``S += P_tail (S_prefix_new - S_prefix_old)``; then, if ``live[b]``, its decode row continues ``S``, the conv
+    window, and ``P_tail <- A P_tail``. Returns ``(out [B, T, hidden]``, the new `rows`); a
+    position that is no real row gets the output of a zero core (not compared)."""
+    batch, total, _ = hidden.shape
+    outs, new_rows = [], []
+    for b in range(batch):
+        qkv, z, gate_b, gate_a = glue.project(module, hidden[b : b + 1])
+        row = {name: t.clone() for name, t in rows[b].items()}
+        value_dim = row["prefix"].shape[-1]
+        kernel = row["conv"].shape[-1]
+        heads = row["state"].shape[1]
+        core = torch.zeros(1, total, heads, value_dim, dtype=torch.float64)
+        n = count[b] if chunk is not None else 0
+        if n:
+            full = torch.cat([row["prefix_conv"], qkv[..., :n]], dim=-1)
+            conv_out = glue.conv_full(module, full)[:, -n:]
+            q, k, v, g, beta = glue.factors(module, conv_out, gate_a[:, :n], gate_b[:, :n])
+            out, prefix = naive_gated_delta(q, k, v, g, beta, row["prefix"])
+            core[:, :n] = out
+            live_state = naive_join(row["state"][..., :value_dim].double(), row["state"][..., value_dim:].double(),
+                                    row["prefix"].double(), prefix)
+            row["state"] = torch.cat([live_state, row["state"][..., value_dim:].double()], dim=-1)
+            row["prefix"], row["prefix_conv"] = prefix, full[..., -kernel:]
+        if live[b]:
+            full = torch.cat([row["conv"], qkv[..., -1:]], dim=-1)
+            conv_out = glue.conv_full(module, full)[:, -1:]
+            q, k, v, g, beta = glue.factors(module, conv_out, gate_a[:, -1:], gate_b[:, -1:])
+            out, live_state = naive_gated_delta(q, k, v, g, beta, row["state"][..., :value_dim])
+            transition = naive_transition(k, g, beta, heads, row["state"][..., value_dim:])
+            core[:, -1:] = out
+            row["state"] = torch.cat([live_state, transition], dim=-1)
+            row["conv"] = full[..., -kernel:]
+        outs.append(glue.output(module, core.to(hidden.dtype), z))
+        new_rows.append(row)
+    return torch.cat(outs), new_rows

@@ -10,7 +10,15 @@ from __future__ import annotations
 import functools
 
 from ..transformers_coupling import hooked_forward_name
-from .layer import GDNGraphStep, SharedGDNSteps, gdn_rows_forward, gdn_rows_forward_graph, gdn_shared_forward
+from .layer import (
+    GDNBatchGraphStep,
+    GDNGraphStep,
+    SharedGDNSteps,
+    gdn_batch_forward_graph,
+    gdn_rows_forward,
+    gdn_rows_forward_graph,
+    gdn_shared_forward,
+)
 
 
 def _raincheck_gdn_forward(original, glue, module, hidden_states, cache_params=None, attention_mask=None, **kwargs):
@@ -20,6 +28,8 @@ def _raincheck_gdn_forward(original, glue, module, hidden_states, cache_params=N
         return original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
     if isinstance(step, SharedGDNSteps):  # a batch's rows in one forward, each on its own row cache's states
         return gdn_shared_forward(glue, module, hidden_states, step)
+    if isinstance(step, GDNBatchGraphStep):  # a compiled static batch step: every row's states in batch buffers
+        return gdn_batch_forward_graph(glue, module, hidden_states, step.layers[module.layer_idx], step)
     layer = cache_params.gdn_state(module.layer_idx)
     if isinstance(step, GDNGraphStep):
         return gdn_rows_forward_graph(glue, module, hidden_states, layer, step)

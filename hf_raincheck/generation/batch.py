@@ -6,13 +6,14 @@ grids of its own images / videos, of the whole conversation or only its new part
 
 * shared forwards (`shared_batch`, the default): each row prepared as its batch-1 call would be, and every forward
   (prefill, fused decode steps, blocking completion) run once for all rows (`shared_rows`);
-* one row after the other through the batch-1 path (``attn_backend="flash"``; static caches of Qwen3.5), assembled
-  as transformers' batched ``generate`` lays out its outputs.
+* one row after the other through the batch-1 path (``attn_backend="flash"``), assembled as transformers' batched
+  ``generate`` lays out its outputs.
 
-A static cache (``cache_implementation="static"``) of an attention-only family runs the shared engine on a static
-batch cache (`BatchedDeferredPrefillCache.reserve_static`: its capacity reserved once per call), its decode steps
-compiled (`shared_static.StaticBatchStep`: one graph per batch size for decode-only steps, one for fused steps)
-where transformers compiles a static cache's steps (accelerators, or a compile config that compiles everywhere).
+A static cache (``cache_implementation="static"``) runs the shared engine on a static batch cache
+(`BatchedDeferredPrefillCache.reserve_static`: its capacity reserved once per call), its decode steps compiled
+(`shared_static.StaticBatchStep`: one graph per batch size for decode-only steps, one for fused steps; Gated
+DeltaNet layers with every row's states in batch buffers, `BatchedDeferredPrefillCache.sync_gdn_states`) where
+transformers compiles a static cache's steps (accelerators, or a compile config that compiles everywhere).
 
 ``past_key_values`` (given and returned) is a `BatchedDeferredPrefillCache` of batch-1 row caches. What is not
 supported raises a `ValueError` (`check_batch_supported`).
@@ -65,8 +66,7 @@ def check_batch_supported(model, state, kwargs: dict, gen_config, cache_implemen
     for name, what in unsupported.items():
         value = kwargs.get(name, getattr(gen_config, name, None))
         if value:
-            suffix = "" if shared else (" when the rows run one after the other (attn_backend='flash', "
-                                        "static caches of Qwen3.5)")
+            suffix = "" if shared else " when the rows run one after the other (attn_backend='flash')"
             raise ValueError(f"{where}: {what} is not supported{suffix}")
 
 
@@ -182,9 +182,6 @@ def shared_steps_supported(state, cache_implementation, backend: str, past) -> s
         return "attn_backend='flash' (its key gather is built for one row)"
     if isinstance(past, BatchedDeferredPrefillCache) and any(r is not None and r.static for r in past.rows):
         return "a static row cache (rows of a batch that ran one after the other)"
-    if cache_implementation == "static" and state.adapter.gdn_glue is not None:
-        return ("cache_implementation='static' with Gated DeltaNet layers (Qwen3.5): compiled batched steps are "
-                "built for attention-only families so far, so each row runs the compiled batch-1 steps")
     return None
 
 
@@ -272,6 +269,12 @@ def _generate_shared_locked(model, state, config, kwargs, gen_config, rows, past
         device = bturn.turns[0].positions.device
         past.reserve_static(static_capacity(bturn, past, static_new, config), device)
         bturn.static_step = static_batch_step(model, state, gen_config, device)
+        if bturn.static_step is not None and state.adapter.gdn_glue is not None:
+            # GDN states keep one shape ([S | P_tail] always) from the prefill on, as a compiled batch-1 call's
+            glue = state.adapter.gdn_glue
+            key_dims = {i: glue.dims(m)[1] for i, m in state.adapter.gdn_modules().items()}
+            for row in past.rows:
+                row.use_fixed_gdn_layout(key_dims)
     state.row_stops.slot = stops
     hf.forget_rope_deltas(model)  # (deltas of a call with another batch size break transformers' position ids)
     past.begin_turn(bturn)

@@ -1,5 +1,5 @@
-"""Compiled decode / fused steps of a static batch (``cache_implementation="static"``, B > 1 rows, attention-only
-families): the batch-1 `StaticStep` (`hf_raincheck.generation.decode`) for B rows.
+"""Compiled decode / fused steps of a static batch (``cache_implementation="static"``, B > 1 rows): the batch-1
+`StaticStep` (`hf_raincheck.generation.decode`) for B rows.
 
 The batch's shared KV buffers ``[B, H, capacity, D]`` and filled mask ``[B, capacity]``
 (`BatchedDeferredPrefillCache.reserve_static`) are reserved once per call, before its (eager, shared) prefill, and
@@ -18,6 +18,12 @@ and every real row's slot is below them, so no real row sees them. Each row's ma
 step reaches the graph as tensors: the fed tokens ``[B, 1]`` and one ``[4, B]`` long tensor (each row's decode
 slot, whether it is live, its window's start and length), copied to the device once per step. The per-row carry
 counts are the shared engine's (`carry_counts` over ``step_deferred_budget``, `shared_batch.shared_step`).
+
+Gated DeltaNet layers (Qwen3.5): every row's GDN states are rows of the batch's buffers
+(`BatchedDeferredPrefillCache.sync_gdn_states`, copied in after an eager forward replaced a row's), which the graph
+updates in place (`gdn_state.layer.gdn_batch_forward_graph`: the same ``[4, B]`` tensor tells each row's window
+length and whether its decode row is live). No rollback restores them: an interrupt after a step started leaves the
+rows unusable, with an error that says why (rule 8's exception, as for a compiled batch-1 step).
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ import torch
 
 from ..cache import ForwardContext
 from ..cache.batched import BatchedDeferredPrefillCache
+from ..gdn_state import GDNBatchGraphStep
+from ..gdn_state.kernels import functions as gdn_functions
+from .decode import compiled_gdn_backend
 from .rows import count_restored
 from .shared_step import host_to_device
 from .visibility import visible_rows
@@ -75,6 +84,11 @@ def _batch_step_graph(adapter, group, tokens, meta, rope_deltas, chunk, backend:
         if s_deepstack is not None:
             deepstack = [torch.cat([f.gather(1, by_row).to(live_embeds.dtype),
                                     live_embeds.new_zeros((batch, 1, hidden_size))], dim=1) for f in s_deepstack]
+    gdn = context.gdn_step
+    if gdn is not None:  # GDN layers (`gdn_state.layer.gdn_batch_forward_graph`) read which rows are real
+        gdn.live = live
+        if chunk is not None:
+            gdn.valid, gdn.count = d_valid, limit
     # every row's mask at once, each over its own slots (padding sees its own scratch slot)
     present = filled.clone().scatter_(1, slots, True)  # [B, W]
     keys = torch.arange(width, device=device)
@@ -171,6 +185,12 @@ class StaticBatchStep:
             if alive:
                 cache.marks_filled(cache.slot_tensor(n))
         context = ForwardContext(write_slots=None, kv_len=width)  # the slots are set inside the graph
+        if adapter.gdn_glue is not None:  # every row's GDN states as rows of the batch's buffers, updated in place
+            backend = compiled_gdn_backend(config.gdn_backend, device)
+            gdn_functions(backend)  # imported here, outside the trace (as `StaticStep`)
+            context.gdn_step = GDNBatchGraphStep(layers=group.sync_gdn_states(), backend=backend)
+            for cache in caches:  # (no rollback restores them: an interrupt from here leaves the rows unusable)
+                cache.in_place_update("a compiled static batch step")
         try:
             group.begin_forward(context)
             logits = self.compiled(adapter, group, tokens, meta, bturn.rope_deltas(device), chunk, bturn.backend,
