@@ -514,15 +514,16 @@ class DeferredPrefillCache(RunningCall, DynamicCache):
         Returns the slots per layer now (0: no KV yet).
 
         A no-op for a cache whose buffers already are its own at that size, and for a static cache (its capacity
-        is the shape of its compiled steps, and its buffers go back to the static buffer pool). Not during a
-        `generate` call (a background worker's chunk runs first: ``lock``)."""
+        is the shape of its compiled steps, and its buffers go back to the static buffer pool). Call it between
+        calls on the cache (it takes ``lock``: a background worker's chunk finishes first); it does not check for a
+        call running on this thread, since an interrupted call may leave its markers behind (see
+        `hf_raincheck.cache.transaction`) and the recovery's next call trims a row of a batch first
+        (`detach_shared`)."""
         if self.static:
             return self.layers[0].capacity
         with self.lock: return self._trim_locked()  # noqa: E701  (one line: see `enable.generate`)
 
     def _trim_locked(self) -> int:
-        if self._transaction is not None or self._context is not None or self._turn is not None:
-            raise RuntimeError("DeferredPrefillCache.trim: call it between generate calls, not during one")
         capacity, length = self.capacity_needed, self.length
         # (first: a batch must never take this cache's buffers for its own rows once one has moved)
         self.shared_by = None
