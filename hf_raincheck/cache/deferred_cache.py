@@ -525,6 +525,8 @@ class DeferredPrefillCache(RunningCall, DynamicCache):
 
     def _trim_locked(self) -> int:
         capacity, length = self.capacity_needed, self.length
+        # the decode tokens fed since the last read, to the host (on a batch's rows: views of its steps' [B] tensors)
+        self._tokens = (self.token_ids, ())
         # (first: a batch must never take this cache's buffers for its own rows once one has moved)
         self.shared_by = None
         for layer in self.layers:
