@@ -11,8 +11,10 @@ with few layers and small hidden / MLP / vision sizes, so that it runs on a CPU.
 turns and follow-ups in one call, as the request timing does on a GPU).
 
 After every batched call it prints one JSON line: the call's rows (conversation id, cached tokens, deferred tokens
-pending, KV capacity before / after), the bytes of every live conversation cache's tensors (each storage once:
-shared batch buffers count whole) and the pool's own count; at the end, the pool's snapshot. The process's peak
+pending, KV capacity before / after and the slots the row needs after: its length rounded up to 256), the KV
+slots the pooled conversations hold and need, the bytes of every live conversation cache's tensors (each storage
+once: shared batch buffers count whole) and the pool's own count; at the end, the same totals, the largest pool
+and live-cache bytes seen after a call, and the pool's snapshot. The process's peak
 resident memory (``VmHWM``) is printed too. Multiply the KV figures by (real layers / ``--layers``) for the real
 model.
 """
@@ -71,8 +73,27 @@ def peak_rss_bytes() -> int:
 
 
 def _capacity(cache) -> int | None:
-    layer = cache.layers[0]
-    return int(layer.keys.shape[2]) if layer.is_initialized else None
+    """KV slots of the cache's first attention layer (None: none written yet)."""
+    return next((int(layer.keys.shape[2]) for layer in cache.layers if layer.is_initialized), None)
+
+
+def _needed(cache) -> int:
+    """The KV slots a cache needs between calls: its length rounded up to 256 (`DeferredPrefillCache.trim`)."""
+    return -(-max(cache.length, 1) // 256) * 256
+
+
+def _row_cache(pool, turn):
+    """The cache a finished row left in the pool (its conversation continued, or the new one whose key extends the
+    request's messages by the answer); None if the row failed or was evicted."""
+    if turn.conv is not None:
+        return turn.conv.cache
+    return next((c.cache for c in pool.conversations() if c.key[:-1] == turn.key), None)
+
+
+def pooled_slots(pool) -> tuple[int, int]:
+    """(KV slots per layer the pooled conversations hold, slots they need: `_needed`), summed over them."""
+    caches = [c.cache for c in pool.conversations() if _capacity(c.cache) is not None]
+    return sum(_capacity(c) for c in caches), sum(_needed(c) for c in caches)
 
 
 def _cuda_allocated() -> int | None:
@@ -84,7 +105,8 @@ def _cuda_allocated() -> int | None:
 class CallLog:
     """Records every batched call of the Raincheck server's scheduler (`hf_raincheck.serve.scheduler` runs them
     through its module-level ``run_batch``, replaced while installed; one process, one log): its rows (conversation
-    id, prompt and cached tokens, deferred tokens pending, KV capacity before / after), its seconds, whether it
+    id, prompt and cached tokens, deferred tokens pending, KV capacity before / after, slots needed after), the
+    pooled conversations' KV slots held and needed, its seconds, whether it
     raised, the pool's bytes after it, on CUDA the bytes allocated before / after it and the peak since
     `install`, and with ``census=True`` the bytes every live conversation cache holds (`live_cache_bytes`: a walk
     over the garbage collector's objects, slow).
@@ -122,7 +144,10 @@ class CallLog:
             finally:
                 entry["seconds"] = round(time.monotonic() - began, 2)
                 for row, turn in zip(rows, group):
-                    row["capacity_after"] = None if turn.conv is None else _capacity(turn.conv.cache)
+                    cache = _row_cache(pool, turn)
+                    row["capacity_after"] = None if cache is None else _capacity(cache)
+                    row["needed_after"] = None if cache is None else _needed(cache)
+                entry["pooled_slots"], entry["pooled_slots_needed"] = pooled_slots(pool)
                 entry["allocated_after"] = _cuda_allocated()
                 if entry["allocated_after"] is not None:
                     import torch
@@ -159,12 +184,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch-window-ms", type=float, default=5)
     parser.add_argument("--cache-budget-mb", type=float, default=16384)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--request-timeout-s", type=float, default=None,
+                        help="a client's timeout per request (default: benchmarks/serve.py's, 180 s; a slow CPU "
+                             "running a call of many rows with large images needs more)")
     args = parser.parse_args(argv)
     for flag in ("conversations", "turns", "max_tokens", "layers", "max_batch_size"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.stagger_s < 0 or args.think_ms < 0:
         parser.error("--stagger-s and --think-ms must be >= 0")
+    if args.request_timeout_s is not None and args.request_timeout_s <= 0:
+        parser.error(f"--request-timeout-s must be > 0, got {args.request_timeout_s}")
 
     import torch
 
@@ -174,6 +204,8 @@ def main(argv=None) -> dict:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.request_timeout_s is not None:
+        bench.REQUEST_TIMEOUT_S = args.request_timeout_s
     shapes.SHAPES[SHAPE] = scaled_shape(args.layers)
     processor = serve_model.load_processor(args.image_tokens)
     model = serve_model.build(SHAPE, "cpu", torch.bfloat16, processor)
@@ -199,7 +231,12 @@ def main(argv=None) -> dict:
             thread.join()
         side.settle(900)
         live, batches = live_cache_bytes()
+        slots, needed = pooled_slots(side.server.pool)
         report = dict(calls=log.entries, live_cache_mib=live / 2**20, live_batch_caches=batches,
+                      pooled_slots=slots, pooled_slots_needed=needed,
+                      max_pool_mib_after_a_call=max((e["pool_bytes"] for e in log.entries), default=0) / 2**20,
+                      max_live_cache_mib_after_a_call=max((e["live_cache_bytes"] for e in log.entries),
+                                                          default=0) / 2**20,
                       pool=side.server.pool.snapshot(), batches=side.server.scheduler.batch_stats.snapshot(),
                       peak_rss_gib=peak_rss_bytes() / 2**30)
         print(json.dumps({k: v for k, v in report.items() if k != "calls"}), flush=True)

@@ -9,6 +9,9 @@ supported raises a clear ValueError.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from transformers import TextStreamer
@@ -513,6 +516,95 @@ def test_a_row_continued_alone_gets_its_own_buffers(family):
          past_key_values=rows[0])
     assert not shared(rows[0].layers[layer].keys) and shared(rows[1].layers[layer].keys)
     torch.testing.assert_close(rows[0].layers[layer].keys[:, :, : before.shape[2]], before)
+
+
+LONG = _messages([make_image(4, (128, 128))], "Describe it, " + "every detail of it, " * 80)
+
+
+def _own(tensor, slots: int) -> bool:
+    """Whether `tensor` (a KV buffer, or a filled-slot mask) holds `slots` slots in a storage of its own."""
+    return tensor.shape[2 if tensor.dim() == 4 else 0] == slots and tensor.untyped_storage().nbytes() == tensor.nbytes
+
+
+def test_trimmed_rows_hold_their_own_right_sized_buffers_and_continue_like_batch1(family, monkeypatch):
+    """The rows of a batch of different lengths, trimmed (`DeferredPrefillCache.trim`, what the server does before
+    it pools a row): each holds KV buffers and a filled-slot mask of its own, of its slots rounded up to 256, with
+    the same entries, and the batch's shared buffers are freed; continued together (rows folding different pending
+    counts into one shared prefill) and then alone, the trimmed rows equal their batch-1 conversations. The shared
+    forwards allocate the width the call needs: a short row's padding next to a row folding its pending tokens
+    writes one scratch slot, not one per padding position."""
+    model, processor = family
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion="next_turn")
+    first = [LONG, CONVERSATIONS[2], CONVERSATIONS[0]]
+    batch = _inputs(processor, first)
+    width = batch["input_ids"].shape[1]
+    out = _gen(model, batch, cfg, n=4)
+    sequences = out.sequences
+    group = out.past_key_values
+    rows = group.split()
+    shared = [weakref.ref(t) for t in group.keys + group.values + [group.filled] if t is not None]
+    assert len(shared) > 1
+    before = [[(a.keys[:, :, :r.length].clone(), a.values[:, :, :r.length].clone()) for a in r.layers
+               if a.is_initialized] for r in rows]
+    filled = [r.filled.clone() for r in rows]
+    needed = [-(-r.length // 256) * 256 for r in rows]
+    assert needed[0] > needed[1]  # (rows of different sizes)
+    for row in rows:
+        row.trim()
+    for i, row in enumerate(rows):
+        assert row.capacity_needed == needed[i]
+        layers = [a for a in row.layers if a.is_initialized]
+        assert len(layers) == len(before[i]) > 0
+        for layer, (keys, values) in zip(layers, before[i]):
+            assert _own(layer.keys, needed[i]) and _own(layer.values, needed[i]), f"row {i}"
+            assert torch.equal(layer.keys[:, :, :row.length], keys) and torch.equal(layer.values[:, :, :row.length],
+                                                                                      values)
+        assert row.filled.untyped_storage().nbytes() == row.slot_index.numel() == needed[i]  # (bool: a byte a slot)
+        assert torch.equal(row.filled, filled[i])
+        assert row.trim() == needed[i]  # (trimmed already: nothing moves)
+    del out, group
+    gc.collect()
+    assert all(ref() is None for ref in shared)  # no row uses the batch's buffers: they are freed
+
+    widths = []
+    share_buffers = BatchedDeferredPrefillCache.share_buffers
+
+    def recorded(self, needed):
+        widths.append(needed)
+        return share_buffers(self, needed)
+
+    monkeypatch.setattr(BatchedDeferredPrefillCache, "share_buffers", recorded)
+    image_follow = [{"role": "user", "content": [{"type": "image", "image": make_image(9)},
+                                                 {"type": "text", "text": "And this one?"}]}]
+    text_follow = [{"role": "user", "content": "Why?"}]
+    refs, row_inputs = [], []
+    for i, conversation in enumerate(first):
+        alone = _inputs(processor, [conversation])
+        ref = _gen(model, alone, cfg, n=4)
+        assert ref.sequences[0, alone["input_ids"].shape[1]:].tolist() == sequences[i, width:width + 4].tolist()
+        row_inputs.append(next_turn_inputs(processor, ref.sequences, text_follow if i == 1 else image_follow))
+        refs.append(ref)
+    pending = [row.pending for row in rows]
+    assert pending[0] > cfg.chunk_size + 1 and pending[1] == 0  # (folded into turn 2's prefill next to a short row)
+    batch2 = batch_inputs(row_inputs, processor.tokenizer.pad_token_id)
+    width2 = batch2["input_ids"].shape[1]
+    out2 = _gen(model, batch2, cfg, n=4, past_key_values=BatchedDeferredPrefillCache(rows))
+    assert max(widths) <= max(row.length for row in rows) + cfg.chunk_size + 1, widths
+    for i, inputs in enumerate(row_inputs):
+        ref = _gen(model, inputs, cfg, n=4, past_key_values=refs[i].past_key_values)
+        refs[i] = ref
+        ref_new = ref.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+        assert out2.sequences[i, width2:width2 + len(ref_new)].tolist() == ref_new, f"row {i}"
+        assert rows[i].turn_stats == ref.past_key_values.turn_stats and rows[i].token_ids == \
+            ref.past_key_values.token_ids
+    rows[0].trim()
+    turn3 = next_turn_inputs(processor, refs[0].sequences, text_follow)
+    a = _gen(model, turn3, cfg, n=4, past_key_values=rows[0], output_logits=True)
+    b = _gen(model, turn3, cfg, n=4, past_key_values=refs[0].past_key_values, output_logits=True)
+    assert torch.equal(a.sequences, b.sequences)
+    for x, y in zip(a.logits, b.logits):
+        torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-4)
+    assert_same_cache(rows[0], b.past_key_values)
 
 
 def test_a_batch_continued_without_raincheck_config_takes_its_rows_config(family):

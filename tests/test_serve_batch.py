@@ -29,6 +29,7 @@ from serve_support import (  # noqa: E402
 )
 
 from hf_raincheck import RaincheckChat, RaincheckConfig  # noqa: E402
+from hf_raincheck.cache.batched import BatchedDeferredPrefillCache  # noqa: E402
 from hf_raincheck.gridqa import has_default, load_default  # noqa: E402
 from hf_raincheck.serve import DEFAULT_MODEL, RaincheckServer  # noqa: E402
 from hf_raincheck.serve.pool import ConversationPool, cache_nbytes, cache_storages  # noqa: E402
@@ -122,10 +123,23 @@ def test_concurrent_conversations_share_batched_calls_and_equal_raincheck_chat(r
         assert srv.scheduler.wait_idle(60)
         snapshot = srv.pool.snapshot()
         assert snapshot["conversations"] == 4 and snapshot["pending"] == 0
-        # the rows of the last batch share KV buffers: the pool counts each storage once
+        # each conversation pooled in buffers of its own, of its slots rounded up to 256 (no row of a batch's
+        # shared buffers, no buffer grown for a call), and no batch cache left alive: the pool's bytes are the
+        # bytes its conversations keep alive
         pooled = [c.cache for c in srv.pool.conversations()]
+        for cache in pooled:
+            slots = -(-cache.length // 256) * 256
+            for layer in cache.layers:
+                if layer.is_initialized:
+                    for tensor in (layer.keys, layer.values):
+                        assert tensor.shape[2] == slots and tensor.untyped_storage().nbytes() == tensor.nbytes
+            assert cache.filled.untyped_storage().nbytes() == slots
         union = {k: v for cache in pooled for k, v in cache_storages(cache).items()}
-        assert snapshot["bytes"] == sum(union.values()) < sum(cache_nbytes(cache) for cache in pooled)
+        assert snapshot["bytes"] == sum(union.values()) == sum(cache_nbytes(cache) for cache in pooled)
+        gc.collect()
+        ids = {id(cache) for cache in pooled}
+        assert not [o for o in gc.get_objects()
+                    if type(o) is BatchedDeferredPrefillCache and any(id(r) in ids for r in o.rows)]
         reported = sum(u["deferred"] for conv in usages for u in conv)
         assert snapshot["deferred"] == reported == (snapshot["restored_in_prefill"]
                                                     + snapshot["restored_during_decode"]
@@ -488,6 +502,24 @@ def test_the_pool_counts_a_shared_buffer_once_and_frees_it_with_its_last_holder(
     evicted = pool.checkin(pool.new(model, ("c",), caches["c"], sequences))  # 1700 > 1500
     assert len(evicted) == 2 and pool.bytes == 600  # evicting a alone frees nothing; with b the buffer goes
     assert pool.peak_bytes == 1100 and pool.conversations()[0].cache is caches["c"]
+
+
+def test_evicting_a_conversation_frees_its_cache():
+    class Cache(dict):  # (a dict the pool measures, that a weak reference can follow)
+        pass
+
+    class Model:
+        pass
+
+    model, sequences = Model(), torch.zeros(1, 1, dtype=torch.long)
+    pool = ConversationPool(1500)
+    first = Cache(kv=torch.zeros(1000, dtype=torch.uint8))
+    freed = weakref.ref(first)
+    pool.checkin(pool.new(model, ("a",), first, sequences))
+    del first
+    assert pool.checkin(pool.new(model, ("b",), Cache(kv=torch.zeros(1000, dtype=torch.uint8)), sequences)) == [1]
+    gc.collect()
+    assert freed() is None and pool.bytes == 1000  # nothing keeps an evicted conversation's tensors alive
 
 
 # ---------------------------------------------------------------------------------------------- grouping

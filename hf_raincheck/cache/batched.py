@@ -27,8 +27,10 @@ class BatchedDeferredPrefillCache(RunningCall, DynamicCache):
     slot i holds its logical index i, as in a batch-1 cache); the rows' filled-slot masks are the rows of one
     ``[B, capacity]`` mask (``filled``). The views stay valid afterwards: rows continued together in a new
     `BatchedDeferredPrefillCache` are copied into its buffers, and a row continued alone (``split()``) gets
-    buffers of its own first (`DeferredPrefillCache.detach_shared`). The shared buffers are freed once no row
-    uses them.
+    buffers of its own first (`DeferredPrefillCache.detach_shared`); ``row.trim()`` does that at once, at the size
+    the row needs (its length rounded up to 256: what a row kept between calls should hold, as the server's
+    conversation pool keeps it). The shared buffers are freed once no row uses them. A dynamic batch allocates the
+    width its call needs (rounded up to 256), not its rows' earlier capacities.
 
     Attributes / views:
         batch_size: the number of rows.
@@ -126,7 +128,7 @@ class BatchedDeferredPrefillCache(RunningCall, DynamicCache):
     # ------------------------------------------------------------------ shared buffers
     def _views_current(self) -> bool:
         """Whether every row's buffers are this cache's shared ones (a row leaves them only by being pointed at
-        another batch's buffers, or by `DeferredPrefillCache.detach_shared`): O(B), so every step may ask."""
+        another batch's buffers, or by `DeferredPrefillCache.trim` / `detach_shared`): O(B), so every step may ask."""
         return self.filled is not None and all(row.shared_by is not None and row.shared_by() is self
                                                 for row in self.rows)
 
@@ -141,8 +143,12 @@ class BatchedDeferredPrefillCache(RunningCall, DynamicCache):
         layers = len(self.rows[0].layers)
         if any(len(r.layers) != layers for r in self.rows):
             raise ValueError("BatchedDeferredPrefillCache: the row caches have different layer counts")
-        capacity = max([needed, self.capacity] + [layer.keys.shape[2] for r in self.rows for layer in r.layers
-                                                   if layer.is_initialized])
+        # the width the call needs, in multiples of 256 (a batch that is running grows from its capacity); a static
+        # batch also keeps its rows' capacity (their compiled steps' shapes), a dynamic one does not inherit it
+        capacity = max(needed, self.capacity if self._views_current() else 0)
+        if self.static:
+            capacity = max([capacity] + [layer.keys.shape[2] for r in self.rows for layer in r.layers
+                                         if layer.is_initialized])
         capacity = -(-max(capacity, _GROWTH) // _GROWTH) * _GROWTH
         keys, values = [None] * layers, [None] * layers
         for idx in range(layers):

@@ -15,7 +15,7 @@ from ..gdn_state.state import GDNLayerState
 from .buffer_pool import POOL, CacheBuffers
 from .forward_context import ForwardContext, RunningCall
 from .plan import DeferralPlan
-from .slot_layer import SlotLayer
+from .slot_layer import _GROWTH, SlotLayer
 from .transaction import CacheTransaction
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -95,7 +95,9 @@ class DeferredPrefillCache(RunningCall, DynamicCache):
     buffers. Its per-row views: ``batch_size``, ``rows``, ``row_pending`` (``list[int]``), ``row_total_deferred``,
     ``row_plans`` (each row's plans), ``row_turn_stats`` (each row's `TurnRestore` list), ``pending`` (the sum),
     ``wait()`` / ``cancel()`` (every row's worker) and ``split()``: the B row caches, each continuing exactly like a
-    batch-1 conversation (alone, or with others in a new `BatchedDeferredPrefillCache`). On a batch-1 cache
+    batch-1 conversation (alone, or with others in a new `BatchedDeferredPrefillCache`). ``trim()`` moves a row
+    kept after its batch to buffers of its own, sized to its length (the batch's buffers are freed once no row
+    uses them); on any dynamic cache it shrinks buffers grown for an earlier call. On a batch-1 cache
     (``batch_size`` stays transformers' own), ``row_pending`` is ``[pending]``, ``row_plans`` ``[plans]``,
     ``row_turn_stats`` ``[turn_stats]`` and ``split()`` returns ``[self]``.
 
@@ -491,9 +493,14 @@ class DeferredPrefillCache(RunningCall, DynamicCache):
 
     def detach_shared(self) -> None:
         """Gives this cache buffers of its own when its KV layers, filled-slot mask (and GDN states) are rows of a
-        batch's shared buffers (`BatchedDeferredPrefillCache`): a conversation continued alone then no longer keeps the whole
-        batch's buffers alive. A no-op for a cache with its own buffers."""
+        batch's shared buffers (`BatchedDeferredPrefillCache`): a conversation continued alone then no longer keeps
+        the whole batch's buffers alive. A dynamic cache's new buffers are sized to what it holds (`trim`); a static
+        cache keeps its capacity (the shape of its compiled steps) and gets copies. A no-op for a cache with its own
+        buffers."""
         if self.shared_by is None:
+            return
+        if not self.static:
+            self.trim()
             return
         for layer in self.layers:
             if layer.is_initialized:
@@ -503,6 +510,49 @@ class DeferredPrefillCache(RunningCall, DynamicCache):
         for state in self.gdn_states.values():  # (rows of a static batch's GDN buffers, compiled batch steps)
             state.persist(lambda field, tensor: tensor.clone())
         self.shared_by = None
+
+    @property
+    def capacity_needed(self) -> int:
+        """Slots the cache needs between calls: `length` rounded up to a multiple of 256 (at least 256), the
+        granularity in which dynamic KV buffers grow (`SlotLayer.reserve`)."""
+        return -(-max(self.length, 1) // _GROWTH) * _GROWTH
+
+    def trim(self) -> int:
+        """Moves this dynamic cache's KV layers and filled-slot mask to buffers of its own of `capacity_needed`
+        slots, with the entries of its `length` slots (nothing at or past `length` is ever filled: slots there
+        hold only padding's scratch writes). A row of a batch's shared buffers leaves them (the batch's buffers
+        are freed once no row uses them), and a buffer that grew geometrically over earlier calls shrinks; a
+        later call grows it again as it needs. The entries, the mask and every later result are unchanged.
+        Returns the slots per layer now (0: no KV yet).
+
+        A no-op for a cache whose buffers already are its own at that size, and for a static cache (its capacity
+        is the shape of its compiled steps, and its buffers go back to the static buffer pool). Call it between
+        calls on the cache (it takes ``lock``: a background worker's chunk finishes first); it does not check for a
+        call running on this thread, since an interrupted call may leave its markers behind (see
+        `hf_raincheck.cache.transaction`) and the recovery's next call trims a row of a batch first
+        (`detach_shared`)."""
+        if self.static:
+            return self.layers[0].capacity
+        with self.lock: return self._trim_locked()  # noqa: E701  (one line: see `enable.generate`)
+
+    def _trim_locked(self) -> int:
+        capacity, length = self.capacity_needed, self.length
+        # the decode tokens fed since the last read, to the host (on a batch's rows: views of its steps' [B] tensors)
+        self._tokens = (self.token_ids, ())
+        # (first: a batch must never take this cache's buffers for its own rows once one has moved)
+        self.shared_by = None
+        for layer in self.layers:
+            if layer.is_initialized and not _own_buffer(layer.keys, layer.values, capacity):
+                keys = layer.keys.new_zeros(layer.keys.shape[:2] + (capacity, layer.keys.shape[3]))
+                values = layer.values.new_zeros(layer.values.shape[:2] + (capacity, layer.values.shape[3]))
+                keys[:, :, :length] = layer.keys[:, :, :length]
+                values[:, :, :length] = layer.values[:, :, :length]
+                layer.keys, layer.values, layer.capacity = keys, values, capacity  # (one line: they always match)
+        if self._filled is not None and not _own_buffer(self._filled, None, capacity):
+            filled = torch.zeros(capacity, dtype=torch.bool, device=self._filled.device)
+            filled[:length] = self._filled[:length]
+            self._filled, self._slot_index = filled, torch.arange(capacity, device=filled.device)  # (one line)
+        return next((layer.keys.shape[2] for layer in self.layers if layer.is_initialized), 0)
 
     def marks_filled(self, slots: torch.Tensor) -> None:
         """Tells the open transaction that `slots` are being marked filled (a compiled step marks them inside
@@ -629,3 +679,15 @@ class DeferredPrefillCache(RunningCall, DynamicCache):
     def mask_width(self, kv_len: int) -> int:
         """Key width the attention sees: ``kv_len`` (dynamic) or the whole static buffer."""
         return self.layers[0].capacity if self.static else kv_len
+
+
+def _own_buffer(first: torch.Tensor, second: torch.Tensor | None, capacity: int) -> bool:
+    """Whether `first` (and `second`) hold `capacity` slots (dim 2 of a KV buffer, dim 0 of a mask) in storages of
+    their own: not a view of a larger buffer, not a larger buffer."""
+    for tensor in (first, second):
+        if tensor is None:
+            continue
+        slots = tensor.shape[2] if tensor.dim() == 4 else tensor.shape[0]
+        if slots != capacity or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+            return False
+    return True

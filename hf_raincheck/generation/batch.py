@@ -298,7 +298,7 @@ def static_capacity(bturn, group: BatchedDeferredPrefillCache, max_new: int, con
         sizes.append(size)
         if size:
             kv_real = max(kv_real, turn.prefill.max_slot + 1)
-    prefill_width = kv_real + max(sizes) - min(sizes)
+    prefill_width = kv_real + (1 if max(sizes) > min(sizes) else 0)  # (padding writes one scratch slot)
     longest = max(turn.prompt_ids.numel() for turn in bturn.turns)
     room = max(scratch_rows(config.chunk_size), config.completion_chunk_size)
     return max(prefill_width, longest + max_new + room)

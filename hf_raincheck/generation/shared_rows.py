@@ -1,11 +1,13 @@
 """One decoder forward shared by the rows of a batch: each row its own `Rows`, plan and visibility.
 
 Row b's rows are right-aligned in the forward (``[B, q]``, q the longest row's count), so the last position is
-every row's logits row; the positions before a shorter row's rows are padding: they write to scratch slots past
-every row's entries (``[W_real, W)``), see only their own slot, and are never marked filled, so no row ever sees
-them. Each row's mask is the one its batch-1 forward builds (`visibility_mask`, docs/design.md rule 2) over the
-shared key width. Keys and values are the rows' own (`BatchedDeferredPrefillCache.update`), so every row computes
-what its batch-1 forward computes, up to float rounding.
+every row's logits row; the positions before a shorter row's rows are padding: they all write to one scratch slot
+past every row's entries (``W_real``; which padding position's entry it keeps does not matter), see only that
+slot, and it is never marked filled, so no real row ever sees it (the key width is ``W_real + 1``, not
+``W_real`` + the padding: a row folding thousands of pending tokens next to a short one does not widen the
+shared buffers). Each row's mask is the one its batch-1 forward builds (`visibility_mask`, docs/design.md
+rule 2) over the shared key width. Keys and values are the rows' own (`BatchedDeferredPrefillCache.update`), so
+every row computes what its batch-1 forward computes, up to float rounding.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def run_shared_rows(
         sizes[b] = rows.size
         kv_real = max(kv_real, rows.max_slot + 1)
     q = max(sizes)
-    width = kv_real + q - min(sizes)
+    n_pad = q - min(sizes)  # positions that are padding in some row: they all write the one scratch slot kv_real
+    width = kv_real + (1 if n_pad else 0)
     group.share_buffers(width)
     for cache in caches:
         cache.reserve(width, device)
@@ -72,12 +75,10 @@ def run_shared_rows(
     hidden_size = present[0][1].embeds.shape[-1]
     embeds = present[0][1].embeds.new_zeros((batch, q, hidden_size))
     positions = torch.zeros((3, batch, q), dtype=torch.long, device=device)
-    n_pad = width - kv_real  # positions that are padding in some row: each writes its own scratch slot
-    scratch = torch.arange(kv_real, width, device=device)
     slots = torch.zeros((batch, q), dtype=torch.long, device=device)
-    slots[:, :n_pad] = scratch
+    slots[:, :n_pad] = kv_real
     mask = torch.zeros((batch, 1, q, width), dtype=torch.bool, device=device)
-    mask[:, 0, torch.arange(n_pad, device=device), scratch] = True  # its own slot only (seeing nothing is NaN)
+    mask[:, 0, :n_pad, kv_real:] = True  # the scratch slot only (seeing nothing is NaN)
     deepstack = None
     n_deepstack = next((len(rows.deepstack) for _, rows in present if rows.deepstack is not None), 0)
     if n_deepstack:

@@ -4,7 +4,10 @@ A conversation is keyed by its messages (`messages.ParsedMessage.key`), its last
 A request continues the conversation whose key is the longest strict prefix of the request's messages; it takes
 the conversation out of the pool (no other request can use or evict it meanwhile) and puts it back, extended,
 when its answer is done. Putting back evicts least recently used conversations until the pool's caches fit the
-budget (an evicted conversation's next request is prefilled again from its messages). The pool is used from the
+budget (an evicted conversation's next request is prefilled again from its messages). The server puts a
+conversation in trimmed (`turn.finish_turn`: `DeferredPrefillCache.trim`): KV buffers and filled-slot mask of its
+own, of the slots it holds rounded up to 256, never a row of a batched call's shared buffers; so ``bytes`` is the
+memory the pooled conversations keep alive, and evicting one frees its bytes. The pool is used from the
 scheduler's thread only; ``snapshot`` may be read from any thread.
 """
 
@@ -71,9 +74,9 @@ def cache_nbytes(cache) -> int:
 class ConversationPool:
     """Conversation caches between requests, least recently used evicted beyond ``budget_bytes``.
 
-    ``bytes`` is the memory the pooled caches hold, each tensor storage counted once however many conversations
-    hold it (the rows of one batched call share KV buffers; a shared buffer is freed when the last of them is
-    evicted or moves out of it)."""
+    ``bytes`` is the memory the pooled caches hold: every tensor storage they reference, whole, each counted once
+    however many conversations hold it (a storage shared by two caches is freed when the last of them is evicted
+    or moves out of it; the server's conversations come in trimmed, with storages of their own)."""
 
     def __init__(self, budget_bytes: int):
         if not isinstance(budget_bytes, int) or budget_bytes <= 0:

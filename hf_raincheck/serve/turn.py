@@ -206,7 +206,9 @@ def eos_ids(generation_config) -> set[int]:
 
 def finish_turn(turn: PreparedTurn, pool: ConversationPool, cache, answer_ids: list[int], batch_size: int) -> None:
     """A turn's answer is done: checks the cache holds the conversation + answer (all but at most its last
-    token), puts the conversation back into the pool and settles ``done`` with the `TurnResult`."""
+    token), trims it to the slots it holds (`DeferredPrefillCache.trim`: a row of a batched call leaves the
+    batch's shared buffers, a buffer grown for the call shrinks), puts the conversation back into the pool and
+    settles ``done`` with the `TurnResult`."""
     job = turn.job
     prompt_ids = turn.prompt_ids
     full = prompt_ids + answer_ids
@@ -226,6 +228,7 @@ def finish_turn(turn: PreparedTurn, pool: ConversationPool, cache, answer_ids: l
     conv = turn.conv if turn.conv is not None else pool.new(job.model, new_key, cache, sequences)
     conv.key, conv.cache, conv.sequences = new_key, cache, sequences
     conv.turns += 1
+    cache.trim()  # pooled at the size it needs, in buffers of its own (a batch's shared ones are freed after it)
     pool.checkin(conv)
     job.resolve(job.done, TurnResult(answer=answer, prompt_tokens=turn.prompt_tokens,
                                      completion_tokens=completion_tokens, finish_reason=finish_reason,
