@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -226,7 +227,15 @@ def test_compiled_static_batch_equals_eager_on_cuda(family, tiny_vl_path, tiny_q
     """A mixed left-padded batch of 4 rows on a static cache (inductor, CUDA graphs: transformers' default
     ``CompileConfig``; Qwen3.5: its GDN kernels resolved as everywhere, fla when installed): the same tokens as the
     eager shared engine on a dynamic cache, step logits within the CUDA tolerance, two graphs (decode-only and fused
-    at B = 4) that a second batch of other conversations reuses, and every compiled step replays as a CUDA graph."""
+    at B = 4) that a second batch of other conversations reuses, and every compiled step replays as a CUDA graph.
+
+    Qwen3.5's reference is the eager engine with transformers' torch GDN code (fp32 throughout): fla's kernels round
+    through TF32 tensor cores, and the compiled steps run other fla kernels than eager ones (chunked windows, batched
+    decode rows), so fla-vs-fla differs by fla's own rounding (H200: 7e-3, while eager fla is 9e-3 from the fp32
+    reference and compiled vs eager with torch kernels on both sides is 7e-6). So on Qwen3.5 the compiled batch
+    with torch kernels must equal that reference within the tolerance (the batching logic), and with fla it must
+    stay within twice eager fla's own distance from it (fla's rounding, not an error: a wrong window or state
+    is off by orders of magnitude more)."""
     from test_batch import CONVERSATIONS, _inputs, _messages
     from transformers.generation.configuration_utils import CompileConfig
 
@@ -244,25 +253,44 @@ def test_compiled_static_batch_equals_eager_on_cuda(family, tiny_vl_path, tiny_q
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
 
-    def run(conversations, **kw):
+    exact_cfg = dataclasses.replace(cfg, gdn_backend="torch")
+
+    def run(conversations, config=cfg, **kw):
         batch = _cuda(_inputs(processor, conversations))
         with torch.no_grad():
-            out = model.generate(**batch, raincheck_config=cfg, max_new_tokens=16, do_sample=False,
+            out = model.generate(**batch, raincheck_config=config, max_new_tokens=16, do_sample=False,
                                  return_dict_in_generate=True, output_logits=True, **kw)
         return out
+
+    def max_diff(a, b):
+        return float((torch.stack(a.logits) - torch.stack(b.logits)).abs().max())
 
     static = dict(cache_implementation="static", compile_config=CompileConfig())
     with _CudagraphSkips() as skips:
         for conversations in (CONVERSATIONS, others):
             eager = run(conversations)
             compiled = run(conversations, **static)
-            diff = float((torch.stack(compiled.logits) - torch.stack(eager.logits)).abs().max())
-            print(f"\n{family}: compiled static batch vs eager shared engine: max abs logit diff {diff:.2e}; "
+            reference, bound = eager, 2e-3
+            if family == "qwen3_5":
+                reference = run(conversations, config=exact_cfg)
+                bound = max(bound, 2 * max_diff(eager, reference))
+            diff = max_diff(compiled, reference)
+            print(f"\n{family}: compiled static batch vs eager shared engine: max abs logit diff "
+                  f"{max_diff(compiled, eager):.2e}, vs the reference {diff:.2e} (bound {bound:.1e}); "
                   f"graphs {torch._dynamo.utils.counters['stats']['unique_graphs']}")
             assert torch.equal(compiled.sequences, eager.sequences)
-            torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(eager.logits), atol=2e-3, rtol=2e-3)
+            assert torch.equal(reference.sequences, eager.sequences)
+            torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(reference.logits),
+                                       atol=bound, rtol=2e-3)
             assert compiled.past_key_values.static
             assert compiled.past_key_values.row_turn_stats == eager.past_key_values.row_turn_stats
             assert compiled.past_key_values.row_pending == [0] * len(conversations)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0, skips.messages
+    if family == "qwen3_5":  # the batching logic, without fla's rounding: torch GDN code on both sides
+        torch._dynamo.reset()
+        compiled = run(CONVERSATIONS, config=exact_cfg, **static)
+        reference = run(CONVERSATIONS, config=exact_cfg)
+        print(f"qwen3_5, torch GDN code: compiled static batch vs eager {max_diff(compiled, reference):.2e}")
+        assert torch.equal(compiled.sequences, reference.sequences)
+        torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(reference.logits), atol=2e-3, rtol=2e-3)
