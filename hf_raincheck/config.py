@@ -69,9 +69,11 @@ class RaincheckConfig:
             ``step > guard_tokens``.
         seed: seed of the ``random`` selector.
         step_deferred_budget: batches only (``generate`` with B > 1 rows): the most deferred tokens one shared
-            decode step carries over all its rows (>= 1), or None for no cap. When the rows' schedules ask for
-            more, the budget is shared evenly (each row at most what its schedule asks; the rest goes to the rows
-            that want more). Default 128: a decode step of an 8B-class model stays memory-bound up to roughly 200
+            decode step carries over all its rows (>= 1), or None for no cap. Each row carries at most
+            ``ceil(budget / B)`` a step (B: the batch's rows), and when the rows' schedules ask for more than the
+            budget it is shared evenly (each row at most what its schedule asks; the rest goes to the rows that
+            want more). The per-row cap keeps a fused step's padded shape ``[B, cap + 1]`` at the budget's size
+            (rows are padded to the widest). Default 128: a decode step of an 8B-class model stays memory-bound up to roughly 200
             rows on an H200 (its bf16 compute over memory bandwidth), so 128 deferred rows plus the decode rows of a
             batch of 16 keep the step close to a plain decode step's time (the benchmarks page measures it). A
             batch-1 call ignores it.

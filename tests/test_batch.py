@@ -262,16 +262,23 @@ def test_step_logits_and_expanded_rows_equal_batch1(family):
 
 
 def test_carry_counts_share_the_budget():
-    from hf_raincheck.generation.shared_batch import carry_counts
+    from hf_raincheck.generation.shared_batch import carry_counts, fused_window, row_carry_cap
 
     assert carry_counts([31, 31, 0, 5], None) == [31, 31, 0, 5]
-    assert carry_counts([31, 31, 0, 5], 100) == [31, 31, 0, 5]  # a budget that does not bind changes nothing
-    assert carry_counts([31, 31, 0, 5], 45) == [20, 20, 0, 5]  # small asks met first, the rest split evenly
+    assert carry_counts([31, 31, 0, 5], 124) == [31, 31, 0, 5]  # a budget that does not bind changes nothing
+    assert carry_counts([31, 31, 0, 5], 45) == [12, 12, 0, 5]  # at most ceil(45 / 4) = 12 a row
+    assert carry_counts([5, 31, 31, 31], 17) == [5, 4, 4, 4]  # capped at 5, then small asks first, split evenly
     assert carry_counts([31, 31, 31], 64) == [22, 21, 21]  # the remainder to the earlier rows
     assert carry_counts([3, 3, 3], 2) == [1, 1, 0]
-    for wanted, budget in [([31] * 16, 128), ([7, 31, 2, 31, 31], 50), ([1] * 5, 3)]:
+    assert carry_counts([31] * 16, 128) == [8] * 16  # the default budget at B = 16
+    for wanted, budget in [([31] * 16, 128), ([7, 31, 2, 31, 31], 50), ([1] * 5, 3), ([31, 0, 0, 0], 20)]:
         counts = carry_counts(wanted, budget)
-        assert sum(counts) == min(budget, sum(wanted)) and all(0 <= c <= w for c, w in zip(counts, wanted))
+        cap = row_carry_cap(budget, len(wanted))
+        assert sum(counts) == min(budget, sum(min(w, cap) for w in wanted))
+        assert all(0 <= c <= min(w, cap) for c, w in zip(counts, wanted))
+    # a compiled batch's fused window: chunk_size unless the budget's row cap is smaller
+    assert [fused_window(31, 128, b) for b in (1, 4, 5, 8, 16)] == [31, 31, 26, 16, 8]
+    assert fused_window(31, None, 16) == 31 and row_carry_cap(None, 16) is None
 
 
 def test_a_binding_step_budget_equals_batch1_fed_the_same_counts(family, monkeypatch):

@@ -43,13 +43,25 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 @pytest.fixture
 def steps(monkeypatch):
-    """Every compiled batch step run: ``(batch size, carry counts)``."""
+    """Every compiled batch step run: ``(batch size, carry counts, live rows, fused window)`` (the window: deferred
+    rows per batch row of the graph that ran, None for a decode-only step)."""
     seen = []
     original = StaticBatchStep.__call__
 
     def recording(self, adapter, group, bturn, tokens, live, counts):
-        seen.append((group.batch_size, list(counts), list(live)))
-        return original(self, adapter, group, bturn, tokens, live, counts)
+        graph = self.compiled
+        windows = []
+
+        def spy(*args):
+            windows.append(args[-1] if args[5] is not None else None)  # (args[5]: the padded store, or None)
+            return graph(*args)
+
+        self.compiled = spy
+        try:
+            return original(self, adapter, group, bturn, tokens, live, counts)
+        finally:
+            self.compiled = graph
+            seen.append((group.batch_size, list(counts), list(live), windows[0] if windows else None))
 
     monkeypatch.setattr(StaticBatchStep, "__call__", recording)
     return seen
@@ -185,7 +197,7 @@ def test_rows_stopping_early_keep_restoring_in_compiled_steps(family, steps, com
     conversations = [CONVERSATIONS[1], CONVERSATIONS[0], CONVERSATIONS[3]]
     batch = _inputs(processor, conversations)
     width = batch["input_ids"].shape[1]
-    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=1, completion=completion, step_deferred_budget=5)
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=1, completion=completion, step_deferred_budget=4)
     probe = _gen(model, batch, cfg, n=N)
     new = probe.sequences[:, width:].tolist()
     stop = next(t for t in new[0][1:4] if t not in new[1] and t not in new[2])  # row 0 stops early, the others not
@@ -196,7 +208,9 @@ def test_rows_stopping_early_keep_restoring_in_compiled_steps(family, steps, com
     assert_rows_equal(out, eager, width, range(len(conversations)), eos=stop)
     stopped = [s for s in steps if not s[2][0]]
     assert stopped and any(s[1][0] for s in stopped) == (completion == "blocking")  # restoring after its stop
-    assert any(sum(s[1]) == 5 and any(0 < c < 3 for c in s[1]) for s in steps)  # the budget did bind
+    assert any(sum(s[1]) == 4 and any(0 < c < 3 for c in s[1]) for s in steps)  # the budget did bind
+    # each row carries at most ceil(4 / 3) = 2 a step, so the fused graph is [3, 2 + 1], not [3, chunk_size + 1]
+    assert {s[3] for s in steps if any(s[1])} == {2} and max(max(s[1]) for s in steps) == 2
     group, ref = out.past_key_values, eager.past_key_values
     assert group.row_turn_stats == ref.row_turn_stats and group.row_pending == ref.row_pending
     for i, row in enumerate(group.rows):

@@ -329,9 +329,10 @@ def test_batch_quick_shared_engine(tmp_path):
             deferred = r["deferred_per_row"]
             assert deferred == [44, 25, 44][:b] and r["replay_matches"] is True
             assert r["restored_during_decode"] == sum(deferred) and r["pending_at_answer_end"] == 0
-            # guard steps, then the chunks: 31 per step alone, 20 per step over the batch's rows (the budget)
-            carry = 31 if b == 1 else 20
-            assert r["restored_at_token"] == 16 + math.ceil(sum(deferred) / carry) + 1
+            # guard steps, then the chunks: alone 31 per step (44 in 2 steps); over the batch's rows at most 20 a
+            # step and ceil(20 / 3) = 7 a row: [7, 7, 6] x 3, [7, 4, 7], [7, 0, 7] x 2, [2, 0, 5] (7 steps)
+            steps = math.ceil(44 / 31) if b == 1 else 7
+            assert r["restored_at_token"] == 16 + steps + 1
             assert r["restore_step_ms"] > 0 and r["decode_step_ms"] > 0
         else:
             assert r["restored_at_token"] is None and r["deferred_per_row"] is None

@@ -56,11 +56,31 @@ class BatchTurn:
         return self._rope_deltas
 
 
+def row_carry_cap(budget: int | None, rows: int) -> int | None:
+    """The most deferred tokens one row carries in a shared step of a batch of `rows` rows: ``ceil(budget / rows)``
+    (None: no budget, no cap). A fused step's rows are padded to its widest row (``[B, widest + 1]``, eager and
+    compiled alike), so this cap bounds a step's work by the budget: at B = 16, budget 128 and chunk 31, a step is
+    ``[16, 9]`` (144 rows) instead of ``[16, 32]`` (512 rows, 368 of them padding)."""
+    return None if budget is None else -(-budget // rows)
+
+
+def fused_window(chunk_size: int, budget: int | None, rows: int) -> int:
+    """Deferred rows per batch row in a compiled batch's fused step (`shared_static`): ``chunk_size``, or the row
+    cap when the budget makes it smaller (fixed per batch size, so one graph per batch size)."""
+    cap = row_carry_cap(budget, rows)
+    return chunk_size if cap is None else min(chunk_size, cap)
+
+
 def carry_counts(wanted: list[int], budget: int | None) -> list[int]:
-    """Each row's deferred tokens for one shared step: what its schedule asks (`wanted`), cut to `budget` in all by
-    water-filling (the smallest asks are met first, the rest is split evenly, the earlier rows get the remainder)."""
-    if budget is None or sum(wanted) <= budget:
+    """Each row's deferred tokens for one shared step: what its schedule asks (`wanted`), at most
+    `row_carry_cap` (``ceil(budget / B)``) per row, cut to `budget` in all by water-filling (the smallest asks are
+    met first, the rest is split evenly, the earlier rows get the remainder)."""
+    if budget is None:
         return list(wanted)
+    cap = row_carry_cap(budget, len(wanted))
+    wanted = [min(w, cap) for w in wanted]
+    if sum(wanted) <= budget:
+        return wanted
     counts = [0] * len(wanted)
     left = budget
     order = sorted((w, i) for i, w in enumerate(wanted) if w > 0)
@@ -164,7 +184,8 @@ def shared_step(adapter, group: BatchedDeferredPrefillCache, bturn: BatchTurn, i
     tokens = input_ids[:, -1:].to(bturn.turns[0].positions.device)
     live = [not done for done in stopped]
     with row_transactions(caches):
-        if bturn.static_step is not None and max(counts) <= config.chunk_size:  # compiled (`shared_static`)
+        window = fused_window(config.chunk_size, config.step_deferred_budget, len(caches))
+        if bturn.static_step is not None and max(counts) <= window:  # compiled (`shared_static`)
             logits = bturn.static_step(adapter, group, bturn, tokens, live, counts)
         elif not any(counts):  # the common step: every row feeds its token, or nothing (stopped)
             embeds = adapter.embed_tokens(tokens)  # [B, 1, H]

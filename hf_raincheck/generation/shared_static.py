@@ -7,12 +7,14 @@ never reallocated during the call. Two graphs per batch size and capacity, with 
 
 * a decode-only step, ``[B, 1]``: row b feeds its token at its next slot, or (a row that stopped) writes to a
   scratch slot that no row sees;
-* a fused step, ``[B, chunk_size + 1]``: row b's next ``limit[b]`` deferred rows (its window, gathered inside the
+* a fused step, ``[B, window + 1]``: row b's next ``limit[b]`` deferred rows (its window, gathered inside the
   graph from the batch's persistent padded store ``[B, capacity, ...]`` at ``start[b]``), padding up to
-  ``chunk_size`` rows, then its decode row. Padding writes to scratch slots past every row's entries.
+  ``window`` rows, then its decode row. ``window`` is ``chunk_size``, or less where ``step_deferred_budget`` caps
+  each row's carry (`shared_batch.fused_window`: ``ceil(budget / B)``, so a step's work follows the budget, not
+  B x chunk_size). Padding writes to scratch slots past every row's entries.
 
 Scratch slots are the last ``chunk_size + 1`` of the capacity: chunk position j pads to slot
-``capacity - chunk_size - 1 + j``, a stopped row's decode position to the last slot; they are never marked filled,
+``capacity - window - 1 + j``, a stopped row's decode position to the last slot; they are never marked filled,
 and every real row's slot is below them, so no real row sees them. Each row's mask is its batch-1 step's
 (`visibility.visible`, per row: its own filled slots, boundary and deferred-slot mask). What changes from step to
 step reaches the graph as tensors: the fed tokens ``[B, 1]`` and one ``[4, B]`` long tensor (each row's decode
@@ -36,6 +38,7 @@ from ..gdn_state import GDNBatchGraphStep
 from ..gdn_state.kernels import functions as gdn_functions
 from .decode import compiled_gdn_backend
 from .rows import count_restored
+from .shared_batch import fused_window
 from .shared_step import host_to_device
 from .visibility import visible_rows
 
@@ -46,7 +49,7 @@ def scratch_rows(chunk_size: int) -> int:
 
 
 def _batch_step_graph(adapter, group, tokens, meta, rope_deltas, chunk, backend: str, visibility: str,
-                      chunk_size: int):
+                      window: int):
     """The traced body of a compiled batch step (module docstring). `meta` is long ``[4, B]``: each row's decode
     slot, live flag (0 / 1), window start and window length; `chunk` is None (a decode-only step) or the padded
     store ``(embeds [B, W, H], positions [3, B, W], slots [B, W], valid [B, W], deepstack [B, W, H] per layer or
@@ -67,15 +70,15 @@ def _batch_step_graph(adapter, group, tokens, meta, rope_deltas, chunk, backend:
     else:
         s_embeds, s_positions, s_slots, s_valid, s_deepstack, boundary, deferred_slots = chunk
         start, limit = meta[2], meta[3]
-        rows = torch.arange(chunk_size, device=device)
-        window = start[:, None] + rows[None, :]  # [B, C]: gathered here, so no per-step view is a graph input
-        d_valid = s_valid.gather(1, window) & (rows[None, :] < limit[:, None])
-        scratch = (width - chunk_size - 1) + rows
-        d_slots = torch.where(d_valid, s_slots.gather(1, window), scratch[None, :])
+        rows = torch.arange(window, device=device)
+        at = start[:, None] + rows[None, :]  # [B, window]: gathered here, so no per-step view is a graph input
+        d_valid = s_valid.gather(1, at) & (rows[None, :] < limit[:, None])
+        scratch = (width - window - 1) + rows
+        d_slots = torch.where(d_valid, s_slots.gather(1, at), scratch[None, :])
         hidden_size = s_embeds.shape[-1]
-        by_row = window[:, :, None].expand(-1, -1, hidden_size)
+        by_row = at[:, :, None].expand(-1, -1, hidden_size)
         d_embeds = s_embeds.gather(1, by_row).to(live_embeds.dtype)
-        d_positions = s_positions.gather(2, window[None].expand(s_positions.shape[0], -1, -1))
+        d_positions = s_positions.gather(2, at[None].expand(s_positions.shape[0], -1, -1))
         embeds = torch.cat([d_embeds, live_embeds], dim=1)
         positions = torch.cat([d_positions, live_positions], dim=2)
         slots = torch.cat([d_slots, live_slots[:, None]], dim=1)
@@ -155,13 +158,16 @@ class StaticBatchStep:
 
     def __call__(self, adapter, group: BatchedDeferredPrefillCache, bturn, tokens: torch.Tensor, live: list[bool],
                  counts: list[int]) -> torch.Tensor:
-        """One step of every row (row b carries ``counts[b]`` deferred tokens, at most ``chunk_size``, and feeds
+        """One step of every row (row b carries ``counts[b]`` deferred tokens, at most the fused window, and feeds
         ``tokens[b]`` if ``live[b]``); marks the slots filled and counts the plans' progress inside every row's
         transaction (`shared_rows.row_transactions`, as the eager steps). Returns the logits ``[B, 1, V]``."""
         caches = group.rows
         config = bturn.config
         chunk_size = config.chunk_size
         width = group.capacity
+        window = fused_window(chunk_size, config.step_deferred_budget, len(caches))
+        if max(counts) > window:
+            raise ValueError(f"a compiled batch step carries at most {window} deferred tokens per row, got {counts}")
         lengths = [c.length for c in caches]
         if max([n for n, alive in zip(lengths, live) if alive], default=0) >= width - scratch_rows(chunk_size):
             raise RuntimeError("static Raincheck batch cache is full: reserve more max_new_tokens")
@@ -194,7 +200,7 @@ class StaticBatchStep:
         try:
             group.begin_forward(context)
             logits = self.compiled(adapter, group, tokens, meta, bturn.rope_deltas(device), chunk, bturn.backend,
-                                   config.visibility, chunk_size)
+                               config.visibility, window)
         finally:
             group.end_forward()
         for cache, count in zip(caches, counts):
