@@ -355,3 +355,42 @@ def test_a_row_still_viewing_a_freed_batchs_gdn_states_keeps_them(tiny_qwen3_5_p
     gc.collect()
     third = compiled(model, batch, cfg, n=6)
     assert all(t is first[k] or t is second[k] for k, t in third.past_key_values.pooled.items() if k in first)
+
+
+class _CountingDict(dict):
+    """A row's ``gdn_states`` that counts lookups (`sync_gdn_states` visiting the row)."""
+
+    lookups = 0
+
+    def __getitem__(self, key):
+        type(self).lookups += 1
+        return super().__getitem__(key)
+
+
+def test_gdn_states_sync_skips_the_rows_until_a_state_is_rebound(tiny_qwen3_5_path):
+    """Qwen3.5: `BatchedDeferredPrefillCache.sync_gdn_states` runs before every compiled batch step; when no GDN state
+    anywhere rebound a tensor since its last call it returns without visiting the rows (a compiled step updates the
+    batch buffers in place), and once one row's state is rebound (an eager forward builds new tensors) it copies
+    that row back into the batch buffer and points the row at its view again."""
+    model, processor = load_tiny_qwen3_5(tiny_qwen3_5_path)
+    model = enable_raincheck(model)
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=1, completion="next_turn")
+    out = compiled(model, _inputs(processor, CONVERSATIONS), cfg, n=6)
+    group = out.past_key_values
+    buffers = group.sync_gdn_states()
+    for row in group.rows:
+        row.gdn_states = _CountingDict(row.gdn_states)
+    _CountingDict.lookups = 0
+    assert group.sync_gdn_states() is buffers and _CountingDict.lookups == 0  # nothing rebound: the rows not visited
+    idx = sorted(buffers)[0]
+    layer = group.rows[2].gdn_states[idx]
+    view = buffers[idx]["views"][2]["state"]
+    assert layer.state is view
+    rebound = layer.state + 1.0  # what an eager forward does: a new tensor
+    layer.state = rebound
+    _CountingDict.lookups = 0
+    group.sync_gdn_states()
+    assert _CountingDict.lookups > 0 and layer.state is view and torch.equal(view, rebound)
+    _CountingDict.lookups = 0
+    group.sync_gdn_states()
+    assert _CountingDict.lookups == 0

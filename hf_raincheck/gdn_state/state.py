@@ -2,13 +2,39 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
+_CHANGES = itertools.count(1)
+_last_change = 0
+_TRACKED = frozenset({"state", "conv", "prefix", "value_dim", "recurrent"})
+
+
+def _note_change() -> None:
+    global _last_change
+    _last_change = next(_CHANGES)  # (a fresh number each time, so a late write never repeats one seen earlier)
+
+
+def last_change() -> int:
+    """A number that changes whenever any `GDNLayerState` or `PrefixCheckpoint` rebinds one of its tensors (in any
+    cache; in-place updates do not count). A compiled static batch step skips re-checking every row's states when
+    nothing was rebound since its last check (`BatchedDeferredPrefillCache.sync_gdn_states`)."""
+    return _last_change
+
+
+class _Tracked:
+    """Notes every rebinding of a tracked field (`last_change`)."""
+
+    def __setattr__(self, name, value):
+        object.__setattr__(self, name, value)
+        if name in _TRACKED:
+            _note_change()
+
 
 @dataclass
-class PrefixCheckpoint:
+class PrefixCheckpoint(_Tracked):
     """A GDN layer's state at a plan's boundary, continued by the plan's restored deferred rows.
 
     Attributes:
@@ -22,7 +48,7 @@ class PrefixCheckpoint:
     conv: torch.Tensor
 
 
-class GDNLayerState:
+class GDNLayerState(_Tracked):
     """Live state of one GDN layer, and the `PrefixCheckpoint` of the plan whose deferred rows are pending.
 
     ``state`` is ``[1, H_v, K, V]`` fp32, or ``[1, H_v, K, V + K]`` while a plan is pending: the extra columns
