@@ -47,7 +47,10 @@ alike. Timed calls start and end after ``torch.cuda.synchronize``; the garbage c
 * medians over the rounds; ratios RC / Full, RC / Hard and Full / plain: TPOT and tokens/s the median of the
   rounds' paired ratios, TTFT the ratio of the medians over every first-token call (both kinds kept in the JSON);
   the issue's targets (Raincheck TTFT <= 0.80 x Full for B >= 4; TPOT <= 1.05 x Full for B <= 8, <= 1.10 x above,
-  which the issue sets for the compiled path; throughput >= 0.95 x Full's).
+  which the issue sets for the compiled path; throughput >= 0.95 x Full's);
+* ``--profile-steps``: after a batch size's rounds, one more answer of Raincheck and of Full with torch.profiler
+  tables of decode step ``guard + 2`` (Raincheck's first fused step) and of the step two after Raincheck's
+  restoration ended (decode only), written next to the JSON (``X_profile.txt``).
 
 Time budget (``--budget-s``): shared fairly between the models, then between each model's batch sizes; a batch size
 whose estimated warm-ups and first round (from the previous batch size's calls) do not fit is skipped, later rounds
@@ -76,7 +79,7 @@ from transformers.generation.configuration_utils import CompileConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from latency import Timer, compiled_graphs, no_gc, release_model_memory, set_compile_limits  # noqa: E402
+from latency import Timer, compiled_graphs, kernel_busy, no_gc, release_model_memory, set_compile_limits  # noqa: E402
 from shapes import SHAPES, build_inputs, build_model  # noqa: E402
 
 import hf_raincheck  # noqa: E402
@@ -481,9 +484,57 @@ def run_batch_size(bench: Bench, batch_size: int, methods: list[Method], budget:
               + ")", flush=True)
     results.records += records
     results.ratios += pair_ratios(records)
+    if args.profile_steps and bench.streams(entries[0].method, batch_size):
+        results.profiles.append(profile_steps(bench, done, batch, batch_size))
     del batch
     bench.drop_static_caches()
     results.save()
+
+
+def profile_steps(bench: Bench, entries: list[Entry], batch: dict, batch_size: int) -> str:
+    """torch.profiler tables (GPU time, then host time) of Raincheck's first fused step (decode step
+    ``guard_tokens + 2``) and of a decode-only step two steps after its last restoration, and of Full's steps at
+    the same indices (the same step kinds without a plan), each in one more answer after the rounds: where a fused
+    step's extra time goes, and whether a decode-only step after restoration costs what Full's does."""
+    from torch.profiler import ProfilerActivity, profile
+
+    args = bench.args
+    by = {e.method.name: e for e in entries}
+    raincheck = by.get("raincheck")
+    restored_at = raincheck.answers[-1]["restored_at_token"] if raincheck is not None else None
+    if restored_at is None:
+        return f"## B={batch_size}: no Raincheck answer that restored during decode; nothing profiled\n"
+    steps = {"fused": args.guard_tokens + 2}
+    if restored_at + 2 < args.new_tokens:
+        steps["decode-only after restoration"] = restored_at + 2
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.cuda else [])
+    parts = []
+    for name in ("raincheck", "full"):
+        if name not in by:
+            continue
+        profilers, walls = {}, {}
+
+        def hook(k):  # decode step j runs between the puts of output tokens j and j + 1 (both after a sync)
+            for label, step in steps.items():
+                if k == step:
+                    profilers[label] = profile(activities=activities)
+                    profilers[label].start()
+                    walls[label] = time.perf_counter()
+                elif k == step + 1 and label in profilers:
+                    walls[label] = time.perf_counter() - walls[label]
+                    profilers[label].stop()
+
+        bench.generate(by[name].method, batch, streamer=Timer(bench.sync, hook))
+        for label, prof in profilers.items():
+            parts.append(f"## {bench.name}, {args.cache} cache, B={batch_size}, {name}: decode step {steps[label]} "
+                         f"({label}): wall {1e3 * walls[label]:.2f} ms{kernel_busy(prof)}\n")
+            averages = prof.key_averages()
+            if bench.cuda:
+                parts.append(averages.table(sort_by="device_time_total", row_limit=args.profile_rows))
+            parts.append(averages.table(sort_by="self_cpu_time_total", row_limit=args.profile_rows))
+            print(f"  profiled B={batch_size} {name} step {steps[label]} ({label}): wall {1e3 * walls[label]:.2f} ms"
+                  f"{kernel_busy(prof)}", flush=True)
+    return "\n".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------------- budget
@@ -538,6 +589,7 @@ class Results:
     def __init__(self, args, meta: dict):
         self.args, self.meta = args, meta
         self.records, self.ratios, self.skipped, self.errors = [], [], [], []
+        self.profiles: list[str] = []  # --profile-steps: one text of tables per batch size
         self.round_seconds: dict = {}
         self.path = args.out or (os.path.join(args.results_dir, "batch.json") if args.save else None)
 
@@ -553,6 +605,14 @@ class Results:
         with open(tmp, "w") as f:
             json.dump(self.report(), f, indent=1)
         os.replace(tmp, self.path)
+        if self.profiles:
+            with open(self.profile_path, "w") as f:
+                f.write("\n".join(self.profiles))
+
+    @property
+    def profile_path(self) -> str:
+        """Where --profile-steps writes its tables: next to the JSON (``X.json`` -> ``X_profile.txt``)."""
+        return os.path.splitext(self.path)[0] + "_profile.txt"
 
 
 def meta(args, cuda: bool, methods: list[Method]) -> dict:
@@ -654,6 +714,11 @@ def parse_args(argv=None):
     parser.add_argument("--gdn-backend", default="auto", choices=("auto", "torch", "fla"))
     parser.add_argument("--budget-s", type=float, default=450.0,
                         help="wall-clock budget of the runs (s): batch sizes that do not fit are skipped")
+    parser.add_argument("--profile-steps", action="store_true",
+                        help="after each batch size's rounds: torch.profiler tables of Raincheck's first fused step "
+                             "and a decode-only step after restoration, and Full's same steps (needs --save or --out; "
+                             "written next to the JSON as *_profile.txt)")
+    parser.add_argument("--profile-rows", type=int, default=25, help="rows per --profile-steps table")
     parser.add_argument("--save", action="store_true", help="write --results-dir/batch.json")
     parser.add_argument("--out", default=None, help="write the JSON here (implies --save)")
     parser.add_argument("--results-dir", default=RESULTS_DIR)
@@ -704,6 +769,10 @@ def parse_args(argv=None):
             parser.error(f"--step-budget: an int >= 1 or 'none', got {args.step_budget!r}")
     if args.out:
         args.save = True
+    if args.profile_steps and not args.save:
+        parser.error("--profile-steps: pass --save or --out (the tables are written next to the JSON)")
+    if args.profile_rows < 1:
+        parser.error(f"--profile-rows: at least 1, got {args.profile_rows}")
     return args
 
 
@@ -735,7 +804,7 @@ def main(argv=None) -> int:
             f"{e['model']} B={e['batch_size']} {e['method']}: {e['error']}" for e in results.errors))
     if results.path:
         results.save()
-        print(f"\nwrote {results.path}")
+        print(f"\nwrote {results.path}" + (f" and {results.profile_path}" if results.profiles else ""))
     return 1 if results.errors else 0
 
 
