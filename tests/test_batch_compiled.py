@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from hf_raincheck import RaincheckConfig, enable_raincheck
 from hf_raincheck.cache.batched import BatchedDeferredPrefillCache
@@ -394,3 +395,64 @@ def test_gdn_states_sync_skips_the_rows_until_a_state_is_rebound(tiny_qwen3_5_pa
     _CountingDict.lookups = 0
     group.sync_gdn_states()
     assert _CountingDict.lookups == 0
+
+
+class _FirstToken(StoppingCriteria):
+    """Stops every row after its first token (benchmarks/batch.py's first-token calls)."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.ones((input_ids.shape[0],), dtype=torch.bool, device=input_ids.device)
+
+
+@pytest.mark.parametrize("policy", ["full", "hard", "raincheck"])
+def test_a_first_token_call_of_a_static_qwen3_5_batch_runs_only_its_prefill(tiny_qwen3_5_path, steps, monkeypatch,
+                                                                              policy):
+    """Qwen3.5, a static batch's call that ends after its first token (a TTFT call): no compiled step runs and the
+    rows' pending stores are not copied into the batch's padded store buffers (its first fused step copies them);
+    the prefill's GDN kernels run each row's rows on its V value columns, not V + K: nothing is pending before a
+    first prefill, so P_tail's columns ride along only after a Raincheck row's boundary (its tail). Afterwards every
+    row's GDN states are in the fixed layout (P_tail = I where nothing is pending) with the dynamic shared engine's
+    states and checkpoints, and the batch's next call runs its compiled steps like the dynamic engine."""
+    from hf_raincheck.gdn_state import kernels
+
+    model, processor = load_tiny_qwen3_5(tiny_qwen3_5_path)
+    model = enable_raincheck(model)
+    text = model.config.get_text_config()
+    value_dim, key_dim = text.linear_value_head_dim, text.linear_key_head_dim
+    n_gdn = sum(t == "linear_attention" for t in text.layer_types)
+    calls = []
+    original = kernels.gated_delta
+
+    def recording(backend, q, k, v, g, beta, state, *args):
+        calls.append((q.shape[1], v.shape[-1]))
+        return original(backend, q, k, v, g, beta, state, *args)
+
+    cfg = RaincheckConfig(policy=policy, retention=0.3, chunk_size=3, guard_tokens=1, completion="next_turn")
+    batch = _inputs(processor, CONVERSATIONS)
+    first = StoppingCriteriaList([_FirstToken()])
+    monkeypatch.setattr(kernels, "gated_delta", recording)
+    out = compiled(model, batch, cfg, stopping_criteria=first)
+    monkeypatch.setattr(kernels, "gated_delta", original)
+    ref = _gen(model, batch, cfg, stopping_criteria=first)
+    group, ref_group = out.past_key_values, ref.past_key_values
+    assert out.sequences.tolist() == ref.sequences.tolist()
+    assert steps == [] and group.store_buffers is None
+    wide = [(rows, width) for rows, width in calls if width != value_dim]
+    assert all(width == value_dim + key_dim for _, width in wide)
+    tails = [row.length - row.plan.boundary for row in group.rows if row.plan is not None and row.plan.pending]
+    assert sum(rows for rows, _ in wide) == n_gdn * sum(tails)
+    assert bool(tails) == (policy == "raincheck")
+    for row, ref_row in zip(group.rows, ref_group.rows):
+        assert row.plan is None or row.plan.pending == (ref_row.plan.pending if ref_row.plan else 0)
+        for idx, state in row.gdn_states.items():
+            assert state.fixed and state.carry == key_dim
+            if state.prefix is None:  # nothing pending: P_tail = I
+                eye = torch.eye(key_dim).expand_as(state.transition)
+                torch.testing.assert_close(state.transition, eye, atol=0, rtol=0)
+        assert_same_row(row, ref_row)
+    # the next call continues every row (its pending tokens folded into its prefill) through compiled steps
+    nxt = _next_turn_batch(processor, batch, out, range(len(CONVERSATIONS)), FOLLOW)
+    again = compiled(model, nxt, cfg, past_key_values=group)
+    ref_again = _gen(model, nxt, cfg, n=N, past_key_values=ref_group, output_logits=True)
+    assert_rows_equal(again, ref_again, nxt["input_ids"].shape[1], range(len(CONVERSATIONS)))
+    assert steps

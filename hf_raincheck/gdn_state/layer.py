@@ -88,8 +88,6 @@ def gdn_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layer: GDNLaye
     """The layer's output ``[1, T, hidden]`` for the rows of one Raincheck forward; updates `layer`."""
     qkv, z, b, a = glue.project(module, hidden)
     num_v_heads, key_dim, value_dim, channels, kernel = glue.dims(module)
-    if layer.fixed and layer.state is None:
-        layer.init_fixed(num_v_heads, key_dim, value_dim, (1, channels, kernel), hidden.device, qkv.dtype)
     total = hidden.shape[1]
     n = step.num_restore
     live = total - n
@@ -126,7 +124,7 @@ def gdn_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layer: GDNLaye
             q, k, v, g, beta = q[:, n:], k[:, n:], v[:, n:], g[:, n:], beta[:, n:]
         if cut:
             # the rows before a new plan's boundary: `checkpoint` starts P_tail afresh right after them, so a map
-            # carried through them would be dropped (the fixed layout carries one from the first prefill on)
+            # carried through them would be dropped (a fixed layout carries one from the end of its first forward on)
             before = layer.state if layer.carry == 0 else layer.recurrent.contiguous()
             out, state = advance(step.backend, q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut], before)
             layer.set_state(state, value_dim)
@@ -144,6 +142,8 @@ def gdn_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layer: GDNLaye
             layer.set_state(state, value_dim)
             outs.append(out)
         layer.conv = window_end
+    if layer.fixed and layer.carry == 0:  # a fixed layer's first forward: its rows ran without P_tail's columns
+        layer.add_transition_columns(key_dim)
     core = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return glue.output(module, core, z)
 

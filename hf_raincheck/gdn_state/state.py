@@ -57,7 +57,8 @@ class GDNLayerState(_Tracked):
     ``[1, C, kernel]`` (the model's dtype).
 
     ``fixed=True`` (compiled static steps): P_tail's columns stay in ``state`` even when no plan is pending, so the
-    shapes never change, and every tensor is marked as a static address (compiled steps update them in place).
+    shapes never change (from the end of the conversation's first forward on: `add_transition_columns`), and every
+    tensor is marked as a static address (compiled steps update them in place).
     """
 
     def __init__(self, fixed: bool = False):
@@ -77,18 +78,19 @@ class GDNLayerState(_Tracked):
         """Switches to the fixed layout (adds P_tail's columns if missing)."""
         if not self.fixed:
             self.fixed = True
-            if self.state is not None and self.carry == 0:
-                s = self.state
-                eye = torch.eye(key_dim, dtype=s.dtype, device=s.device).expand(*s.shape[:2], key_dim, key_dim)
-                self.state = torch.cat([s, eye], dim=-1)
-            self._static()
+            self.add_transition_columns(key_dim)
 
-    def init_fixed(self, num_v_heads: int, key_dim: int, value_dim: int, conv_shape, device, dtype) -> None:
-        """Zero state with P_tail = I and a zero conv window (what a first prefill starts from), fixed layout."""
-        zeros = torch.zeros(1, num_v_heads, key_dim, value_dim, dtype=torch.float32, device=device)
-        eye = torch.eye(key_dim, dtype=torch.float32, device=device).expand(1, num_v_heads, key_dim, key_dim)
-        self.set_state(torch.cat([zeros, eye], dim=-1), value_dim)
-        self.conv = torch.zeros(conv_shape, dtype=dtype, device=device)
+    def add_transition_columns(self, key_dim: int) -> None:
+        """Fixed layout: gives a state without P_tail's columns (nothing pending) the columns of P_tail = I.
+
+        A fixed layer's first forward runs its rows without them (`gdn_rows_forward`): nothing is pending before
+        a conversation's first prefill, so a map carried through its rows would never be read (no plan: Full,
+        Hard, a prompt without images) or would be restarted at a new plan's boundary (Raincheck), and carrying
+        it doubles the columns the kernel computes over the whole prompt. The columns are added after it."""
+        if self.state is not None and self.carry == 0:
+            s = self.state
+            eye = torch.eye(key_dim, dtype=s.dtype, device=s.device).expand(*s.shape[:2], key_dim, key_dim)
+            self.state = torch.cat([s, eye], dim=-1)
         self._static()
 
     @property

@@ -166,8 +166,9 @@ def shared_step(adapter, group: BatchedDeferredPrefillCache, bturn: BatchTurn, i
             turn.record, turn.restored_in_prefill, turn.prefill_done = record, turn.prefill.restored, True
             turn.prefill = None
         bturn.prefill_done = True
-        if bturn.static_step is not None:  # every row's pending store in the batch's padded buffers now
-            bturn.static_step.prepare(group, config.chunk_size)
+        # (a static batch copies its rows' pending stores into its padded buffers at its first compiled fused
+        # step, `StaticBatchStep.__call__`: not here, so a call that ends after its first token, or before any
+        # row carries, copies nothing)
         return logits
 
     stopped = bturn.stops.finished_rows(len(caches))

@@ -113,7 +113,8 @@ class StaticBatchStep:
     @staticmethod
     def prepare(group: BatchedDeferredPrefillCache, chunk_size: int) -> None:
         """Copies every row's pending deferred store into the batch's persistent padded store buffers (once per
-        set of plans and capacity): row b's store row i at ``[b, i]``, zeros and ``valid`` False elsewhere, so
+        set of plans and capacity, at the first compiled fused step that carries them; a first-token call never
+        runs one, so it copies nothing): row b's store row i at ``[b, i]``, zeros and ``valid`` False elsewhere, so
         each fused step passes the same tensors and gathers every row's window inside the graph."""
         caches = group.rows
         current = [c.plan for c in caches]  # (a plan finishing during the call keeps the copy: no new copy then)
@@ -176,7 +177,7 @@ class StaticBatchStep:
         chunk = None
         starts = [0] * len(caches)
         if any(counts):
-            self.prepare(group, chunk_size)  # done after the prefill already; a no-op here
+            self.prepare(group, chunk_size)  # the first fused step of a set of plans copies; later ones skip
             buffers = group.store_buffers
             chunk = (buffers["embeds"], buffers["positions"], buffers["slots"], buffers["valid"],
                      buffers["deepstack"], buffers["boundary"], buffers["deferred_slots"])
