@@ -625,3 +625,30 @@ def test_every_selector_end_to_end_qwen2_5_vl(qwen25, policy):
         assert len(plan.spans) == 4
         for (start, stop), budget in zip(plan.spans, plan.budgets):
             assert int(((plan.kept >= start) & (plan.kept < stop)).sum()) == budget
+
+
+def test_block_attention_hooks_called_without_kwargs_by_another_thread():
+    """torch registers a kwargs hook in two dict writes (the hook, then its with-kwargs flag) and removes it in two;
+    a forward of the same block in another thread between the two calls the hook without kwargs (``hook(module,
+    args)``, ``hook(module, args, output)``): seen as a TypeError when two chat sessions ran visionzip at once.
+    `BlockAttentionHooks`' hooks take both signatures and skip other threads' calls."""
+    import threading
+
+    blocks = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]
+    hooks = BlockAttentionHooks(blocks, [1], lambda *a: None, sdpa_input=lambda *a: None)
+    results = []
+    with hooks:
+        pre = list(blocks[1]._forward_pre_hooks.values())
+        post = list(blocks[1]._forward_hooks.values())
+        assert len(pre) == len(post) == 1
+
+        def other_thread():
+            x = (torch.zeros(1, 4),)
+            results.append((pre[0](blocks[1], x), post[0](blocks[1], x, torch.zeros(1, 4)),
+                            pre[0](blocks[1], x, {}), post[0](blocks[1], x, {}, torch.zeros(1, 4))))
+
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join()
+    assert results == [(None, None, None, None)]
+    assert hooks.paths == {1: []}

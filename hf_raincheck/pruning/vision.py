@@ -264,7 +264,10 @@ class BlockAttentionHooks:
         self.paths[layer].append("recomputed")
 
     def _pre_hook(self, layer: int):
-        def hook(module, args, kwargs):
+        # ``kwargs=None``: torch registers a kwargs hook in two dict writes (the hook, then its with-kwargs flag)
+        # and removes it in two, so a forward of the same block in another thread, between the two, calls it
+        # without kwargs; that thread's call is not ours and returns at once
+        def hook(module, args, kwargs=None):
             if not self._mine():
                 return
             hidden = None if self.sdpa_input is None else self.sdpa_input(module, args, kwargs)
@@ -278,9 +281,10 @@ class BlockAttentionHooks:
         return hook
 
     def _post_hook(self, layer: int):
-        def hook(module, args, kwargs, output):
+        def hook(module, args, *kwargs_output):  # (kwargs, output), or (output,) from another thread (`_pre_hook`)
             if not self._mine() or layer not in self._captures:
                 return
+            kwargs, output = kwargs_output
             capture, patches = self._captures.pop(layer)
             capture.__exit__(None, None, None)
             if output is None:  # the forward raised (an always-called hook)
