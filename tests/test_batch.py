@@ -646,7 +646,8 @@ def test_qwen3_5_decode_rows_share_one_gdn_call_per_layer(tiny_qwen3_5_path, mon
     width = batch["input_ids"].shape[1]
     full = RaincheckConfig(retention=1.0)  # nothing deferred: every step after the prefill is decode-only
     out = _gen(model, batch, full, n=6, output_logits=True)
-    decode = calls[len(CONVERSATIONS) * gdn_layers:]  # (the prefill: each row's own call per layer)
+    prefill, decode = calls[:gdn_layers], calls[gdn_layers:]  # (the prefill: no plan, every row in one call too)
+    assert prefill == [len(CONVERSATIONS)] * gdn_layers
     assert decode == [len(CONVERSATIONS)] * (5 * gdn_layers)
     calls.clear()
     conversations = [CONVERSATIONS[0], CONVERSATIONS[2], _messages([], "Hello there, how are you?")]

@@ -15,7 +15,7 @@ output gate come from a `GDNGlue` (model-specific, in ``hf_raincheck.models``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -155,13 +155,16 @@ class SharedGDNSteps:
     the positions before them are padding), split as `step` says, over its own states ``layers(layer_idx)``."""
 
     rows: list
+    cache: dict = field(default_factory=dict)  # per forward: host-built index tensors shared by its GDN layers
 
 
 def gdn_shared_forward(glue: GDNGlue, module, hidden: torch.Tensor, steps: SharedGDNSteps):
     """`gdn_rows_forward` for each batch row of a shared forward, on its own states; padding positions get zeros
     (no row sees them: their attention keys go to scratch slots). The rows whose only row is one decode row (a
     decode-only step; the rows that carry nothing in a fused step) run together (`gdn_decode_rows_forward`: one
-    call of each piece for all of them), the others one by one."""
+    call of each piece for all of them); so do the rows that continue a live state with no deferred rows and no
+    new plan's boundary (`gdn_prefill_rows_forward`: Full / Hard prompts, text-only prompts, decode rows beside
+    them); the others run one by one."""
     out = None
     last = hidden.shape[1] - 1
     decode = [b for b, item in enumerate(steps.rows) if item is not None and _decode_row_only(item, last)]
@@ -179,8 +182,25 @@ def gdn_shared_forward(glue: GDNGlue, module, hidden: torch.Tensor, steps: Share
                 out[b, last] = decode_out[j, 0]
     else:
         decode = []
+    prefill = [b for b, item in enumerate(steps.rows)
+               if item is not None and b not in decode and _live_rows_only(item, last)]
+    if len(prefill) > 1:
+        items = [steps.rows[b] for b in prefill]
+        every = len(prefill) == hidden.shape[0]
+        rows = hidden if every else hidden.index_select(0, _cached_index(steps.cache, prefill, hidden.device))
+        prefill_out = gdn_prefill_rows_forward(glue, module, rows, [start for start, _, _ in items],
+                                               [layers(module.layer_idx) for _, _, layers in items],
+                                               [step for _, step, _ in items], steps.cache)
+        if every and out is None:
+            out = prefill_out
+        else:
+            if out is None:
+                out = prefill_out.new_zeros((hidden.shape[0], hidden.shape[1], prefill_out.shape[-1]))
+            out.index_copy_(0, _cached_index(steps.cache, prefill, hidden.device), prefill_out)
+    else:
+        prefill = []
     for b, item in enumerate(steps.rows):
-        if item is None or b in decode:
+        if item is None or b in decode or b in prefill:
             continue
         start, step, layers = item
         row_out = gdn_rows_forward(glue, module, hidden[b : b + 1, start:], layers(module.layer_idx), step)
@@ -195,6 +215,125 @@ def _decode_row_only(item, last: int) -> bool:
     no new plan's boundary)."""
     start, step, _ = item
     return start == last and step.num_restore == 0 and step.checkpoint_plan is None
+
+
+def _live_rows_only(item, last: int) -> bool:
+    """Whether a batch row's rows in a shared forward (at least one) all continue its live state: no deferred rows,
+    no new plan's boundary."""
+    start, step, _ = item
+    return start <= last and step.num_restore == 0 and step.checkpoint_plan is None
+
+
+def _cached_index(cache: dict, rows, device) -> torch.Tensor:
+    """A long tensor of `rows` on `device`, built once per forward (each GDN layer would copy it host to device)."""
+    key = ("index", tuple(rows), device)
+    index = cache.get(key)
+    if index is None:
+        index = cache[key] = torch.tensor(list(rows), dtype=torch.long, device=device)
+    return index
+
+
+def gdn_prefill_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, starts: list[int],
+                             layers: list[GDNLayerState], steps: list[GDNStep], cache: dict | None = None):
+    """`gdn_rows_forward` for n batch rows whose rows all continue their own live state (``num_restore == 0``, no
+    checkpoint inside), in one call of each piece (projections, short conv, gates, output) for all of them and one
+    kernel call per P_tail width (rows whose states carry P_tail's columns and rows without them run apart).
+
+    `hidden` ``[n, q, hidden]``: row j's rows are positions ``starts[j]:`` (right-aligned, at least one); the
+    positions before them are padding, inert: their short-conv inputs never reach a real row (row j's conv window
+    is placed right before its rows), ``g = beta = 0`` make them the identity on the state (and on P_tail), and
+    their outputs are zeros. Every state is updated as `gdn_rows_forward` does (new tensors, never in place; a
+    finished plan's P_tail released; a fixed layout's first forward gets P_tail = I's columns after it). Returns
+    ``[n, q, hidden]``."""
+    cache = {} if cache is None else cache
+    qkv, z, b, a = glue.project(module, hidden)
+    num_v_heads, key_dim, value_dim, channels, kernel = glue.dims(module)
+    n, length = hidden.shape[0], hidden.shape[1]
+    if len(starts) != n or len(layers) != n or len(steps) != n:
+        raise ValueError("gdn_prefill_rows_forward: starts, layers and steps need one entry per row of hidden")
+    for start, step in zip(starts, steps):
+        if not 0 <= start < length or step.num_restore or step.checkpoint_plan is not None:
+            raise ValueError("gdn_prefill_rows_forward: every row needs live rows only (no deferred rows, no "
+                             f"checkpoint) and 0 <= start < {length}, got start {start}")
+    key = ("valid", tuple(starts), length, hidden.device)
+    valid = cache.get(key)
+    if valid is None:
+        valid = cache[key] = (torch.arange(length)[None, :] >= torch.tensor(starts)[:, None]).to(hidden.device)
+    windows = [layer.conv for layer in layers]
+    if all(w is None for w in windows):
+        # no window yet (a first prefill): zero padding positions and the causal conv's zero left padding is each
+        # row's own (the window after rows shorter than the kernel ends with those zeros too)
+        full = torch.where(valid[:, None, :], qkv, torch.zeros((), dtype=qkv.dtype, device=qkv.device))
+        conv_out = glue.conv_full(module, full)
+        new_windows = conv_window(full, kernel)
+    else:
+        zeros = None
+        for j, w in enumerate(windows):
+            if w is None:
+                if zeros is None:
+                    zeros = qkv.new_zeros(1, channels, kernel)
+                windows[j] = zeros
+        stacked = torch.cat([torch.cat(windows), qkv], dim=-1)  # [n, C, kernel + q]: windows first
+        # row j's window moves right before its rows (full positions starts[j]:starts[j] + kernel; the positions
+        # before them keep padding inputs, read only by padding positions)
+        key = ("conv_index", tuple(starts), length, kernel, hidden.device)
+        where = cache.get(key)
+        if where is None:
+            f = torch.arange(kernel + length)[None, :]
+            s = torch.tensor(starts)[:, None]
+            moved = (f >= s) & (f < s + kernel)
+            where = cache[key] = torch.where(moved, f - s, f)[:, None, :].to(hidden.device)
+        full = stacked.gather(-1, where.expand(-1, channels, -1))
+        conv_out = glue.conv_full(module, full)[:, -length:]
+        new_windows = full[..., -kernel:].contiguous()
+    q, k, v, g, beta = glue.factors(module, conv_out, a, b)
+    inert = valid[:, :, None]
+    g = torch.where(inert, g, torch.zeros((), dtype=g.dtype, device=g.device))
+    beta = torch.where(inert, beta, torch.zeros((), dtype=beta.dtype, device=beta.device))
+    for layer, step in zip(layers, steps):
+        if not step.track and layer.carry:  # (the pending plan finished: its P_tail is no longer extended)
+            layer.release()
+    carries = [layer.carry for layer in layers]
+    groups: dict[int, list[int]] = {}
+    for j, c in enumerate(carries):
+        groups.setdefault(c, []).append(j)
+    backend = steps[0].backend
+    core = None
+    finals = [None] * n
+    for c, members in groups.items():
+        if len(members) == n:
+            qg, kg, vg, gg, bg = q, k, v, g, beta
+        else:
+            index = _cached_index(cache, members, hidden.device)
+            qg, kg, vg, gg, bg = (t.index_select(0, index) for t in (q, k, v, g, beta))
+        states = [layers[j].state for j in members]
+        if all(s is None for s in states):
+            state = None
+        else:
+            zero = None
+            for i, s in enumerate(states):
+                if s is None:  # (only without P_tail: a state carrying it always exists)
+                    if zero is None:
+                        zero = torch.zeros(1, num_v_heads, key_dim, value_dim, dtype=torch.float32,
+                                           device=hidden.device)
+                    states[i] = zero
+            state = states[0] if len(states) == 1 else torch.cat(states)
+        out, final = advance(backend, qg, kg, vg, gg, bg, state, c)
+        if len(members) == n:
+            core = out
+        else:
+            if core is None:
+                core = out.new_zeros((n,) + tuple(out.shape[1:]))
+            core.index_copy_(0, _cached_index(cache, members, hidden.device), out)
+        for i, j in enumerate(members):
+            finals[j] = final[i : i + 1]
+    for j, layer in enumerate(layers):
+        layer.set_state(finals[j], value_dim)
+        layer.conv = new_windows[j : j + 1]
+        if layer.fixed and layer.carry == 0:  # a fixed layer's first forward: its rows ran without P_tail's columns
+            layer.add_transition_columns(key_dim)
+    out = glue.output(module, core, z)
+    return torch.where(valid[:, :, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
 def gdn_decode_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layers: list[GDNLayerState],
