@@ -253,7 +253,7 @@ def test_prefill_rows_together_equal_each_row_alone(first_turn_only):
     in one padded batch (one row, rows shorter than the conv kernel, rows across the torch kernel's 64-row chunks),
     first turns (no state; a fixed layout's first forward gets P_tail = I after it), states with and without
     P_tail, a plan that just finished; outputs (padding positions zero), every new state and conv window, and the
-    old states are left untouched (a rollback keeps them)."""
+    old states are left untouched (a rollback keeps them). Padding positions hold NaN: none reaches a real row."""
     import copy
 
     from handmade_qwen3_5 import tiny_qwen3_5
@@ -292,6 +292,8 @@ def test_prefill_rows_together_equal_each_row_alone(first_turn_only):
     width = max(lengths)
     starts = [width - t for t in lengths]
     hidden = torch.randn(len(layers), width, module.hidden_size, generator=gen)
+    for j, s in enumerate(starts):
+        hidden[j, :s] = float("nan")  # padding positions reach no real row, whatever they hold
     with torch.no_grad():
         out = gdn_prefill_rows_forward(glue, module, hidden, starts, layers, steps)
         refs = [gdn_rows_forward(glue, module, hidden[j : j + 1, s:], alone[j], steps[j])
@@ -315,7 +317,8 @@ def test_checkpoint_rows_together_equal_each_row_alone(first_turn_only):
     first turn with images, in one call of each piece) against `gdn_rows_forward` row by row: mixed lengths, cuts
     and tails (shorter than the conv kernel, across the torch kernel's 64-row chunks), first turns (a fixed layout
     too), a later turn with and without a pending plan's P_tail (dropped at the new boundary), a plan released right
-    after its boundary; outputs (padding positions zero), live states, conv windows and the new checkpoints."""
+    after its boundary; outputs (padding positions zero), live states, conv windows and the new checkpoints.
+    Padding positions hold NaN: none reaches a real row."""
     import copy
 
     from handmade_qwen3_5 import tiny_qwen3_5
@@ -355,6 +358,8 @@ def test_checkpoint_rows_together_equal_each_row_alone(first_turn_only):
     width = max(lengths)
     starts = [width - t for t in lengths]
     hidden = torch.randn(len(layers), width, module.hidden_size, generator=gen)
+    for j, s in enumerate(starts):
+        hidden[j, :s] = float("nan")  # padding positions reach no real row, whatever they hold
     with torch.no_grad():
         out = gdn_checkpoint_rows_forward(glue, module, hidden, starts, layers, steps)
         refs = [gdn_rows_forward(glue, module, hidden[j : j + 1, s:], alone[j], steps[j])

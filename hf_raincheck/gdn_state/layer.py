@@ -323,6 +323,12 @@ def _inert(mask, g, beta):
             torch.where(mask, beta, torch.zeros((), dtype=beta.dtype, device=beta.device)))
 
 
+def _zero_padding_inputs(qkv, valid):
+    """`qkv` ``[n, C, q]`` with zeros at padding positions: whatever a padding position holds (even a NaN) then
+    never reaches a real row (the kernels multiply k and v by beta = 0, and 0 * NaN is NaN)."""
+    return torch.where(valid[:, None, :], qkv, torch.zeros((), dtype=qkv.dtype, device=qkv.device))
+
+
 def _zero_padding(out, valid):
     return torch.where(valid[:, :, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
 
@@ -350,10 +356,11 @@ def gdn_prefill_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, starts
                              f"checkpoint) and 0 <= start < {length}, got start {start}")
     qkv, z, b, a = glue.project(module, hidden)
     valid = _padding_mask(cache, "rows", starts, [length] * n, length, hidden.device)
+    qkv = _zero_padding_inputs(qkv, valid)
     if all(layer.conv is None for layer in layers):
-        # no window yet (a first prefill): zero padding positions and the causal conv's zero left padding is each
-        # row's own (the window after rows shorter than the kernel ends with those zeros too)
-        full = torch.where(valid[:, None, :], qkv, torch.zeros((), dtype=qkv.dtype, device=qkv.device))
+        # no window yet (a first prefill): with zeros at padding positions the causal conv's zero left padding is
+        # each row's own (the window after rows shorter than the kernel ends with those zeros too)
+        full = qkv
         conv_out = glue.conv_full(module, full)
         new_windows = conv_window(full, kernel)
     else:
@@ -398,6 +405,7 @@ def gdn_checkpoint_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, sta
         cuts.append(start + step.checkpoint_at)
     qkv, z, b, a = glue.project(module, hidden)
     valid = _padding_mask(cache, "rows", starts, [length] * n, length, hidden.device)
+    qkv = _zero_padding_inputs(qkv, valid)
     before = _padding_mask(cache, "before", starts, cuts, length, hidden.device)
     tail = length - min(cuts)  # the tails' positions (right-aligned)
     after = _padding_mask(cache, "after", cuts, [length] * n, length, hidden.device)[:, -tail:]
