@@ -423,9 +423,8 @@ def gdn_checkpoint_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, sta
     backend = steps[0].backend
     # the rows before a new plan's boundary: `checkpoint` starts P_tail afresh right after them, so a map carried
     # through them would be dropped (a fixed layout carries one from the end of its first forward on)
-    out1, finals = _advance_rows(cache, backend, q, k, v, g1, beta1,
-                                 [layer.state if layer.carry == 0 else layer.recurrent.contiguous() for layer in layers], [0] * n,
-                                 dims)
+    live = [layer.state if layer.carry == 0 else layer.recurrent.contiguous() for layer in layers]
+    out1, finals = _advance_rows(cache, backend, q, k, v, g1, beta1, live, [0] * n, dims)
     for j, (layer, step) in enumerate(zip(layers, steps)):
         layer.set_state(finals[j], value_dim)
         layer.conv = boundary_windows[j : j + 1]
