@@ -646,7 +646,8 @@ def test_qwen3_5_decode_rows_share_one_gdn_call_per_layer(tiny_qwen3_5_path, mon
     width = batch["input_ids"].shape[1]
     full = RaincheckConfig(retention=1.0)  # nothing deferred: every step after the prefill is decode-only
     out = _gen(model, batch, full, n=6, output_logits=True)
-    decode = calls[len(CONVERSATIONS) * gdn_layers:]  # (the prefill: each row's own call per layer)
+    prefill, decode = calls[:gdn_layers], calls[gdn_layers:]  # (the prefill: no plan, every row in one call too)
+    assert prefill == [len(CONVERSATIONS)] * gdn_layers
     assert decode == [len(CONVERSATIONS)] * (5 * gdn_layers)
     calls.clear()
     conversations = [CONVERSATIONS[0], CONVERSATIONS[2], _messages([], "Hello there, how are you?")]
@@ -663,3 +664,36 @@ def test_qwen3_5_decode_rows_share_one_gdn_call_per_layer(tiny_qwen3_5_path, mon
         for step, (a, b) in enumerate(zip(out.logits, ref.logits)):
             torch.testing.assert_close(a[i], b[0], atol=2e-5, rtol=1e-4, msg=f"row {i} step {step}")
         assert_same_cache(out.past_key_values.rows[i], ref.past_key_values)
+
+
+def test_qwen3_5_prefill_rows_share_gdn_calls_per_layer(tiny_qwen3_5_path, monkeypatch):
+    """Eager shared prefills of Qwen3.5: the rows that continue a live state (no plan: Full, a text-only prompt) run
+    each GDN layer in one call of each piece for all of them, and so do Raincheck's rows with a new plan's boundary
+    inside (one kernel call for the rows before the boundaries, one for the tails); one layer's GDN forward per
+    row (`gdn_rows_forward`) is left only for a lone row of its kind. Each row still equals its batch-1 run."""
+    from hf_raincheck.gdn_state import kernels, layer as gdn_layer
+
+    model, processor = load_tiny_qwen3_5(tiny_qwen3_5_path)
+    model = enable_raincheck(model)
+    calls, alone = [], []
+    original, original_rows = kernels.gated_delta, gdn_layer.gdn_rows_forward
+    monkeypatch.setattr(kernels, "gated_delta", lambda *a, **kw: calls.append(a[1].shape[0]) or original(*a, **kw))
+    monkeypatch.setattr(gdn_layer, "gdn_rows_forward", lambda *a, **kw: alone.append(1) or original_rows(*a, **kw))
+    gdn_layers = model.config.text_config.layer_types.count("linear_attention")
+    conversations = CONVERSATIONS + [_messages([], "Hello there, how are you?")]  # 3 rows with images, 2 without
+    batch = _inputs(processor, conversations)
+    width = batch["input_ids"].shape[1]
+    for cfg, expected in [(RaincheckConfig(policy="full"), [5] * gdn_layers),
+                          (RaincheckConfig(policy="hard", retention=0.3), [5] * gdn_layers),
+                          (RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=1, completion="next_turn"),
+                           [3, 3, 2] * gdn_layers)]:
+        calls.clear(), alone.clear()
+        out = _gen(model, batch, cfg, n=1, output_logits=True)
+        assert sorted(calls) == sorted(expected), cfg.policy
+        assert not alone, cfg.policy
+        for i, conversation in enumerate(conversations):
+            single = _inputs(processor, [conversation])
+            ref = _gen(model, single, cfg, n=1, output_logits=True)
+            assert out.sequences[i, width:].tolist() == ref.sequences[0, single["input_ids"].shape[1]:].tolist()
+            torch.testing.assert_close(out.logits[0][i], ref.logits[0][0], atol=2e-5, rtol=1e-4, msg=f"row {i}")
+            assert_same_cache(out.past_key_values.rows[i], ref.past_key_values)

@@ -233,3 +233,146 @@ def test_decode_rows_together_equal_each_row_alone():
         torch.testing.assert_close(layer.conv, expected.conv, atol=1e-6, rtol=1e-5)
     for state, state_before, conv, conv_before in old:
         assert torch.equal(state, state_before) and torch.equal(conv, conv_before)
+
+
+def _prefill_rows(fixed_first: bool):
+    """Live states for `test_prefill_rows_together_equal_each_row_alone`: (state, carry, conv, track, fixed) per row."""
+    return [
+        ("none", 0, False, True, fixed_first),  # a first turn (no state, no window)
+        ("state", 0, True, True, False),  # a later turn without a pending plan
+        ("state", "K", True, True, False),  # a pending plan's P_tail, extended by the rows
+        ("state", "K", True, False, False),  # a plan that just finished: P_tail dropped before the rows
+        ("state", "K", True, True, True),  # a fixed layout carrying P_tail = something
+    ]
+
+
+@pytest.mark.parametrize("first_turn_only", [False, True])
+def test_prefill_rows_together_equal_each_row_alone(first_turn_only):
+    """`gdn_prefill_rows_forward` (the rows of a shared prefill that continue a live state: no deferred rows, no new
+    plan's boundary, in one call of each piece) against `gdn_rows_forward` row by row: mixed lengths right-aligned
+    in one padded batch (one row, rows shorter than the conv kernel, rows across the torch kernel's 64-row chunks),
+    first turns (no state; a fixed layout's first forward gets P_tail = I after it), states with and without
+    P_tail, a plan that just finished; outputs (padding positions zero), every new state and conv window, and the
+    old states are left untouched (a rollback keeps them). Padding positions hold NaN: none reaches a real row."""
+    import copy
+
+    from handmade_qwen3_5 import tiny_qwen3_5
+
+    from hf_raincheck.gdn_state import GDNLayerState, GDNStep, gdn_rows_forward
+    from hf_raincheck.gdn_state.layer import gdn_prefill_rows_forward
+    from hf_raincheck.models.qwen3_5 import Qwen3_5GDNGlue
+
+    model = tiny_qwen3_5("eager")
+    module = next(layer.linear_attn for layer in model.model.language_model.layers if hasattr(layer, "linear_attn"))
+    glue = Qwen3_5GDNGlue()
+    heads, key_dim, value_dim, channels, kernel = glue.dims(module)
+    gen = torch.Generator().manual_seed(13)
+    kinds = _prefill_rows(fixed_first=True)
+    lengths = [130, 1, 70, 2, 64]
+    if first_turn_only:
+        kinds = [("none", 0, False, True, fixed) for fixed in (False, True, False, True)]
+        lengths = [3, 130, 1, 65]
+    layers, steps = [], []
+    for what, carry, conv, track, fixed in kinds:
+        layer = GDNLayerState(fixed=fixed)
+        if what == "state":
+            live = 0.3 * torch.randn(1, heads, key_dim, value_dim, generator=gen)
+            if carry:
+                live = torch.cat([live, torch.eye(key_dim) + 0.05 * torch.randn(1, heads, key_dim, key_dim,
+                                                                                   generator=gen)], dim=-1)
+            layer.set_state(live, value_dim)
+        if conv:
+            layer.conv = torch.randn(1, channels, kernel, generator=gen)
+        layers.append(layer)
+        steps.append(GDNStep(restore_plan=None, num_restore=0, checkpoint_plan=None, checkpoint_at=0, track=track,
+                             backend="torch"))
+    alone = copy.deepcopy(layers)
+    old = [(layer.state, None if layer.state is None else layer.state.clone(), layer.conv,
+            None if layer.conv is None else layer.conv.clone()) for layer in layers]
+    width = max(lengths)
+    starts = [width - t for t in lengths]
+    hidden = torch.randn(len(layers), width, module.hidden_size, generator=gen)
+    for j, s in enumerate(starts):
+        hidden[j, :s] = float("nan")  # padding positions reach no real row, whatever they hold
+    with torch.no_grad():
+        out = gdn_prefill_rows_forward(glue, module, hidden, starts, layers, steps)
+        refs = [gdn_rows_forward(glue, module, hidden[j : j + 1, s:], alone[j], steps[j])
+                for j, s in enumerate(starts)]
+    for j, (s, ref) in enumerate(zip(starts, refs)):
+        torch.testing.assert_close(out[j : j + 1, s:], ref, atol=1e-5, rtol=1e-4, msg=f"row {j}")
+        assert not out[j, :s].any(), f"row {j}: padding outputs"
+    for j, (layer, expected) in enumerate(zip(layers, alone)):
+        assert layer.carry == expected.carry and layer.value_dim == expected.value_dim, j
+        torch.testing.assert_close(layer.state, expected.state, atol=1e-5, rtol=1e-4, msg=f"row {j} state")
+        torch.testing.assert_close(layer.conv, expected.conv, atol=1e-6, rtol=1e-5, msg=f"row {j} conv")
+        assert (layer.prefix is None) == (expected.prefix is None), j
+    for state, state_before, conv, conv_before in old:
+        assert state is None or torch.equal(state, state_before)
+        assert conv is None or torch.equal(conv, conv_before)
+
+
+@pytest.mark.parametrize("first_turn_only", [False, True])
+def test_checkpoint_rows_together_equal_each_row_alone(first_turn_only):
+    """`gdn_checkpoint_rows_forward` (the rows of a shared prefill with a new plan's boundary inside: Raincheck's
+    first turn with images, in one call of each piece) against `gdn_rows_forward` row by row: mixed lengths, cuts
+    and tails (shorter than the conv kernel, across the torch kernel's 64-row chunks), first turns (a fixed layout
+    too), a later turn with and without a pending plan's P_tail (dropped at the new boundary), a plan released right
+    after its boundary; outputs (padding positions zero), live states, conv windows and the new checkpoints.
+    Padding positions hold NaN: none reaches a real row."""
+    import copy
+
+    from handmade_qwen3_5 import tiny_qwen3_5
+
+    from hf_raincheck.gdn_state import GDNLayerState, GDNStep, gdn_rows_forward
+    from hf_raincheck.gdn_state.layer import gdn_checkpoint_rows_forward
+    from hf_raincheck.models.qwen3_5 import Qwen3_5GDNGlue
+
+    model = tiny_qwen3_5("eager")
+    module = next(layer.linear_attn for layer in model.model.language_model.layers if hasattr(layer, "linear_attn"))
+    glue = Qwen3_5GDNGlue()
+    heads, key_dim, value_dim, channels, kernel = glue.dims(module)
+    gen = torch.Generator().manual_seed(17)
+    # (state, carry, conv, track, fixed), rows, rows before the boundary
+    kinds = [(("none", 0, False, True, True), 130, 100), (("state", 0, True, True, False), 5, 2),
+             (("state", "K", True, True, False), 90, 1), (("state", 0, True, False, False), 40, 20),
+             (("state", "K", True, True, True), 75, 70)]
+    if first_turn_only:
+        kinds = [(("none", 0, False, True, False), 3, 1), (("none", 0, False, True, True), 140, 66),
+                 (("none", 0, False, True, False), 20, 19)]
+    layers, steps = [], []
+    for (what, carry, conv, track, fixed), _, cut in kinds:
+        layer = GDNLayerState(fixed=fixed)
+        if what == "state":
+            live = 0.3 * torch.randn(1, heads, key_dim, value_dim, generator=gen)
+            if carry:
+                live = torch.cat([live, torch.eye(key_dim) + 0.05 * torch.randn(1, heads, key_dim, key_dim,
+                                                                                   generator=gen)], dim=-1)
+            layer.set_state(live, value_dim)
+        if conv:
+            layer.conv = torch.randn(1, channels, kernel, generator=gen)
+        layers.append(layer)
+        steps.append(GDNStep(restore_plan=None, num_restore=0, checkpoint_plan=1000 + len(steps), checkpoint_at=cut,
+                             track=track, backend="torch"))
+    alone = copy.deepcopy(layers)
+    lengths = [rows for _, rows, _ in kinds]
+    width = max(lengths)
+    starts = [width - t for t in lengths]
+    hidden = torch.randn(len(layers), width, module.hidden_size, generator=gen)
+    for j, s in enumerate(starts):
+        hidden[j, :s] = float("nan")  # padding positions reach no real row, whatever they hold
+    with torch.no_grad():
+        out = gdn_checkpoint_rows_forward(glue, module, hidden, starts, layers, steps)
+        refs = [gdn_rows_forward(glue, module, hidden[j : j + 1, s:], alone[j], steps[j])
+                for j, s in enumerate(starts)]
+    for j, (s, ref) in enumerate(zip(starts, refs)):
+        torch.testing.assert_close(out[j : j + 1, s:], ref, atol=1e-5, rtol=1e-4, msg=f"row {j}")
+        assert not out[j, :s].any(), f"row {j}: padding outputs"
+    for j, (layer, expected) in enumerate(zip(layers, alone)):
+        assert layer.carry == expected.carry and layer.value_dim == expected.value_dim, j
+        torch.testing.assert_close(layer.state, expected.state, atol=1e-5, rtol=1e-4, msg=f"row {j} state")
+        torch.testing.assert_close(layer.conv, expected.conv, atol=1e-6, rtol=1e-5, msg=f"row {j} conv")
+        assert (layer.prefix is None) == (expected.prefix is None), j
+        if expected.prefix is not None:
+            assert layer.prefix.plan_id == expected.prefix.plan_id
+            torch.testing.assert_close(layer.prefix.recurrent, expected.prefix.recurrent, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(layer.prefix.conv, expected.prefix.conv, atol=1e-6, rtol=1e-5)

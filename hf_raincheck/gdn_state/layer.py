@@ -15,7 +15,7 @@ output gate come from a `GDNGlue` (model-specific, in ``hf_raincheck.models``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -155,13 +155,17 @@ class SharedGDNSteps:
     the positions before them are padding), split as `step` says, over its own states ``layers(layer_idx)``."""
 
     rows: list
+    cache: dict = field(default_factory=dict)  # per forward: host-built index tensors shared by its GDN layers
 
 
 def gdn_shared_forward(glue: GDNGlue, module, hidden: torch.Tensor, steps: SharedGDNSteps):
     """`gdn_rows_forward` for each batch row of a shared forward, on its own states; padding positions get zeros
     (no row sees them: their attention keys go to scratch slots). The rows whose only row is one decode row (a
     decode-only step; the rows that carry nothing in a fused step) run together (`gdn_decode_rows_forward`: one
-    call of each piece for all of them), the others one by one."""
+    call of each piece for all of them); so do the rows that continue a live state with no deferred rows and no
+    new plan's boundary (`gdn_prefill_rows_forward`: Full / Hard prompts, text-only prompts, decode rows beside
+    them), and those whose live rows hold a new plan's boundary (`gdn_checkpoint_rows_forward`: Raincheck's first
+    prefill with images); the others (rows restoring deferred rows) run one by one."""
     out = None
     last = hidden.shape[1] - 1
     decode = [b for b, item in enumerate(steps.rows) if item is not None and _decode_row_only(item, last)]
@@ -179,8 +183,25 @@ def gdn_shared_forward(glue: GDNGlue, module, hidden: torch.Tensor, steps: Share
                 out[b, last] = decode_out[j, 0]
     else:
         decode = []
+    together = set(decode)
+    for kind, fn in ((_live_rows_only, gdn_prefill_rows_forward), (_checkpoint_inside, gdn_checkpoint_rows_forward)):
+        chosen = [b for b, item in enumerate(steps.rows) if item is not None and b not in together and kind(item, last)]
+        if len(chosen) < 2:
+            continue
+        together.update(chosen)
+        items = [steps.rows[b] for b in chosen]
+        every = len(chosen) == hidden.shape[0]
+        rows = hidden if every else hidden.index_select(0, _cached_index(steps.cache, chosen, hidden.device))
+        rows_out = fn(glue, module, rows, [start for start, _, _ in items],
+                      [layers(module.layer_idx) for _, _, layers in items], [step for _, step, _ in items], steps.cache)
+        if every and out is None:
+            out = rows_out
+        else:
+            if out is None:
+                out = rows_out.new_zeros((hidden.shape[0], hidden.shape[1], rows_out.shape[-1]))
+            out.index_copy_(0, _cached_index(steps.cache, chosen, hidden.device), rows_out)
     for b, item in enumerate(steps.rows):
-        if item is None or b in decode:
+        if item is None or b in together:
             continue
         start, step, layers = item
         row_out = gdn_rows_forward(glue, module, hidden[b : b + 1, start:], layers(module.layer_idx), step)
@@ -195,6 +216,232 @@ def _decode_row_only(item, last: int) -> bool:
     no new plan's boundary)."""
     start, step, _ = item
     return start == last and step.num_restore == 0 and step.checkpoint_plan is None
+
+
+def _live_rows_only(item, last: int) -> bool:
+    """Whether a batch row's rows in a shared forward (at least one) all continue its live state: no deferred rows,
+    no new plan's boundary."""
+    start, step, _ = item
+    return start <= last and step.num_restore == 0 and step.checkpoint_plan is None
+
+
+def _checkpoint_inside(item, last: int) -> bool:
+    """Whether a batch row's rows in a shared forward are live rows only with a new plan's boundary strictly inside
+    them (rows on both sides)."""
+    start, step, _ = item
+    return (start <= last and step.num_restore == 0 and step.checkpoint_plan is not None
+            and 0 < step.checkpoint_at < last + 1 - start)
+
+
+def _cached_index(cache: dict, rows, device) -> torch.Tensor:
+    """A long tensor of `rows` on `device`, built once per forward (each GDN layer would copy it host to device)."""
+    key = ("index", tuple(rows), device)
+    index = cache.get(key)
+    if index is None:
+        index = cache[key] = torch.tensor(list(rows), dtype=torch.long, device=device)
+    return index
+
+
+def _padding_mask(cache: dict, key, starts, ends, length: int, device) -> torch.Tensor:
+    """bool ``[n, length]``: positions ``starts[j] <= p < ends[j]`` of each row (built once per forward)."""
+    key = ("mask", key, tuple(starts), tuple(ends), length, device)
+    mask = cache.get(key)
+    if mask is None:
+        p = torch.arange(length)[None, :]
+        mask = cache[key] = ((p >= torch.tensor(starts)[:, None]) & (p < torch.tensor(ends)[:, None])).to(device)
+    return mask
+
+
+def _placed_windows(cache: dict, qkv, starts, layers, kernel: int) -> torch.Tensor:
+    """``[n, C, kernel + q]``: each row's rows (positions ``starts[j]:`` of `qkv`, at ``kernel + starts[j]:``) with
+    its live conv window right before them (a missing one: zeros); the positions before hold padding inputs, read
+    only by padding positions."""
+    n, channels, length = qkv.shape
+    zeros = None
+    windows = []
+    for layer in layers:
+        if layer.conv is None:
+            if zeros is None:
+                zeros = qkv.new_zeros(1, channels, kernel)
+            windows.append(zeros)
+        else:
+            windows.append(layer.conv)
+    stacked = torch.cat([torch.cat(windows), qkv], dim=-1)  # [n, C, kernel + q]: windows first
+    key = ("conv_index", tuple(starts), length, kernel, qkv.device)
+    where = cache.get(key)
+    if where is None:
+        f = torch.arange(kernel + length)[None, :]
+        s = torch.tensor(starts)[:, None]
+        moved = (f >= s) & (f < s + kernel)
+        where = cache[key] = torch.where(moved, f - s, f)[:, None, :].to(qkv.device)
+    return stacked.gather(-1, where.expand(-1, channels, -1))
+
+
+def _advance_rows(cache: dict, backend: str, q, k, v, g, beta, states: list, carries: list, dims):
+    """`advance` for n batch rows, row j from ``states[j]`` (None: zeros) carrying ``carries[j]`` columns: one
+    kernel call per distinct carry (the state's shape). Returns ``(o [n, T, H_v, V], [final_j [1, ...]])``."""
+    num_v_heads, key_dim, value_dim = dims
+    n = q.shape[0]
+    groups: dict[int, list[int]] = {}
+    for j, c in enumerate(carries):
+        groups.setdefault(c, []).append(j)
+    core = None
+    finals = [None] * n
+    for c, members in groups.items():
+        if len(members) == n:
+            qg, kg, vg, gg, bg = q, k, v, g, beta
+        else:
+            index = _cached_index(cache, members, q.device)
+            qg, kg, vg, gg, bg = (t.index_select(0, index) for t in (q, k, v, g, beta))
+        group = [states[j] for j in members]
+        if all(s is None for s in group):
+            state = None
+        else:
+            zero = None
+            for i, s in enumerate(group):
+                if s is None:  # (only without P_tail: a state carrying it always exists)
+                    if zero is None:
+                        zero = torch.zeros(1, num_v_heads, key_dim, value_dim, dtype=torch.float32, device=q.device)
+                    group[i] = zero
+            state = group[0] if len(group) == 1 else torch.cat(group)
+        out, final = advance(backend, qg, kg, vg, gg, bg, state, c)
+        if len(members) == n:
+            core = out
+        else:
+            if core is None:
+                core = out.new_zeros((n,) + tuple(out.shape[1:]))
+            core.index_copy_(0, _cached_index(cache, members, q.device), out)
+        for i, j in enumerate(members):
+            finals[j] = final[i : i + 1]
+    return core, finals
+
+
+def _inert(mask, g, beta):
+    """`g` and `beta` with zeros where `mask` ``[n, T]`` is False (those rows are the identity on the state)."""
+    mask = mask[:, :, None]
+    return (torch.where(mask, g, torch.zeros((), dtype=g.dtype, device=g.device)),
+            torch.where(mask, beta, torch.zeros((), dtype=beta.dtype, device=beta.device)))
+
+
+def _zero_padding_inputs(qkv, valid):
+    """`qkv` ``[n, C, q]`` with zeros at padding positions: whatever a padding position holds (even a NaN) then
+    never reaches a real row (the kernels multiply k and v by beta = 0, and 0 * NaN is NaN)."""
+    return torch.where(valid[:, None, :], qkv, torch.zeros((), dtype=qkv.dtype, device=qkv.device))
+
+
+def _zero_padding(out, valid):
+    return torch.where(valid[:, :, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def gdn_prefill_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, starts: list[int],
+                             layers: list[GDNLayerState], steps: list[GDNStep], cache: dict | None = None):
+    """`gdn_rows_forward` for n batch rows whose rows all continue their own live state (``num_restore == 0``, no
+    checkpoint inside), in one call of each piece (projections, short conv, gates, output) for all of them and one
+    kernel call per P_tail width (rows whose states carry P_tail's columns and rows without them run apart).
+
+    `hidden` ``[n, q, hidden]``: row j's rows are positions ``starts[j]:`` (right-aligned, at least one); the
+    positions before them are padding, inert: their short-conv inputs never reach a real row (row j's conv window
+    is placed right before its rows), ``g = beta = 0`` make them the identity on the state (and on P_tail), and
+    their outputs are zeros. Every state is updated as `gdn_rows_forward` does (new tensors, never in place; a
+    finished plan's P_tail released; a fixed layout's first forward gets P_tail = I's columns after it). Returns
+    ``[n, q, hidden]``."""
+    cache = {} if cache is None else cache
+    num_v_heads, key_dim, value_dim, channels, kernel = glue.dims(module)
+    n, length = hidden.shape[0], hidden.shape[1]
+    if len(starts) != n or len(layers) != n or len(steps) != n:
+        raise ValueError("gdn_prefill_rows_forward: starts, layers and steps need one entry per row of hidden")
+    for start, step in zip(starts, steps):
+        if not 0 <= start < length or step.num_restore or step.checkpoint_plan is not None:
+            raise ValueError("gdn_prefill_rows_forward: every row needs live rows only (no deferred rows, no "
+                             f"checkpoint) and 0 <= start < {length}, got start {start}")
+    qkv, z, b, a = glue.project(module, hidden)
+    valid = _padding_mask(cache, "rows", starts, [length] * n, length, hidden.device)
+    qkv = _zero_padding_inputs(qkv, valid)
+    if all(layer.conv is None for layer in layers):
+        # no window yet (a first prefill): with zeros at padding positions the causal conv's zero left padding is
+        # each row's own (the window after rows shorter than the kernel ends with those zeros too)
+        full = qkv
+        conv_out = glue.conv_full(module, full)
+        new_windows = conv_window(full, kernel)
+    else:
+        full = _placed_windows(cache, qkv, starts, layers, kernel)
+        conv_out = glue.conv_full(module, full)[:, -length:]
+        new_windows = full[..., -kernel:].contiguous()
+    q, k, v, g, beta = glue.factors(module, conv_out, a, b)
+    g, beta = _inert(valid, g, beta)
+    for layer, step in zip(layers, steps):
+        if not step.track and layer.carry:  # (the pending plan finished: its P_tail is no longer extended)
+            layer.release()
+    core, finals = _advance_rows(cache, steps[0].backend, q, k, v, g, beta, [layer.state for layer in layers],
+                                 [layer.carry for layer in layers], (num_v_heads, key_dim, value_dim))
+    for j, layer in enumerate(layers):
+        layer.set_state(finals[j], value_dim)
+        layer.conv = new_windows[j : j + 1]
+        if layer.fixed and layer.carry == 0:  # a fixed layer's first forward: its rows ran without P_tail's columns
+            layer.add_transition_columns(key_dim)
+    return _zero_padding(glue.output(module, core, z), valid)
+
+
+def gdn_checkpoint_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, starts: list[int],
+                                layers: list[GDNLayerState], steps: list[GDNStep], cache: dict | None = None):
+    """`gdn_rows_forward` for n batch rows that each run live rows with a new plan's boundary strictly inside them
+    (``num_restore == 0``, ``0 < checkpoint_at < rows``: a Raincheck first prefill with images), in one call of
+    each piece for all of them: one short conv over every row, one kernel call for the rows before the boundaries
+    (each row from its live state without P_tail's columns; the other positions, padding and tails, inert), each
+    row's checkpoint there (state, conv window at its boundary), then one kernel call per P_tail width for the
+    tails (right-aligned; from ``[S | I]``). `hidden` ``[n, q, hidden]`` right-aligned as in
+    `gdn_prefill_rows_forward`. Returns ``[n, q, hidden]`` (padding positions zero)."""
+    cache = {} if cache is None else cache
+    num_v_heads, key_dim, value_dim, channels, kernel = glue.dims(module)
+    n, length = hidden.shape[0], hidden.shape[1]
+    if len(starts) != n or len(layers) != n or len(steps) != n:
+        raise ValueError("gdn_checkpoint_rows_forward: starts, layers and steps need one entry per row of hidden")
+    cuts = []
+    for start, step in zip(starts, steps):
+        if (not 0 <= start < length or step.num_restore or step.checkpoint_plan is None
+                or not 0 < step.checkpoint_at < length - start):
+            raise ValueError("gdn_checkpoint_rows_forward: every row needs live rows with a new plan's boundary "
+                             f"strictly inside them and 0 <= start < {length}, got start {start}")
+        cuts.append(start + step.checkpoint_at)
+    qkv, z, b, a = glue.project(module, hidden)
+    valid = _padding_mask(cache, "rows", starts, [length] * n, length, hidden.device)
+    qkv = _zero_padding_inputs(qkv, valid)
+    before = _padding_mask(cache, "before", starts, cuts, length, hidden.device)
+    tail = length - min(cuts)  # the tails' positions (right-aligned)
+    after = _padding_mask(cache, "after", cuts, [length] * n, length, hidden.device)[:, -tail:]
+    full = _placed_windows(cache, qkv, starts, layers, kernel)
+    conv_out = glue.conv_full(module, full)[:, -length:]
+    key = ("boundary_windows", tuple(cuts), kernel, hidden.device)
+    where = cache.get(key)
+    if where is None:  # the window after row j's rows before its boundary: full positions cuts[j]:cuts[j] + kernel
+        where = cache[key] = (torch.tensor(cuts)[:, None] + torch.arange(kernel))[:, None, :].to(hidden.device)
+    boundary_windows = full.gather(-1, where.expand(-1, channels, -1))
+    end_windows = full[..., -kernel:].contiguous()
+    q, k, v, g, beta = glue.factors(module, conv_out, a, b)
+    g1, beta1 = _inert(before, g, beta)
+    dims = (num_v_heads, key_dim, value_dim)
+    backend = steps[0].backend
+    # the rows before a new plan's boundary: `checkpoint` starts P_tail afresh right after them, so a map carried
+    # through them would be dropped (a fixed layout carries one from the end of its first forward on)
+    live = [layer.state if layer.carry == 0 else layer.recurrent.contiguous() for layer in layers]
+    out1, finals = _advance_rows(cache, backend, q, k, v, g1, beta1, live, [0] * n, dims)
+    for j, (layer, step) in enumerate(zip(layers, steps)):
+        layer.set_state(finals[j], value_dim)
+        layer.conv = boundary_windows[j : j + 1]
+        layer.checkpoint(step.checkpoint_plan, num_v_heads, key_dim, value_dim, (1, channels, kernel), hidden.device,
+                         qkv.dtype)
+        if not step.track and layer.carry:
+            layer.release()
+    g2, beta2 = _inert(after, g[:, -tail:], beta[:, -tail:])
+    out2, finals = _advance_rows(cache, backend, q[:, -tail:], k[:, -tail:], v[:, -tail:], g2, beta2,
+                                 [layer.state for layer in layers], [layer.carry for layer in layers], dims)
+    for j, layer in enumerate(layers):
+        layer.set_state(finals[j], value_dim)
+        layer.conv = end_windows[j : j + 1]
+        if layer.fixed and layer.carry == 0:
+            layer.add_transition_columns(key_dim)
+    core = torch.cat([out1[:, :-tail], torch.where(after[:, :, None, None], out2, out1[:, -tail:])], dim=1)
+    return _zero_padding(glue.output(module, core, z), valid)
 
 
 def gdn_decode_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layers: list[GDNLayerState],
