@@ -246,6 +246,29 @@ def _prefill_rows(fixed_first: bool):
     ]
 
 
+def _rows_together_equal_rows_alone(forward, glue, module, layers, alone, steps, starts, width, gen):
+    """Runs `forward` (a batched GDN rows forward) on right-aligned rows with NaN padding and `gdn_rows_forward` on
+    each row alone (`alone`: deep copies of `layers`); compares outputs (padding outputs zero), live states, conv
+    windows and whether a prefix checkpoint exists."""
+    from hf_raincheck.gdn_state import gdn_rows_forward
+
+    hidden = torch.randn(len(layers), width, module.hidden_size, generator=gen)
+    for j, s in enumerate(starts):
+        hidden[j, :s] = float("nan")  # padding positions reach no real row, whatever they hold
+    with torch.no_grad():
+        out = forward(glue, module, hidden, starts, layers, steps)
+        refs = [gdn_rows_forward(glue, module, hidden[j : j + 1, s:], alone[j], steps[j])
+                for j, s in enumerate(starts)]
+    for j, (s, ref) in enumerate(zip(starts, refs)):
+        torch.testing.assert_close(out[j : j + 1, s:], ref, atol=1e-5, rtol=1e-4, msg=f"row {j}")
+        assert not out[j, :s].any(), f"row {j}: padding outputs"
+    for j, (layer, expected) in enumerate(zip(layers, alone)):
+        assert layer.carry == expected.carry and layer.value_dim == expected.value_dim, j
+        torch.testing.assert_close(layer.state, expected.state, atol=1e-5, rtol=1e-4, msg=f"row {j} state")
+        torch.testing.assert_close(layer.conv, expected.conv, atol=1e-6, rtol=1e-5, msg=f"row {j} conv")
+        assert (layer.prefix is None) == (expected.prefix is None), j
+
+
 @pytest.mark.parametrize("first_turn_only", [False, True])
 def test_prefill_rows_together_equal_each_row_alone(first_turn_only):
     """`gdn_prefill_rows_forward` (the rows of a shared prefill that continue a live state: no deferred rows, no new
@@ -258,7 +281,7 @@ def test_prefill_rows_together_equal_each_row_alone(first_turn_only):
 
     from handmade_qwen3_5 import tiny_qwen3_5
 
-    from hf_raincheck.gdn_state import GDNLayerState, GDNStep, gdn_rows_forward
+    from hf_raincheck.gdn_state import GDNLayerState, GDNStep
     from hf_raincheck.gdn_state.layer import gdn_prefill_rows_forward
     from hf_raincheck.models.qwen3_5 import Qwen3_5GDNGlue
 
@@ -291,21 +314,7 @@ def test_prefill_rows_together_equal_each_row_alone(first_turn_only):
             None if layer.conv is None else layer.conv.clone()) for layer in layers]
     width = max(lengths)
     starts = [width - t for t in lengths]
-    hidden = torch.randn(len(layers), width, module.hidden_size, generator=gen)
-    for j, s in enumerate(starts):
-        hidden[j, :s] = float("nan")  # padding positions reach no real row, whatever they hold
-    with torch.no_grad():
-        out = gdn_prefill_rows_forward(glue, module, hidden, starts, layers, steps)
-        refs = [gdn_rows_forward(glue, module, hidden[j : j + 1, s:], alone[j], steps[j])
-                for j, s in enumerate(starts)]
-    for j, (s, ref) in enumerate(zip(starts, refs)):
-        torch.testing.assert_close(out[j : j + 1, s:], ref, atol=1e-5, rtol=1e-4, msg=f"row {j}")
-        assert not out[j, :s].any(), f"row {j}: padding outputs"
-    for j, (layer, expected) in enumerate(zip(layers, alone)):
-        assert layer.carry == expected.carry and layer.value_dim == expected.value_dim, j
-        torch.testing.assert_close(layer.state, expected.state, atol=1e-5, rtol=1e-4, msg=f"row {j} state")
-        torch.testing.assert_close(layer.conv, expected.conv, atol=1e-6, rtol=1e-5, msg=f"row {j} conv")
-        assert (layer.prefix is None) == (expected.prefix is None), j
+    _rows_together_equal_rows_alone(gdn_prefill_rows_forward, glue, module, layers, alone, steps, starts, width, gen)
     for state, state_before, conv, conv_before in old:
         assert state is None or torch.equal(state, state_before)
         assert conv is None or torch.equal(conv, conv_before)
@@ -323,7 +332,7 @@ def test_checkpoint_rows_together_equal_each_row_alone(first_turn_only):
 
     from handmade_qwen3_5 import tiny_qwen3_5
 
-    from hf_raincheck.gdn_state import GDNLayerState, GDNStep, gdn_rows_forward
+    from hf_raincheck.gdn_state import GDNLayerState, GDNStep
     from hf_raincheck.gdn_state.layer import gdn_checkpoint_rows_forward
     from hf_raincheck.models.qwen3_5 import Qwen3_5GDNGlue
 
@@ -357,21 +366,9 @@ def test_checkpoint_rows_together_equal_each_row_alone(first_turn_only):
     lengths = [rows for _, rows, _ in kinds]
     width = max(lengths)
     starts = [width - t for t in lengths]
-    hidden = torch.randn(len(layers), width, module.hidden_size, generator=gen)
-    for j, s in enumerate(starts):
-        hidden[j, :s] = float("nan")  # padding positions reach no real row, whatever they hold
-    with torch.no_grad():
-        out = gdn_checkpoint_rows_forward(glue, module, hidden, starts, layers, steps)
-        refs = [gdn_rows_forward(glue, module, hidden[j : j + 1, s:], alone[j], steps[j])
-                for j, s in enumerate(starts)]
-    for j, (s, ref) in enumerate(zip(starts, refs)):
-        torch.testing.assert_close(out[j : j + 1, s:], ref, atol=1e-5, rtol=1e-4, msg=f"row {j}")
-        assert not out[j, :s].any(), f"row {j}: padding outputs"
-    for j, (layer, expected) in enumerate(zip(layers, alone)):
-        assert layer.carry == expected.carry and layer.value_dim == expected.value_dim, j
-        torch.testing.assert_close(layer.state, expected.state, atol=1e-5, rtol=1e-4, msg=f"row {j} state")
-        torch.testing.assert_close(layer.conv, expected.conv, atol=1e-6, rtol=1e-5, msg=f"row {j} conv")
-        assert (layer.prefix is None) == (expected.prefix is None), j
+    _rows_together_equal_rows_alone(gdn_checkpoint_rows_forward, glue, module, layers, alone, steps, starts, width,
+                                    gen)
+    for layer, expected in zip(layers, alone):
         if expected.prefix is not None:
             assert layer.prefix.plan_id == expected.prefix.plan_id
             torch.testing.assert_close(layer.prefix.recurrent, expected.prefix.recurrent, atol=1e-5, rtol=1e-4)
