@@ -79,7 +79,8 @@ from transformers.generation.configuration_utils import CompileConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from latency import Timer, compiled_graphs, kernel_busy, no_gc, release_model_memory, set_compile_limits  # noqa: E402
+from latency import (  # noqa: E402
+    Timer, compiled_graphs, kernel_busy, no_gc, release_model_memory, set_compile_limits, step_profiler)
 from shapes import SHAPES, build_inputs, build_model  # noqa: E402
 
 import hf_raincheck  # noqa: E402
@@ -496,7 +497,7 @@ def profile_steps(bench: Bench, entries: list[Entry], batch: dict, batch_size: i
     ``guard_tokens + 2``) and of a decode-only step two steps after its last restoration, and of Full's steps at
     the same indices (the same step kinds without a plan), each in one more answer after the rounds: where a fused
     step's extra time goes, and whether a decode-only step after restoration costs what Full's does."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
     args = bench.args
     by = {e.method.name: e for e in entries}
@@ -513,17 +514,7 @@ def profile_steps(bench: Bench, entries: list[Entry], batch: dict, batch_size: i
         if name not in by:
             continue
         profilers, walls = {}, {}
-
-        def hook(k):  # decode step j runs between the puts of output tokens j and j + 1 (both after a sync)
-            for label, step in steps.items():
-                if k == step:
-                    profilers[label] = profile(activities=activities)
-                    profilers[label].start()
-                    walls[label] = time.perf_counter()
-                elif k == step + 1 and label in profilers:
-                    walls[label] = time.perf_counter() - walls[label]
-                    profilers[label].stop()
-
+        hook = step_profiler(steps, activities, profilers, walls)
         bench.generate(by[name].method, batch, streamer=Timer(bench.sync, hook))
         for label, prof in profilers.items():
             parts.append(f"## {bench.name}, {args.cache} cache, B={batch_size}, {name}: decode step {steps[label]} "

@@ -440,7 +440,7 @@ def profile_steps(bench: Bench, inputs, cache: str) -> str:
     """torch.profiler tables of decode step `guard` (decode only), step `guard + 2` (fused) and the second decode
     step after restoration finished (decode only, nothing pending) of Raincheck, and of Full's decode steps
     `guard` and the same late step (the same step kinds without a plan, for comparison)."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
     args = bench.args
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.cuda else [])
@@ -454,16 +454,7 @@ def profile_steps(bench: Bench, inputs, cache: str) -> str:
                          "decode-only after restoration": late}),
             (full_policy(args), {"Full decode": args.guard_tokens, "Full decode (late)": late})]
     for policy, steps in runs:
-        def hook(k, steps=steps):  # decode step j runs between the puts of tokens j and j + 1 (both after a sync)
-            for name, step in steps.items():
-                if k == step and step >= 1:
-                    profilers[name] = profile(activities=activities)
-                    profilers[name].start()
-                    walls[name] = time.perf_counter()
-                elif k == step + 1 and name in profilers:
-                    walls[name] = time.perf_counter() - walls[name]
-                    profilers[name].stop()
-
+        hook = step_profiler(steps, activities, profilers, walls)
         if policy is not raincheck:
             bench.generate(inputs, policy, cache, stop_after=late + 2)  # warm-up
         bench.generate(inputs, policy, cache, stop_after=late + 2, hook=hook)
@@ -473,6 +464,25 @@ def profile_steps(bench: Bench, inputs, cache: str) -> str:
         parts.append(f"## {name} step ({cache} cache): wall {1e3 * walls[name]:.2f} ms{kernel_busy(prof)}\n")
         parts.append(prof.key_averages().table(sort_by=sort_by, row_limit=args.profile_rows))
     return "\n".join(parts)
+
+
+def step_profiler(steps: dict, activities, profilers: dict, walls: dict):
+    """A `Timer` hook that profiles decode step ``steps[name]`` for every name: ``profilers[name]`` (a stopped
+    torch.profiler) and ``walls[name]`` (its wall time, s). Decode step j runs between the puts of output tokens j and
+    j + 1 (both after a sync)."""
+    from torch.profiler import profile
+
+    def hook(k):
+        for name, step in steps.items():
+            if k == step and step >= 1:
+                profilers[name] = profile(activities=activities)
+                profilers[name].start()
+                walls[name] = time.perf_counter()
+            elif k == step + 1 and name in profilers:
+                walls[name] = time.perf_counter() - walls[name]
+                profilers[name].stop()
+
+    return hook
 
 
 def profile_ttft(bench: Bench, inputs, cache: str) -> str:
