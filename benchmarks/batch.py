@@ -50,7 +50,9 @@ alike. Timed calls start and end after ``torch.cuda.synchronize``; the garbage c
   which the issue sets for the compiled path; throughput >= 0.95 x Full's);
 * ``--profile-steps``: after a batch size's rounds, one more answer of Raincheck and of Full with torch.profiler
   tables of decode step ``guard + 2`` (Raincheck's first fused step) and of the step two after Raincheck's
-  restoration ended (decode only), written next to the JSON (``X_profile.txt``).
+  restoration ended (decode only), written next to the JSON (``X_profile.txt``);
+* ``--profile-ttft``: after a batch size's rounds, one more first-token call of every Raincheck, Hard and Full method
+  under torch.profiler (after one unprofiled call), its tables in the same file: where a batch's first token goes.
 
 Time budget (``--budget-s``): shared fairly between the models, then between each model's batch sizes; a batch size
 whose estimated warm-ups and first round (from the previous batch size's calls) do not fit is skipped, later rounds
@@ -487,6 +489,8 @@ def run_batch_size(bench: Bench, batch_size: int, methods: list[Method], budget:
     results.ratios += pair_ratios(records)
     if args.profile_steps and bench.streams(entries[0].method, batch_size):
         results.profiles.append(profile_steps(bench, done, batch, batch_size))
+    if args.profile_ttft:
+        results.profiles.append(profile_ttft(bench, done, batch, batch_size))
     del batch
     bench.drop_static_caches()
     results.save()
@@ -525,6 +529,31 @@ def profile_steps(bench: Bench, entries: list[Entry], batch: dict, batch_size: i
             parts.append(averages.table(sort_by="self_cpu_time_total", row_limit=args.profile_rows))
             print(f"  profiled B={batch_size} {name} step {steps[label]} ({label}): wall {1e3 * walls[label]:.2f} ms"
                   f"{kernel_busy(prof)}", flush=True)
+    return "\n".join(parts)
+
+
+def profile_ttft(bench: Bench, entries: list[Entry], batch: dict, batch_size: int) -> str:
+    """torch.profiler tables (GPU time, then host time) of one first-token call of Raincheck, Hard and Full (each
+    after one unprofiled call): the batch's vision, selection and prefill, where a first token's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    args = bench.args
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.cuda else [])
+    parts = []
+    for entry in entries:
+        if entry.method.config is None:  # plain generate: transformers' own prefill
+            continue
+        ttft_call(bench, entry.method, batch)
+        with profile(activities=activities) as prof:
+            wall = ttft_call(bench, entry.method, batch)
+        parts.append(f"## {bench.name}, {args.cache} cache, B={batch_size}, {entry.method.name}: first-token call: "
+                     f"wall {wall:.2f} ms{kernel_busy(prof)}\n")
+        averages = prof.key_averages()
+        if bench.cuda:
+            parts.append(averages.table(sort_by="device_time_total", row_limit=args.profile_rows))
+        parts.append(averages.table(sort_by="self_cpu_time_total", row_limit=args.profile_rows))
+        print(f"  profiled B={batch_size} {entry.method.name} first-token call: wall {wall:.2f} ms"
+              f"{kernel_busy(prof)}", flush=True)
     return "\n".join(parts)
 
 
@@ -580,7 +609,7 @@ class Results:
     def __init__(self, args, meta: dict):
         self.args, self.meta = args, meta
         self.records, self.ratios, self.skipped, self.errors = [], [], [], []
-        self.profiles: list[str] = []  # --profile-steps: one text of tables per batch size
+        self.profiles: list[str] = []  # --profile-steps / --profile-ttft: texts of tables per batch size
         self.round_seconds: dict = {}
         self.path = args.out or (os.path.join(args.results_dir, "batch.json") if args.save else None)
 
@@ -602,7 +631,7 @@ class Results:
 
     @property
     def profile_path(self) -> str:
-        """Where --profile-steps writes its tables: next to the JSON (``X.json`` -> ``X_profile.txt``)."""
+        """Where --profile-steps / --profile-ttft write their tables: next to the JSON (``X.json`` -> ``X_profile.txt``)."""
         return os.path.splitext(self.path)[0] + "_profile.txt"
 
 
@@ -709,7 +738,10 @@ def parse_args(argv=None):
                         help="after each batch size's rounds: torch.profiler tables of Raincheck's first fused step "
                              "and a decode-only step after restoration, and Full's same steps (needs --save or --out; "
                              "written next to the JSON as *_profile.txt)")
-    parser.add_argument("--profile-rows", type=int, default=25, help="rows per --profile-steps table")
+    parser.add_argument("--profile-ttft", action="store_true",
+                        help="after each batch size's rounds: torch.profiler tables of one first-token call of "
+                             "Raincheck, Hard and Full (needs --save or --out; written to the *_profile.txt file)")
+    parser.add_argument("--profile-rows", type=int, default=25, help="rows per profiler table")
     parser.add_argument("--save", action="store_true", help="write --results-dir/batch.json")
     parser.add_argument("--out", default=None, help="write the JSON here (implies --save)")
     parser.add_argument("--results-dir", default=RESULTS_DIR)
@@ -760,8 +792,9 @@ def parse_args(argv=None):
             parser.error(f"--step-budget: an int >= 1 or 'none', got {args.step_budget!r}")
     if args.out:
         args.save = True
-    if args.profile_steps and not args.save:
-        parser.error("--profile-steps: pass --save or --out (the tables are written next to the JSON)")
+    for option, wanted in (("--profile-steps", args.profile_steps), ("--profile-ttft", args.profile_ttft)):
+        if wanted and not args.save:
+            parser.error(f"{option}: pass --save or --out (the tables are written next to the JSON)")
     if args.profile_rows < 1:
         parser.error(f"--profile-rows: at least 1, got {args.profile_rows}")
     return args

@@ -370,9 +370,9 @@ def test_batch_quick_qwen3_5_static_rows_shared(tmp_path):
 def test_batch_quick_profiles_the_fused_and_late_steps(tmp_path):
     """``--profile-steps``: after the rounds, one more answer of Raincheck and of Full, with torch.profiler tables of
     decode step guard + 2 (Raincheck's first fused step) and of the step two after Raincheck's restoration ended
-    (decode only), written next to the JSON."""
+    (decode only), written next to the JSON; ``--profile-ttft``: one first-token call of each, in the same file."""
     out = run_script([os.path.join(ROOT, "benchmarks", "batch.py"), "--quick", "--batch-sizes", "3", "--methods",
-                      "raincheck,full", "--rounds", "1", "--profile-steps", "--profile-rows", "5",
+                      "raincheck,full", "--rounds", "1", "--profile-steps", "--profile-ttft", "--profile-rows", "5",
                       "--out", str(tmp_path / "b.json")], tmp_path)
     report = json.loads((tmp_path / "b.json").read_text())
     restored = next(r["restored_at_token"] for r in report["records"] if r["method"] == "raincheck")
@@ -382,7 +382,9 @@ def test_batch_quick_profiles_the_fused_and_late_steps(tmp_path):
             header = f"## tiny, dynamic cache, B=3, {name}: decode step {step} ({label}): wall "
             assert header in text, (header, text[:2000])
             assert f"profiled B=3 {name} step {step} ({label})" in out
-    assert text.count("aten::mm") >= 4  # a table of operators under each header
+        assert f"## tiny, dynamic cache, B=3, {name}: first-token call: wall " in text
+        assert f"profiled B=3 {name} first-token call: wall " in out
+    assert text.count("aten::mm") >= 6  # a table of operators under each header
     assert f"and {tmp_path / 'b_profile.txt'}" in out
 
 
@@ -395,6 +397,7 @@ def test_batch_bad_arguments_name_the_option(capsys):
                          (["--batch-sizes", "0"], "--batch-sizes"), (["--step-budget", "lots"], "--step-budget"),
                          (["--cache", "static", "--warmup-tokens", "8"], "--warmup-tokens"),
                          (["--rounds", "0"], "--rounds"), (["--profile-steps"], "--profile-steps"),
+                         (["--profile-ttft"], "--profile-ttft"),
                          (["--save", "--profile-rows", "0"], "--profile-rows")]:
         with pytest.raises(SystemExit):
             batch.parse_args(["--quick", *argv])
