@@ -277,15 +277,19 @@ def _placed_windows(cache: dict, qkv, starts, layers, kernel: int) -> torch.Tens
     return stacked.gather(-1, where.expand(-1, channels, -1))
 
 
-def _advance_rows(cache: dict, backend: str, q, k, v, g, beta, states: list, carries: list, dims):
+def _advance_rows(cache: dict, backend: str, q, k, v, g, beta, states: list, carries: list, dims, stacked=None):
     """`advance` for n batch rows, row j from ``states[j]`` (None: zeros) carrying ``carries[j]`` columns: one
-    kernel call per distinct carry (the state's shape). Returns ``(o [n, T, H_v, V], [final_j [1, ...]])``."""
+    kernel call per distinct carry (the state's shape). `stacked`: every row's state stacked ``[n, ...]`` (row j is
+    ``states[j]``), taken as is when all rows run in one call (no per-row concatenation). Returns ``(o [n, T, H_v,
+    V], [final_j [1, ...]], final)``: ``final`` the stacked final states ``[n, ...]`` when all rows ran in one call
+    (each ``final_j`` is its row j), else None."""
     num_v_heads, key_dim, value_dim = dims
     n = q.shape[0]
     groups: dict[int, list[int]] = {}
     for j, c in enumerate(carries):
         groups.setdefault(c, []).append(j)
     core = None
+    whole = None
     finals = [None] * n
     for c, members in groups.items():
         if len(members) == n:
@@ -294,7 +298,9 @@ def _advance_rows(cache: dict, backend: str, q, k, v, g, beta, states: list, car
             index = _cached_index(cache, members, q.device)
             qg, kg, vg, gg, bg = (t.index_select(0, index) for t in (q, k, v, g, beta))
         group = [states[j] for j in members]
-        if all(s is None for s in group):
+        if stacked is not None and len(members) == n:
+            state = stacked
+        elif all(s is None for s in group):
             state = None
         else:
             zero = None
@@ -306,14 +312,23 @@ def _advance_rows(cache: dict, backend: str, q, k, v, g, beta, states: list, car
             state = group[0] if len(group) == 1 else torch.cat(group)
         out, final = advance(backend, qg, kg, vg, gg, bg, state, c)
         if len(members) == n:
-            core = out
+            core, whole = out, final
         else:
             if core is None:
                 core = out.new_zeros((n,) + tuple(out.shape[1:]))
             core.index_copy_(0, _cached_index(cache, members, q.device), out)
         for i, j in enumerate(members):
             finals[j] = final[i : i + 1]
-    return core, finals
+    return core, finals, whole
+
+
+def _identity(cache: dict, n: int, num_v_heads: int, key_dim: int, device) -> torch.Tensor:
+    """P_tail = I for n rows, ``[n, H_v, K, K]`` fp32 (an expanded view of one identity built once per forward)."""
+    key = ("identity", key_dim, device)
+    eye = cache.get(key)
+    if eye is None:
+        eye = cache[key] = torch.eye(key_dim, dtype=torch.float32, device=device)
+    return eye.expand(n, num_v_heads, key_dim, key_dim)
 
 
 def _inert(mask, g, beta):
@@ -372,7 +387,7 @@ def gdn_prefill_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, starts
     for layer, step in zip(layers, steps):
         if not step.track and layer.carry:  # (the pending plan finished: its P_tail is no longer extended)
             layer.release()
-    core, finals = _advance_rows(cache, steps[0].backend, q, k, v, g, beta, [layer.state for layer in layers],
+    core, finals, _ = _advance_rows(cache, steps[0].backend, q, k, v, g, beta, [layer.state for layer in layers],
                                  [layer.carry for layer in layers], (num_v_heads, key_dim, value_dim))
     for j, layer in enumerate(layers):
         layer.set_state(finals[j], value_dim)
@@ -424,17 +439,20 @@ def gdn_checkpoint_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, sta
     # the rows before a new plan's boundary: `checkpoint` starts P_tail afresh right after them, so a map carried
     # through them would be dropped (a fixed layout carries one from the end of its first forward on)
     live = [layer.state if layer.carry == 0 else layer.recurrent.contiguous() for layer in layers]
-    out1, finals = _advance_rows(cache, backend, q, k, v, g1, beta1, live, [0] * n, dims)
+    out1, finals, boundary = _advance_rows(cache, backend, q, k, v, g1, beta1, live, [0] * n, dims)
+    # every row's checkpoint and ``[S | P_tail = I]`` at once (eager forwards are host-bound: per-row copies and
+    # identities would cost launches per row and GDN layer): the boundary states stacked, one concatenation with a
+    # cached identity; each row's checkpoint and live state are rows of these new tensors (never written in place)
+    tails = torch.cat([boundary, _identity(cache, n, num_v_heads, key_dim, boundary.device)], dim=-1)
     for j, (layer, step) in enumerate(zip(layers, steps)):
-        layer.set_state(finals[j], value_dim)
-        layer.conv = boundary_windows[j : j + 1]
-        layer.checkpoint(step.checkpoint_plan, num_v_heads, key_dim, value_dim, (1, channels, kernel), hidden.device,
-                         qkv.dtype)
+        layer.start_tail(step.checkpoint_plan, boundary[j : j + 1], boundary_windows[j : j + 1], tails[j : j + 1],
+                         value_dim)
         if not step.track and layer.carry:
             layer.release()
     g2, beta2 = _inert(after, g[:, -tail:], beta[:, -tail:])
-    out2, finals = _advance_rows(cache, backend, q[:, -tail:], k[:, -tail:], v[:, -tail:], g2, beta2,
-                                 [layer.state for layer in layers], [layer.carry for layer in layers], dims)
+    out2, finals, _ = _advance_rows(cache, backend, q[:, -tail:], k[:, -tail:], v[:, -tail:], g2, beta2,
+                                 [layer.state for layer in layers], [layer.carry for layer in layers], dims,
+                                 stacked=tails if all(step.track for step in steps) else None)
     for j, layer in enumerate(layers):
         layer.set_state(finals[j], value_dim)
         layer.conv = end_windows[j : j + 1]
