@@ -388,7 +388,7 @@ def gdn_prefill_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, starts
         if not step.track and layer.carry:  # (the pending plan finished: its P_tail is no longer extended)
             layer.release()
     core, finals, _ = _advance_rows(cache, steps[0].backend, q, k, v, g, beta, [layer.state for layer in layers],
-                                 [layer.carry for layer in layers], (num_v_heads, key_dim, value_dim))
+                                    [layer.carry for layer in layers], (num_v_heads, key_dim, value_dim))
     for j, layer in enumerate(layers):
         layer.set_state(finals[j], value_dim)
         layer.conv = new_windows[j : j + 1]
@@ -424,7 +424,12 @@ def gdn_checkpoint_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, sta
     before = _padding_mask(cache, "before", starts, cuts, length, hidden.device)
     tail = length - min(cuts)  # the tails' positions (right-aligned)
     after = _padding_mask(cache, "after", cuts, [length] * n, length, hidden.device)[:, -tail:]
-    full = _placed_windows(cache, qkv, starts, layers, kernel)
+    if all(layer.conv is None for layer in layers):
+        # no window yet (a first prefill): with zeros at padding positions, zeros before every row are what
+        # `_placed_windows` would place there (one pad instead of its concatenations and gather per GDN layer)
+        full = F.pad(qkv, (kernel, 0))
+    else:
+        full = _placed_windows(cache, qkv, starts, layers, kernel)
     conv_out = glue.conv_full(module, full)[:, -length:]
     key = ("boundary_windows", tuple(cuts), kernel, hidden.device)
     where = cache.get(key)
@@ -451,8 +456,8 @@ def gdn_checkpoint_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, sta
             layer.release()
     g2, beta2 = _inert(after, g[:, -tail:], beta[:, -tail:])
     out2, finals, _ = _advance_rows(cache, backend, q[:, -tail:], k[:, -tail:], v[:, -tail:], g2, beta2,
-                                 [layer.state for layer in layers], [layer.carry for layer in layers], dims,
-                                 stacked=tails if all(step.track for step in steps) else None)
+                                    [layer.state for layer in layers], [layer.carry for layer in layers], dims,
+                                    stacked=tails if all(step.track for step in steps) else None)
     for j, layer in enumerate(layers):
         layer.set_state(finals[j], value_dim)
         layer.conv = end_windows[j : j + 1]
