@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .ops import advance
+from .ops import advance, zero_like
 from .state import GDNLayerState
 
 
@@ -332,20 +332,20 @@ def _identity(cache: dict, n: int, num_v_heads: int, key_dim: int, device) -> to
 
 
 def _inert(mask, g, beta):
-    """`g` and `beta` with zeros where `mask` ``[n, T]`` is False (those rows are the identity on the state)."""
+    """`g` and `beta` with zeros where `mask` ``[n, T]`` is False (those rows are the identity on the state). (The
+    zeros here and below are persistent 0-d tensors, `zero_like`: no zero filled on the device per GDN layer.)"""
     mask = mask[:, :, None]
-    return (torch.where(mask, g, torch.zeros((), dtype=g.dtype, device=g.device)),
-            torch.where(mask, beta, torch.zeros((), dtype=beta.dtype, device=beta.device)))
+    return torch.where(mask, g, zero_like(g)), torch.where(mask, beta, zero_like(beta))
 
 
 def _zero_padding_inputs(qkv, valid):
     """`qkv` ``[n, C, q]`` with zeros at padding positions: whatever a padding position holds (even a NaN) then
     never reaches a real row (the kernels multiply k and v by beta = 0, and 0 * NaN is NaN)."""
-    return torch.where(valid[:, None, :], qkv, torch.zeros((), dtype=qkv.dtype, device=qkv.device))
+    return torch.where(valid[:, None, :], qkv, zero_like(qkv))
 
 
 def _zero_padding(out, valid):
-    return torch.where(valid[:, :, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return torch.where(valid[:, :, None], out, zero_like(out))
 
 
 def gdn_prefill_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, starts: list[int],
