@@ -252,6 +252,24 @@ def _padding_mask(cache: dict, key, starts, ends, length: int, device) -> torch.
     return mask
 
 
+def _checkpoint_indices(cache: dict, starts, cuts, length: int, kernel: int, device):
+    """`gdn_checkpoint_rows_forward`'s host-built index tensors, moved to `device` in one transfer and built once per
+    forward: bool ``[n, length]`` masks of each row's rows (from ``starts[j]``), of its rows before its boundary
+    (``starts[j]:cuts[j]``) and after it (from ``cuts[j]``), and long ``[n, 1, kernel]``: the positions
+    ``cuts[j]:cuts[j] + kernel`` of the placed conv input, the window after row j's rows before its boundary."""
+    key = ("checkpoint_indices", tuple(starts), tuple(cuts), length, kernel, device)
+    got = cache.get(key)
+    if got is None:
+        n = len(starts)
+        p = torch.arange(length)[None, :]
+        s, c = torch.tensor(starts)[:, None], torch.tensor(cuts)[:, None]
+        masks = torch.stack([p >= s, (p >= s) & (p < c), p >= c])
+        moved = torch.cat([masks.flatten().long(), (c + torch.arange(kernel)).flatten()]).to(device)
+        valid, before, after = moved[: masks.numel()].bool().view(3, n, length).unbind(0)
+        got = cache[key] = (valid, before, after, moved[masks.numel() :].view(n, 1, kernel))
+    return got
+
+
 def _placed_windows(cache: dict, qkv, starts, layers, kernel: int) -> torch.Tensor:
     """``[n, C, kernel + q]``: each row's rows (positions ``starts[j]:`` of `qkv`, at ``kernel + starts[j]:``) with
     its live conv window right before them (a missing one: zeros); the positions before hold padding inputs, read
@@ -419,11 +437,10 @@ def gdn_checkpoint_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, sta
                              f"strictly inside them and 0 <= start < {length}, got start {start}")
         cuts.append(start + step.checkpoint_at)
     qkv, z, b, a = glue.project(module, hidden)
-    valid = _padding_mask(cache, "rows", starts, [length] * n, length, hidden.device)
+    valid, before, after, where = _checkpoint_indices(cache, starts, cuts, length, kernel, hidden.device)
     qkv = _zero_padding_inputs(qkv, valid)
-    before = _padding_mask(cache, "before", starts, cuts, length, hidden.device)
     tail = length - min(cuts)  # the tails' positions (right-aligned)
-    after = _padding_mask(cache, "after", cuts, [length] * n, length, hidden.device)[:, -tail:]
+    after = after[:, -tail:]
     if all(layer.conv is None for layer in layers):
         # no window yet (a first prefill): with zeros at padding positions, zeros before every row are what
         # `_placed_windows` would place there (one pad instead of its concatenations and gather per GDN layer)
@@ -431,10 +448,6 @@ def gdn_checkpoint_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, sta
     else:
         full = _placed_windows(cache, qkv, starts, layers, kernel)
     conv_out = glue.conv_full(module, full)[:, -length:]
-    key = ("boundary_windows", tuple(cuts), kernel, hidden.device)
-    where = cache.get(key)
-    if where is None:  # the window after row j's rows before its boundary: full positions cuts[j]:cuts[j] + kernel
-        where = cache[key] = (torch.tensor(cuts)[:, None] + torch.arange(kernel))[:, None, :].to(hidden.device)
     boundary_windows = full.gather(-1, where.expand(-1, channels, -1))
     end_windows = full[..., -kernel:].contiguous()
     q, k, v, g, beta = glue.factors(module, conv_out, a, b)
