@@ -697,3 +697,97 @@ def test_qwen3_5_prefill_rows_share_gdn_calls_per_layer(tiny_qwen3_5_path, monke
             assert out.sequences[i, width:].tolist() == ref.sequences[0, single["input_ids"].shape[1]:].tolist()
             torch.testing.assert_close(out.logits[0][i], ref.logits[0][0], atol=2e-5, rtol=1e-4, msg=f"row {i}")
             assert_same_cache(out.past_key_values.rows[i], ref.past_key_values)
+
+
+def test_qwen3_5_first_token_call_host_work_does_not_grow_per_row_and_gdn_layer(tiny_qwen3_5_path, monkeypatch):
+    """Raincheck's first-token call of a Qwen3.5 batch (every row with an image, so every row's prefill has a new
+    plan's boundary inside: `gdn_checkpoint_rows_forward`) issues the same operators per GDN layer for 4 rows as
+    for 2: each row's checkpoint (boundary state, conv window) and ``[S | P_tail = I]`` are rows of tensors built
+    once per layer for all rows, and the identity is built once per forward, not once per row and layer. Eager
+    forwards on a GPU are host-bound, so every operator per row and GDN layer costs launches that Hard (no
+    checkpoint, no P_tail) does not pay. View operators (slices, expands) launch nothing and are not counted.
+
+    Likewise each Raincheck row's turn preparation moves its deferred data (slots, their rows in the call, the slot
+    mask) to the model's device in one transfer: Raincheck's `prepare_turn` moves at most one tensor more to the
+    device than Hard's (a transfer each, host round trips on a GPU).
+
+    Rows 3 and 4 repeat rows 1 and 2, so every layer's rows have the same lengths and cuts in both batches (the
+    torch kernel's operators depend on the length); each row still equals its batch-1 run."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_raincheck.gdn_state import layer as gdn_layer
+    from hf_raincheck.generation import shared_batch
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.counts = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                self.counts[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    model, processor = load_tiny_qwen3_5(tiny_qwen3_5_path)
+    model = enable_raincheck(model)
+    gdn_layers = model.config.text_config.layer_types.count("linear_attention")
+    per_layer = []
+    original = gdn_layer.gdn_checkpoint_rows_forward
+
+    def counted(*args, **kwargs):
+        with Ops() as ops:
+            out = original(*args, **kwargs)
+        per_layer.append(ops.counts)
+        return out
+
+    moves, preparing = [], []  # per prepared row: its `Tensor.to(device)` calls
+    original_to, original_prepare = torch.Tensor.to, shared_batch.prepare_turn
+
+    def to(self, *args, **kwargs):
+        if preparing and (isinstance(kwargs.get("device"), torch.device)
+                          or any(isinstance(a, torch.device) for a in args)):
+            moves[-1] += 1
+        return original_to(self, *args, **kwargs)
+
+    def prepare(*args, **kwargs):
+        moves.append(0)
+        preparing.append(True)
+        try:
+            return original_prepare(*args, **kwargs)
+        finally:
+            preparing.pop()
+
+    monkeypatch.setattr(gdn_layer, "gdn_checkpoint_rows_forward", counted)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    monkeypatch.setattr(shared_batch, "prepare_turn", prepare)
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=1, completion="next_turn")
+    pair = [CONVERSATIONS[0], CONVERSATIONS[3]]
+    _gen(model, _inputs(processor, pair), cfg, n=1)  # (once first: what a process builds once, e.g. a cached zero)
+    counts = {}
+    for rows in (pair, pair + pair):
+        per_layer.clear()
+        batch = _inputs(processor, rows)
+        out = _gen(model, batch, cfg, n=1, output_logits=True)
+        assert len(per_layer) == gdn_layers, len(per_layer)  # every row in one call per GDN layer
+        counts[len(rows)] = list(per_layer)
+        for i, conversation in enumerate(rows[:2]):
+            single = _inputs(processor, [conversation])
+            ref = _gen(model, single, cfg, n=1, output_logits=True)
+            torch.testing.assert_close(out.logits[0][i], ref.logits[0][0], atol=2e-5, rtol=1e-4, msg=f"row {i}")
+            assert_same_cache(out.past_key_values.rows[i], ref.past_key_values)
+    for layer, (two, four) in enumerate(zip(counts[2], counts[4])):
+        grown = {op: four[op] - two[op] for op in set(two) | set(four) if four[op] != two[op]}
+        assert not grown, f"GDN layer {layer}: operators that grow with the rows: {grown}"
+    eyes = [c["eye"] for c in counts[4]]
+    assert sum(eyes) <= 1, eyes  # one identity per forward (built in its first GDN layer)
+    monkeypatch.setattr(gdn_layer, "gdn_checkpoint_rows_forward", original)
+    batch = _inputs(processor, pair + pair)
+    moved = {}
+    for policy, config in (("raincheck", cfg), ("hard", RaincheckConfig(policy="hard", retention=0.3))):
+        moves.clear()
+        _gen(model, batch, config, n=1)
+        assert len(moves) == 4, moves
+        moved[policy] = list(moves)
+    assert all(r <= h + 1 for r, h in zip(moved["raincheck"], moved["hard"])), moved

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .ops import advance
+from .ops import advance, zero_like
 from .state import GDNLayerState
 
 
@@ -252,6 +252,24 @@ def _padding_mask(cache: dict, key, starts, ends, length: int, device) -> torch.
     return mask
 
 
+def _checkpoint_indices(cache: dict, starts, cuts, length: int, kernel: int, device):
+    """`gdn_checkpoint_rows_forward`'s host-built index tensors, moved to `device` in one transfer and built once per
+    forward: bool ``[n, length]`` masks of each row's rows (from ``starts[j]``), of its rows before its boundary
+    (``starts[j]:cuts[j]``) and after it (from ``cuts[j]``), and long ``[n, 1, kernel]``: the positions
+    ``cuts[j]:cuts[j] + kernel`` of the placed conv input, the window after row j's rows before its boundary."""
+    key = ("checkpoint_indices", tuple(starts), tuple(cuts), length, kernel, device)
+    got = cache.get(key)
+    if got is None:
+        n = len(starts)
+        p = torch.arange(length)[None, :]
+        s, c = torch.tensor(starts)[:, None], torch.tensor(cuts)[:, None]
+        masks = torch.stack([p >= s, (p >= s) & (p < c), p >= c])
+        moved = torch.cat([masks.flatten().long(), (c + torch.arange(kernel)).flatten()]).to(device)
+        valid, before, after = moved[: masks.numel()].bool().view(3, n, length).unbind(0)
+        got = cache[key] = (valid, before, after, moved[masks.numel() :].view(n, 1, kernel))
+    return got
+
+
 def _placed_windows(cache: dict, qkv, starts, layers, kernel: int) -> torch.Tensor:
     """``[n, C, kernel + q]``: each row's rows (positions ``starts[j]:`` of `qkv`, at ``kernel + starts[j]:``) with
     its live conv window right before them (a missing one: zeros); the positions before hold padding inputs, read
@@ -277,15 +295,19 @@ def _placed_windows(cache: dict, qkv, starts, layers, kernel: int) -> torch.Tens
     return stacked.gather(-1, where.expand(-1, channels, -1))
 
 
-def _advance_rows(cache: dict, backend: str, q, k, v, g, beta, states: list, carries: list, dims):
+def _advance_rows(cache: dict, backend: str, q, k, v, g, beta, states: list, carries: list, dims, stacked=None):
     """`advance` for n batch rows, row j from ``states[j]`` (None: zeros) carrying ``carries[j]`` columns: one
-    kernel call per distinct carry (the state's shape). Returns ``(o [n, T, H_v, V], [final_j [1, ...]])``."""
+    kernel call per distinct carry (the state's shape). `stacked`: every row's state stacked ``[n, ...]`` (row j is
+    ``states[j]``), taken as is when all rows run in one call (no per-row concatenation). Returns ``(o [n, T, H_v,
+    V], [final_j [1, ...]], final)``: ``final`` the stacked final states ``[n, ...]`` when all rows ran in one call
+    (each ``final_j`` is its row j), else None."""
     num_v_heads, key_dim, value_dim = dims
     n = q.shape[0]
     groups: dict[int, list[int]] = {}
     for j, c in enumerate(carries):
         groups.setdefault(c, []).append(j)
     core = None
+    whole = None
     finals = [None] * n
     for c, members in groups.items():
         if len(members) == n:
@@ -294,7 +316,9 @@ def _advance_rows(cache: dict, backend: str, q, k, v, g, beta, states: list, car
             index = _cached_index(cache, members, q.device)
             qg, kg, vg, gg, bg = (t.index_select(0, index) for t in (q, k, v, g, beta))
         group = [states[j] for j in members]
-        if all(s is None for s in group):
+        if stacked is not None and len(members) == n:
+            state = stacked
+        elif all(s is None for s in group):
             state = None
         else:
             zero = None
@@ -306,31 +330,40 @@ def _advance_rows(cache: dict, backend: str, q, k, v, g, beta, states: list, car
             state = group[0] if len(group) == 1 else torch.cat(group)
         out, final = advance(backend, qg, kg, vg, gg, bg, state, c)
         if len(members) == n:
-            core = out
+            core, whole = out, final
         else:
             if core is None:
                 core = out.new_zeros((n,) + tuple(out.shape[1:]))
             core.index_copy_(0, _cached_index(cache, members, q.device), out)
         for i, j in enumerate(members):
             finals[j] = final[i : i + 1]
-    return core, finals
+    return core, finals, whole
+
+
+def _identity(cache: dict, n: int, num_v_heads: int, key_dim: int, device) -> torch.Tensor:
+    """P_tail = I for n rows, ``[n, H_v, K, K]`` fp32 (an expanded view of one identity built once per forward)."""
+    key = ("identity", key_dim, device)
+    eye = cache.get(key)
+    if eye is None:
+        eye = cache[key] = torch.eye(key_dim, dtype=torch.float32, device=device)
+    return eye.expand(n, num_v_heads, key_dim, key_dim)
 
 
 def _inert(mask, g, beta):
-    """`g` and `beta` with zeros where `mask` ``[n, T]`` is False (those rows are the identity on the state)."""
+    """`g` and `beta` with zeros where `mask` ``[n, T]`` is False (those rows are the identity on the state). (The
+    zeros here and below are persistent 0-d tensors, `zero_like`: no zero filled on the device per GDN layer.)"""
     mask = mask[:, :, None]
-    return (torch.where(mask, g, torch.zeros((), dtype=g.dtype, device=g.device)),
-            torch.where(mask, beta, torch.zeros((), dtype=beta.dtype, device=beta.device)))
+    return torch.where(mask, g, zero_like(g)), torch.where(mask, beta, zero_like(beta))
 
 
 def _zero_padding_inputs(qkv, valid):
     """`qkv` ``[n, C, q]`` with zeros at padding positions: whatever a padding position holds (even a NaN) then
     never reaches a real row (the kernels multiply k and v by beta = 0, and 0 * NaN is NaN)."""
-    return torch.where(valid[:, None, :], qkv, torch.zeros((), dtype=qkv.dtype, device=qkv.device))
+    return torch.where(valid[:, None, :], qkv, zero_like(qkv))
 
 
 def _zero_padding(out, valid):
-    return torch.where(valid[:, :, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return torch.where(valid[:, :, None], out, zero_like(out))
 
 
 def gdn_prefill_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, starts: list[int],
@@ -372,8 +405,8 @@ def gdn_prefill_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, starts
     for layer, step in zip(layers, steps):
         if not step.track and layer.carry:  # (the pending plan finished: its P_tail is no longer extended)
             layer.release()
-    core, finals = _advance_rows(cache, steps[0].backend, q, k, v, g, beta, [layer.state for layer in layers],
-                                 [layer.carry for layer in layers], (num_v_heads, key_dim, value_dim))
+    core, finals, _ = _advance_rows(cache, steps[0].backend, q, k, v, g, beta, [layer.state for layer in layers],
+                                    [layer.carry for layer in layers], (num_v_heads, key_dim, value_dim))
     for j, layer in enumerate(layers):
         layer.set_state(finals[j], value_dim)
         layer.conv = new_windows[j : j + 1]
@@ -404,17 +437,17 @@ def gdn_checkpoint_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, sta
                              f"strictly inside them and 0 <= start < {length}, got start {start}")
         cuts.append(start + step.checkpoint_at)
     qkv, z, b, a = glue.project(module, hidden)
-    valid = _padding_mask(cache, "rows", starts, [length] * n, length, hidden.device)
+    valid, before, after, where = _checkpoint_indices(cache, starts, cuts, length, kernel, hidden.device)
     qkv = _zero_padding_inputs(qkv, valid)
-    before = _padding_mask(cache, "before", starts, cuts, length, hidden.device)
     tail = length - min(cuts)  # the tails' positions (right-aligned)
-    after = _padding_mask(cache, "after", cuts, [length] * n, length, hidden.device)[:, -tail:]
-    full = _placed_windows(cache, qkv, starts, layers, kernel)
+    after = after[:, -tail:]
+    if all(layer.conv is None for layer in layers):
+        # no window yet (a first prefill): with zeros at padding positions, zeros before every row are what
+        # `_placed_windows` would place there (one pad instead of its concatenations and gather per GDN layer)
+        full = F.pad(qkv, (kernel, 0))
+    else:
+        full = _placed_windows(cache, qkv, starts, layers, kernel)
     conv_out = glue.conv_full(module, full)[:, -length:]
-    key = ("boundary_windows", tuple(cuts), kernel, hidden.device)
-    where = cache.get(key)
-    if where is None:  # the window after row j's rows before its boundary: full positions cuts[j]:cuts[j] + kernel
-        where = cache[key] = (torch.tensor(cuts)[:, None] + torch.arange(kernel))[:, None, :].to(hidden.device)
     boundary_windows = full.gather(-1, where.expand(-1, channels, -1))
     end_windows = full[..., -kernel:].contiguous()
     q, k, v, g, beta = glue.factors(module, conv_out, a, b)
@@ -424,17 +457,20 @@ def gdn_checkpoint_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, sta
     # the rows before a new plan's boundary: `checkpoint` starts P_tail afresh right after them, so a map carried
     # through them would be dropped (a fixed layout carries one from the end of its first forward on)
     live = [layer.state if layer.carry == 0 else layer.recurrent.contiguous() for layer in layers]
-    out1, finals = _advance_rows(cache, backend, q, k, v, g1, beta1, live, [0] * n, dims)
+    out1, finals, boundary = _advance_rows(cache, backend, q, k, v, g1, beta1, live, [0] * n, dims)
+    # every row's checkpoint and ``[S | P_tail = I]`` at once (eager forwards are host-bound: per-row copies and
+    # identities would cost launches per row and GDN layer): the boundary states stacked, one concatenation with a
+    # cached identity; each row's checkpoint and live state are rows of these new tensors (never written in place)
+    tails = torch.cat([boundary, _identity(cache, n, num_v_heads, key_dim, boundary.device)], dim=-1)
     for j, (layer, step) in enumerate(zip(layers, steps)):
-        layer.set_state(finals[j], value_dim)
-        layer.conv = boundary_windows[j : j + 1]
-        layer.checkpoint(step.checkpoint_plan, num_v_heads, key_dim, value_dim, (1, channels, kernel), hidden.device,
-                         qkv.dtype)
+        layer.start_tail(step.checkpoint_plan, boundary[j : j + 1], boundary_windows[j : j + 1], tails[j : j + 1],
+                         value_dim)
         if not step.track and layer.carry:
             layer.release()
     g2, beta2 = _inert(after, g[:, -tail:], beta[:, -tail:])
-    out2, finals = _advance_rows(cache, backend, q[:, -tail:], k[:, -tail:], v[:, -tail:], g2, beta2,
-                                 [layer.state for layer in layers], [layer.carry for layer in layers], dims)
+    out2, finals, _ = _advance_rows(cache, backend, q[:, -tail:], k[:, -tail:], v[:, -tail:], g2, beta2,
+                                    [layer.state for layer in layers], [layer.carry for layer in layers], dims,
+                                    stacked=tails if all(step.track for step in steps) else None)
     for j, layer in enumerate(layers):
         layer.set_state(finals[j], value_dim)
         layer.conv = end_windows[j : j + 1]

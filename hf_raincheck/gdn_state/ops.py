@@ -45,16 +45,24 @@ def _(q, k, v, g, beta, state, backend):
 _ZERO: dict = {}  # (device, dtype) -> a 0-d zero, expanded (no copy) into P's value columns by eager calls
 
 
+def zero_like(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d zero of `t`'s dtype on its device: persistent in eager calls (no fill kernel per use: `torch.where`
+    with a Python scalar builds and fills one each time), a new tensor inside a traced graph."""
+    if torch.compiler.is_compiling():
+        return t.new_zeros(())
+    key = (t.device, t.dtype)
+    zero = _ZERO.get(key)
+    if zero is None:
+        zero = _ZERO[key] = torch.zeros((), dtype=t.dtype, device=t.device)
+    return zero
+
+
 def _zero_columns(v: torch.Tensor, carry: int) -> torch.Tensor:
     """Zeros ``[..., carry]`` next to `v`'s rows: a persistent 0-d zero expanded in eager calls (no fill kernel per
     GDN layer and step: eager steps are host-bound), a new tensor inside a traced graph."""
     if torch.compiler.is_compiling():
         return v.new_zeros(*v.shape[:-1], carry)
-    key = (v.device, v.dtype)
-    zero = _ZERO.get(key)
-    if zero is None:
-        zero = _ZERO[key] = torch.zeros((), dtype=v.dtype, device=v.device)
-    return zero.expand(*v.shape[:-1], carry)
+    return zero_like(v).expand(*v.shape[:-1], carry)
 
 
 def advance(backend: str, q, k, v, g, beta, state, carry: int = 0, opaque: bool = False):

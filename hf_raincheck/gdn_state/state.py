@@ -123,6 +123,18 @@ class GDNLayerState(_Tracked):
         self.state = torch.cat([recurrent, eye], dim=-1)
         self._static()
 
+    def start_tail(self, plan_id: int, recurrent: torch.Tensor, conv: torch.Tensor, state: torch.Tensor,
+                   value_dim: int) -> None:
+        """`checkpoint` with its tensors built by the caller (a batch's rows build theirs together): `recurrent`
+        ``[1, H_v, K, V]`` and `conv` ``[1, C, kernel]`` become plan `plan_id`'s boundary checkpoint, `state`
+        ``[1, H_v, K, V + K]`` (``[recurrent | I]``) the live state; three distinct tensors, none written in place
+        afterwards (updates build new ones)."""
+        if state.shape[-1] != value_dim + state.shape[-2] or recurrent.shape[-1] != value_dim:
+            raise ValueError("start_tail: state must be [recurrent | I] ([1, H_v, K, V + K]) and recurrent "
+                             f"[1, H_v, K, V] with V = value_dim = {value_dim}")
+        self.prefix = PrefixCheckpoint(plan_id=plan_id, recurrent=recurrent, conv=conv)
+        self.set_state(state, value_dim)
+
     def join(self, new_prefix: torch.Tensor) -> None:
         """S_live += P_tail (S_prefix_new - S_prefix_old); then S_prefix = S_prefix_new."""
         prefix = self.prefix

@@ -273,15 +273,19 @@ def prepare_turn(
         )
         deferred_local[deferred - old] = True
         if deferred.numel() and config.policy == "raincheck":
-            local = (deferred - old).to(device)
+            # the deferred slots, their rows in this call and the slot mask go to the device in one transfer (not
+            # one per use: a batch prepares each row's turn, and every transfer is a host round trip)
+            count = deferred.numel()
+            slot_mask = torch.zeros(boundary, dtype=torch.long)
+            slot_mask[deferred] = 1
+            moved = torch.cat([deferred, deferred - old, slot_mask]).to(device, non_blocking=True)
+            on_device, local = moved[:count], moved[count : 2 * count]
             # (a compiled static step widens the store to the cache's capacity after the prefill: `StaticStep.prepare`)
             plan.store_embeds = new_embeds[local]
             plan.store_deepstack = None if deepstack_new is None else [f[local] for f in deepstack_new]
-            plan.store_positions = positions[:, deferred.to(device)]
-            slot_mask = torch.zeros(boundary, dtype=torch.bool, device=device)
-            slot_mask[deferred.to(device)] = True
-            plan.deferred_slot_mask = slot_mask
-            plan.deferred_on_device = deferred.to(device)
+            plan.store_positions = positions[:, on_device]
+            plan.deferred_slot_mask = moved[2 * count :].bool()
+            plan.deferred_on_device = on_device
 
     # rows of the prefill: the earlier plan's pending deferred tokens, then I_0 in source order
     live_local = (~deferred_local).nonzero().squeeze(1).to(device)
