@@ -269,3 +269,25 @@ def test_unfused_control_matches_reference_with_split_forwards(model, family):
     torch.testing.assert_close(logits(out), ref.at_many(sched.logit_rows), **TOL)
     fused = generate(net, inputs, 8, cfg(completion="next_turn"))
     assert out.past_key_values.stats == fused.past_key_values.stats
+
+
+def test_eager_fused_steps_read_no_tensor_value_on_the_host(model, monkeypatch):
+    """An eager decode step that carries a deferred chunk reads no tensor value on the host (no
+    ``_local_scalar_dense``: ``.item()``, ``int(tensor)``; on a GPU each is a host-device synchronisation, and the
+    GPU test of steps without one runs only there). Counted on the CPU with torch's profiler."""
+    import hf_raincheck.generation.enable as enable_module
+
+    original = enable_module.decode_step
+    fused_syncs = []
+
+    def profiled(adapter, cache, turn, token):
+        restored = cache.plan.restored if cache.plan is not None else None
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            logits = original(adapter, cache, turn, token)
+        if restored is not None and cache.plan is not None and cache.plan.restored != restored:
+            fused_syncs.append(sum(e.name == "aten::_local_scalar_dense" for e in prof.events()))
+        return logits
+
+    monkeypatch.setattr(enable_module, "decode_step", profiled)
+    generate(model, two_images(), 8, cfg())
+    assert len(fused_syncs) >= 2 and fused_syncs == [0] * len(fused_syncs), fused_syncs
