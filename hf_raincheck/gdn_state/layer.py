@@ -105,8 +105,8 @@ def gdn_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layer: GDNLaye
         # skipped below: `factors` gives q, k, v for conv_out's rows, g and beta for a / b's)
         full = torch.cat([prefix.conv, qkv[..., :n], layer.conv, qkv[..., n:]], dim=-1)
         conv_out = glue.conv_full(module, full)[:, kernel:]
-        prefix_window = full[..., n : n + kernel].contiguous()
-        window_end = full[..., -kernel:].contiguous()
+        # both new windows in one copy (each a contiguous `[1, C, kernel]`)
+        prefix_window, window_end = torch.stack([full[..., n : n + kernel], full[..., -kernel:]])
         q, k, v, g, beta = glue.factors(module, conv_out, a, b)
         q, k, v = (t.split([n, kernel, live], dim=1) for t in (q, k, v))
         g, beta = (t.split([n, live], dim=1) for t in (g, beta))
