@@ -61,7 +61,8 @@ class GDNGlue:
     def conv_step_(self, module, mixed_qkv, window):  # one row [1, C, 1]; updates `window` in place -> [1, 1, C]
         raise NotImplementedError
 
-    def factors(self, module, conv_out, a, b):  # -> q, k, v, g, beta
+    # -> q, k, v, g, beta; row-wise: q, k, v have conv_out's rows, g and beta a's / b's (they may differ in number)
+    def factors(self, module, conv_out, a, b):
         raise NotImplementedError
 
     def output(self, module, core_out, z):  # -> [1, T, hidden]
@@ -103,7 +104,8 @@ def gdn_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layer: GDNLaye
         # reads the `kernel` inputs up to its own, so the deferred rows continue the prefix window and the live
         # rows the live one; the `kernel` outputs over the live window are not used (their q / k / v rows are
         # skipped below: `factors` gives q, k, v for conv_out's rows, g and beta for a / b's)
-        full = torch.cat([prefix.conv, qkv[..., :n], layer.conv, qkv[..., n:]], dim=-1)
+        restore_qkv, live_qkv = qkv.split([n, live], dim=-1)
+        full = torch.cat([prefix.conv, restore_qkv, layer.conv, live_qkv], dim=-1)
         conv_out = glue.conv_full(module, full)[:, kernel:]
         # both new windows in one copy (each a contiguous `[1, C, kernel]`)
         prefix_window, window_end = torch.stack([full[..., n : n + kernel], full[..., -kernel:]])
