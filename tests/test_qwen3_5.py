@@ -269,3 +269,61 @@ def test_unfused_control_matches_reference_with_split_forwards(model, family):
     torch.testing.assert_close(logits(out), ref.at_many(sched.logit_rows), **TOL)
     fused = generate(net, inputs, 8, cfg(completion="next_turn"))
     assert out.past_key_values.stats == fused.past_key_values.stats
+
+
+def _profiled_decode_steps(model, monkeypatch, inputs, config, steps):
+    """Runs `generate` with each eager decode step under torch's profiler (a call of the GDN kernel recorded as one
+    event, as `benchmarks/step_ops.py` counts it) -> ``[(kind, events)]``, kind ``"fused"`` (a deferred chunk
+    carried), ``"pending"`` or ``"restored"``."""
+    import hf_raincheck.generation.enable as enable_module
+    from hf_raincheck.gdn_state import kernels
+
+    original, original_kernel = enable_module.decode_step, kernels.gated_delta
+    profiled_steps = []
+
+    def gdn_kernel(*args, **kwargs):
+        with torch.profiler.record_function("gdn_state.kernels.gated_delta"):
+            return original_kernel(*args, **kwargs)
+
+    def profiled(adapter, cache, turn, token):
+        plan = cache.plan
+        restored = plan.restored if plan is not None else None
+        pending = plan is not None and plan.pending > 0
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            logits = original(adapter, cache, turn, token)
+        kind = "fused" if plan is not None and plan.restored != restored else "pending" if pending else "restored"
+        profiled_steps.append((kind, prof.events()))
+        return logits
+
+    monkeypatch.setattr(enable_module, "decode_step", profiled)
+    monkeypatch.setattr(kernels, "gated_delta", gdn_kernel)
+    generate(model, inputs, steps, config)
+    return profiled_steps
+
+
+def test_eager_fused_steps_read_no_tensor_value_on_the_host(model, monkeypatch):
+    """An eager decode step that carries a deferred chunk reads no tensor value on the host (no
+    ``_local_scalar_dense``: ``.item()``, ``int(tensor)``; on a GPU each is a host-device synchronisation, and the
+    GPU test of steps without one runs only there). Counted on the CPU with torch's profiler."""
+    steps = _profiled_decode_steps(model, monkeypatch, two_images(), cfg(), 8)
+    fused_syncs = [sum(e.name == "aten::_local_scalar_dense" for e in events) for kind, events in steps
+                   if kind == "fused"]
+    assert len(fused_syncs) >= 2 and fused_syncs == [0] * len(fused_syncs), fused_syncs
+
+
+def test_eager_fused_step_operators_per_gdn_layer(model, monkeypatch):
+    """Eager steps are host-bound on a GPU (a launch per operator), and a fused step runs every GDN layer over its
+    deferred rows too: its kernel operators (as `benchmarks/step_ops.py` counts them) beyond those of a step after
+    restoration (its GDN layers' extra operators and the step's own rows and mask) stay within a bound."""
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from step_ops import _kernel_events
+
+    steps = _profiled_decode_steps(model, monkeypatch, two_images(), cfg(completion="next_turn"), 14)
+    counts = {}
+    for kind, events in steps:
+        counts.setdefault(kind, []).append(len(_kernel_events(events)))
+    assert set(counts) == {"fused", "pending", "restored"}, counts
+    extra = max(counts["fused"]) - max(counts["restored"])
+    # 3 GDN layers + 1 attention layer: 67 before the fused GDN layers ran one short conv for both segments and
+    # the join as one product-and-add (`gdn_rows_forward`, `GDNLayerState.join`)
+    assert extra <= 40, (counts, extra)

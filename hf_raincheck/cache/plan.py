@@ -41,10 +41,18 @@ class DeferralPlan:
     deferred_on_device: torch.Tensor | None = field(default=None, repr=False)
     # compiled static steps: the store widened to the cache's capacity (hf_raincheck.generation.decode.StaticStep)
     padded_store: dict | None = field(default=None, repr=False)
+    # `deferred` as a host list, built on first use (`deferred_at`)
+    _deferred_list: list[int] | None = field(default=None, repr=False, compare=False)
 
     @property
     def total_deferred(self) -> int:
         return int(self.deferred.numel())
+
+    def deferred_at(self, i: int) -> int:
+        """``int(deferred[i])`` from a host copy made once per plan (no ``_local_scalar_dense`` per decode step)."""
+        if self._deferred_list is None:
+            self._deferred_list = self.deferred.tolist()
+        return self._deferred_list[i]
 
     @property
     def pending(self) -> int:

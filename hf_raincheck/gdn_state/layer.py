@@ -61,7 +61,8 @@ class GDNGlue:
     def conv_step_(self, module, mixed_qkv, window):  # one row [1, C, 1]; updates `window` in place -> [1, 1, C]
         raise NotImplementedError
 
-    def factors(self, module, conv_out, a, b):  # -> q, k, v, g, beta
+    # -> q, k, v, g, beta; row-wise: q, k, v have conv_out's rows, g and beta a's / b's (they may differ in number)
+    def factors(self, module, conv_out, a, b):
         raise NotImplementedError
 
     def output(self, module, core_out, z):  # -> [1, T, hidden]
@@ -96,22 +97,32 @@ def gdn_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layer: GDNLaye
         prefix = layer.prefix
         if prefix is None or prefix.plan_id != step.restore_plan:
             raise RuntimeError("Raincheck GDN state: deferred rows without the checkpoint of their plan")
-    # the short conv runs per segment (the deferred rows continue the prefix window, the live rows the live one);
     # the gates and the q / k / v split are row-wise, so one `factors` call serves every row (eager forwards are
     # host-bound on a GPU: each operator saved is a launch per GDN layer)
     if n and live:
-        restore_out, prefix_window = glue.conv(module, qkv[..., :n], prefix.conv)
-        live_out, window_end = glue.conv(module, qkv[..., n:], layer.conv)
-        q, k, v, g, beta = glue.factors(module, torch.cat([restore_out, live_out], dim=1), a, b)
+        # one short conv for both segments: [prefix window | deferred rows | live window | live rows]. Each output
+        # reads the `kernel` inputs up to its own, so the deferred rows continue the prefix window and the live
+        # rows the live one; the `kernel` outputs over the live window are not used (their q / k / v rows are
+        # skipped below: `factors` gives q, k, v for conv_out's rows, g and beta for a / b's)
+        restore_qkv, live_qkv = qkv.split([n, live], dim=-1)
+        full = torch.cat([prefix.conv, restore_qkv, layer.conv, live_qkv], dim=-1)
+        conv_out = glue.conv_full(module, full)[:, kernel:]
+        # both new windows in one copy (each a contiguous `[1, C, kernel]`)
+        prefix_window, window_end = torch.stack([full[..., n : n + kernel], full[..., -kernel:]])
+        q, k, v, g, beta = glue.factors(module, conv_out, a, b)
+        q, k, v = (t.split([n, kernel, live], dim=1) for t in (q, k, v))
+        g, beta = (t.split([n, live], dim=1) for t in (g, beta))
+        restore = (q[0], k[0], v[0], g[0], beta[0])
+        q, k, v, g, beta = q[2], k[2], v[2], g[1], beta[1]
     elif n:
         restore_out, prefix_window = glue.conv(module, qkv, prefix.conv)
-        q, k, v, g, beta = glue.factors(module, restore_out, a, b)
+        restore = glue.factors(module, restore_out, a, b)
     else:
         live_out, window_end = glue.conv(module, qkv, layer.conv)
         q, k, v, g, beta = glue.factors(module, live_out, a, b)
     outs = []
     if n:
-        out, new_prefix = advance(step.backend, q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], prefix.recurrent)
+        out, new_prefix = advance(step.backend, *restore, prefix.recurrent)
         prefix.conv = prefix_window
         layer.join(new_prefix)
         outs.append(out)
@@ -119,9 +130,7 @@ def gdn_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layer: GDNLaye
         cut = step.checkpoint_at if step.checkpoint_plan is not None else 0
         # one short conv over every live row (a boundary inside them only splits the kernel calls): the conv
         # window at the boundary is read off the same rows
-        rows = qkv[..., n:]
-        if n:
-            q, k, v, g, beta = q[:, n:], k[:, n:], v[:, n:], g[:, n:], beta[:, n:]
+        rows = qkv[..., n:] if n else qkv
         if cut:
             # the rows before a new plan's boundary: `checkpoint` starts P_tail afresh right after them, so a map
             # carried through them would be dropped (a fixed layout carries one from the end of its first forward on)
@@ -130,6 +139,8 @@ def gdn_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layer: GDNLaye
             layer.set_state(state, value_dim)
             layer.conv = _window_after(layer.conv, rows[..., :cut], kernel)
             outs.append(out)
+            if live > cut:
+                q, k, v, g, beta = q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:]
         if step.checkpoint_plan is not None:
             layer.checkpoint(
                 step.checkpoint_plan, num_v_heads, key_dim, value_dim, (1, channels, kernel), hidden.device, qkv.dtype
@@ -137,8 +148,7 @@ def gdn_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layer: GDNLaye
         if not step.track and layer.carry:
             layer.release()
         if live > cut:
-            out, state = advance(step.backend, q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:],
-                                 layer.state, layer.carry)
+            out, state = advance(step.backend, q, k, v, g, beta, layer.state, layer.carry)
             layer.set_state(state, value_dim)
             outs.append(out)
         layer.conv = window_end

@@ -138,10 +138,16 @@ class GDNLayerState(_Tracked):
     def join(self, new_prefix: torch.Tensor) -> None:
         """S_live += P_tail (S_prefix_new - S_prefix_old); then S_prefix = S_prefix_new."""
         prefix = self.prefix
-        update = torch.matmul(self.transition, new_prefix - prefix.recurrent)
-        state = self.state.clone()  # a new tensor, never in place: `snapshot` keeps the old one for a rollback
-        state[..., : self.value_dim].add_(update)  # (not `+=` on the slice: that copies the slice back onto itself)
-        self.state = state
+        # a new tensor, never in place: `snapshot` keeps the old one for a rollback. One product-and-add over the
+        # heads and one concatenation with P_tail (eager steps are host-bound on a GPU: fewer operators per layer)
+        transition = self.transition
+        key_dim = transition.shape[-1]
+        recurrent = torch.baddbmm(
+            self.recurrent.reshape(-1, key_dim, self.value_dim),
+            transition.reshape(-1, key_dim, key_dim),
+            (new_prefix - prefix.recurrent).reshape(-1, key_dim, self.value_dim),
+        )
+        self.state = torch.cat([recurrent.view(*self.state.shape[:-1], self.value_dim), transition], dim=-1)
         prefix.recurrent = new_prefix
         self._static()
 

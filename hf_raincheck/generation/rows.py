@@ -77,7 +77,7 @@ def deferred_rows(plan: DeferralPlan, count: int) -> Rows:
         positions=plan.store_positions[:, start:stop],
         deepstack=deepstack,
         deferred=torch.ones(count, dtype=torch.bool, device=device),
-        max_slot=int(plan.deferred[stop - 1]),
+        max_slot=plan.deferred_at(stop - 1),
         restored=count,
     )
 
