@@ -18,8 +18,10 @@ shape queries or allocations), the aten operators called from Python, and the ho
 
 Tiny random models of `benchmarks/shapes.py` (``tiny``, ``tiny-qwen3.5``), fp32, a 256-token image; the counts
 do not depend on the model's width, only on its layer count and kinds (4 layers: Qwen3.5's 3 GDN + 1 attention).
-A call of the GDN kernel (`hf_raincheck.gdn_state.kernels.gated_delta`) counts as one operator: on the CPU it is
-transformers' torch loop, on a GPU fla-core's kernel (the recurrent one, one launch, for eager steps' rows).
+A call of the GDN kernel (`hf_raincheck.gdn_state.kernels.gated_delta`; in plain generate transformers'
+`torch_chunk_gated_delta_rule` / `torch_recurrent_gated_delta_rule`) counts as one operator, among the kernel
+operators and the calls from Python alike: on the CPU it is transformers' torch loop, on a GPU fla-core's kernel
+(the recurrent one, one launch, for eager steps' rows).
 Grouped attention runs its CUDA branch (`attention.sdpa.eager_sdpa_backends` entered as on a GPU), so the counts
 are those of an eager GPU step.
 Also the median host time per step (CPU wall time, no dispatch mode), which on a CPU includes the tiny model's
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import os
 import platform
@@ -49,6 +52,7 @@ from hf_raincheck.gdn_state import kernels as gdn_kernels  # noqa: E402
 from hf_raincheck.attention import sdpa  # noqa: E402
 from hf_raincheck.generation import enable as enable_module  # noqa: E402
 from hf_raincheck.generation import rows as rows_module  # noqa: E402
+from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5_modeling  # noqa: E402
 
 POLICIES = ("plain", "full", "hard", "raincheck")
 
@@ -67,6 +71,17 @@ NO_KERNEL = {
 }
 SYNCS = {"aten::_local_scalar_dense"}
 GDN_KERNEL = "gdn_state.kernels.gated_delta"
+HF_GDN_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")  # plain generate's
+
+
+def as_gdn_kernel(fn):
+    """`fn` inside a ``GDN_KERNEL`` profiler range: counted as one operator."""
+    @functools.wraps(fn)
+    def kernel(*args, **kwargs):
+        with torch.profiler.record_function(GDN_KERNEL):
+            return fn(*args, **kwargs)
+
+    return kernel
 
 
 def _is_aten(event) -> bool:
@@ -122,13 +137,14 @@ def _where(event) -> str:
 
 
 def _top(events) -> int:
-    """aten operators called from Python (no aten operator above them)."""
+    """aten operators called from Python (no aten operator above them), a GDN kernel call counting as one (the
+    operators of the CPU's torch loop inside it are one fla-core call on a GPU)."""
     count = 0
     for event in events:
-        if not _is_aten(event):
+        if not (_is_aten(event) or event.name == GDN_KERNEL):
             continue
         parent = event.cpu_parent
-        while parent is not None and not _is_aten(parent):
+        while parent is not None and not _is_aten(parent) and parent.name != GDN_KERNEL:
             parent = parent.cpu_parent
         count += parent is None
     return count
@@ -204,14 +220,14 @@ def run(shape: str, policy: str, image_tokens: int, new_tokens: int, count: bool
         kwargs["raincheck_config"] = RaincheckConfig(policy=policy, retention=0.3, pruning="uniform",
                                                      completion="blocking")
     original_kernel = gdn_kernels.gated_delta
-
-    def gdn_kernel(*args, **kwargs):
-        with torch.profiler.record_function(GDN_KERNEL):
-            return original_kernel(*args, **kwargs)
-
+    gdn_kernel = as_gdn_kernel(original_kernel)
+    # plain generate calls transformers' GDN functions by their module names: the same one-operator count
+    hf_gdn = {name: getattr(qwen3_5_modeling, name) for name in HF_GDN_FUNCTIONS}
     enable_module._turn_step = measured(original_turn_step, turn_kind)
     state.original_forward = measured(original_forward, plain_kind)
     gdn_kernels.gated_delta = gdn_kernel
+    for name, fn in hf_gdn.items():
+        setattr(qwen3_5_modeling, name, as_gdn_kernel(fn))
     original_backends = rows_module.eager_sdpa_backends
     # the attention branch of an eager GPU step (short forwards: the grouped path with the torch softmax)
     rows_module.eager_sdpa_backends = lambda device, rows: (
@@ -223,6 +239,8 @@ def run(shape: str, policy: str, image_tokens: int, new_tokens: int, count: bool
         enable_module._turn_step = original_turn_step
         state.original_forward = original_forward
         gdn_kernels.gated_delta = original_kernel
+        for name, fn in hf_gdn.items():
+            setattr(qwen3_5_modeling, name, fn)
         rows_module.eager_sdpa_backends = original_backends
     return records
 
