@@ -82,7 +82,8 @@ from transformers.generation.configuration_utils import CompileConfig
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from latency import (  # noqa: E402
-    Timer, compiled_graphs, kernel_busy, no_gc, release_model_memory, set_compile_limits, step_profiler)
+    Timer, compiled_graphs, kernel_busy, no_gc, profile_tables, release_model_memory, set_compile_limits,
+    step_profiler)
 from shapes import SHAPES, build_inputs, build_model  # noqa: E402
 
 import hf_raincheck  # noqa: E402
@@ -521,12 +522,9 @@ def profile_steps(bench: Bench, entries: list[Entry], batch: dict, batch_size: i
         hook = step_profiler(steps, activities, profilers, walls)
         bench.generate(by[name].method, batch, streamer=Timer(bench.sync, hook))
         for label, prof in profilers.items():
-            parts.append(f"## {bench.name}, {args.cache} cache, B={batch_size}, {name}: decode step {steps[label]} "
-                         f"({label}): wall {1e3 * walls[label]:.2f} ms{kernel_busy(prof)}\n")
-            averages = prof.key_averages()
-            if bench.cuda:
-                parts.append(averages.table(sort_by="device_time_total", row_limit=args.profile_rows))
-            parts.append(averages.table(sort_by="self_cpu_time_total", row_limit=args.profile_rows))
+            parts.append(profile_tables(prof, f"{bench.name}, {args.cache} cache, B={batch_size}, {name}: decode step "
+                                              f"{steps[label]} ({label}): wall {1e3 * walls[label]:.2f} ms",
+                                        args.profile_rows, bench.cuda))
             print(f"  profiled B={batch_size} {name} step {steps[label]} ({label}): wall {1e3 * walls[label]:.2f} ms"
                   f"{kernel_busy(prof)}", flush=True)
     return "\n".join(parts)
@@ -546,12 +544,8 @@ def profile_ttft(bench: Bench, entries: list[Entry], batch: dict, batch_size: in
         ttft_call(bench, entry.method, batch)
         with profile(activities=activities) as prof:
             wall = ttft_call(bench, entry.method, batch)
-        parts.append(f"## {bench.name}, {args.cache} cache, B={batch_size}, {entry.method.name}: first-token call: "
-                     f"wall {wall:.2f} ms{kernel_busy(prof)}\n")
-        averages = prof.key_averages()
-        if bench.cuda:
-            parts.append(averages.table(sort_by="device_time_total", row_limit=args.profile_rows))
-        parts.append(averages.table(sort_by="self_cpu_time_total", row_limit=args.profile_rows))
+        parts.append(profile_tables(prof, f"{bench.name}, {args.cache} cache, B={batch_size}, {entry.method.name}: "
+                                          f"first-token call: wall {wall:.2f} ms", args.profile_rows, bench.cuda))
         print(f"  profiled B={batch_size} {entry.method.name} first-token call: wall {wall:.2f} ms"
               f"{kernel_busy(prof)}", flush=True)
     return "\n".join(parts)

@@ -498,13 +498,18 @@ def profile_ttft(bench: Bench, inputs, cache: str) -> str:
         bench.generate(inputs, policy, cache, stop_after=1)  # warm-up (compilation, autotuning)
         with profile(activities=activities) as prof:
             _, _, start, end = bench.generate(inputs, policy, cache, stop_after=1)
-        parts.append(f"## first token, {policy.label} ({cache} cache): wall {1e3 * (end - start):.2f} ms"
-                     f"{kernel_busy(prof)}\n")
-        averages = prof.key_averages()
-        if bench.cuda:
-            parts.append(averages.table(sort_by="device_time_total", row_limit=args.profile_rows))
-        parts.append(averages.table(sort_by="self_cpu_time_total", row_limit=args.profile_rows))
+        parts.append(profile_tables(prof, f"first token, {policy.label} ({cache} cache): wall "
+                                          f"{1e3 * (end - start):.2f} ms", args.profile_rows, bench.cuda))
     return "\n".join(parts)
+
+
+def profile_tables(prof, header: str, rows: int, cuda: bool) -> str:
+    """``## header`` (with the GPU kernels' busy time) and the profile's operator tables: by GPU time (with CUDA),
+    then by host time, `rows` rows each."""
+    averages = prof.key_averages()
+    tables = [averages.table(sort_by="device_time_total", row_limit=rows)] if cuda else []
+    tables.append(averages.table(sort_by="self_cpu_time_total", row_limit=rows))
+    return "\n".join([f"## {header}{kernel_busy(prof)}\n", *tables])
 
 
 def ttft_phases(bench: Bench, inputs, cache: str, calls: int) -> list[dict]:
