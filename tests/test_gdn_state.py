@@ -246,6 +246,24 @@ def _prefill_rows(fixed_first: bool):
     ]
 
 
+def _row_layer(what: str, carry, conv: bool, fixed: bool, dims, gen):
+    """One row's `GDNLayerState` for the batched-rows tests: no state (``what == "none"``) or a random live state,
+    with P_tail columns (near the identity) when `carry`, and a random conv window when `conv`."""
+    from hf_raincheck.gdn_state import GDNLayerState
+
+    heads, key_dim, value_dim, channels, kernel = dims
+    layer = GDNLayerState(fixed=fixed)
+    if what == "state":
+        live = 0.3 * torch.randn(1, heads, key_dim, value_dim, generator=gen)
+        if carry:
+            live = torch.cat([live, torch.eye(key_dim) + 0.05 * torch.randn(1, heads, key_dim, key_dim,
+                                                                               generator=gen)], dim=-1)
+        layer.set_state(live, value_dim)
+    if conv:
+        layer.conv = torch.randn(1, channels, kernel, generator=gen)
+    return layer
+
+
 def _rows_together_equal_rows_alone(forward, glue, module, layers, alone, steps, starts, width, gen):
     """Runs `forward` (a batched GDN rows forward) on right-aligned rows with NaN padding and `gdn_rows_forward` on
     each row alone (`alone`: deep copies of `layers`); compares outputs (padding outputs zero), live states, conv
@@ -281,14 +299,13 @@ def test_prefill_rows_together_equal_each_row_alone(first_turn_only):
 
     from handmade_qwen3_5 import tiny_qwen3_5
 
-    from hf_raincheck.gdn_state import GDNLayerState, GDNStep
+    from hf_raincheck.gdn_state import GDNStep
     from hf_raincheck.gdn_state.layer import gdn_prefill_rows_forward
     from hf_raincheck.models.qwen3_5 import Qwen3_5GDNGlue
 
     model = tiny_qwen3_5("eager")
     module = next(layer.linear_attn for layer in model.model.language_model.layers if hasattr(layer, "linear_attn"))
     glue = Qwen3_5GDNGlue()
-    heads, key_dim, value_dim, channels, kernel = glue.dims(module)
     gen = torch.Generator().manual_seed(13)
     kinds = _prefill_rows(fixed_first=True)
     lengths = [130, 1, 70, 2, 64]
@@ -297,16 +314,7 @@ def test_prefill_rows_together_equal_each_row_alone(first_turn_only):
         lengths = [3, 130, 1, 65]
     layers, steps = [], []
     for what, carry, conv, track, fixed in kinds:
-        layer = GDNLayerState(fixed=fixed)
-        if what == "state":
-            live = 0.3 * torch.randn(1, heads, key_dim, value_dim, generator=gen)
-            if carry:
-                live = torch.cat([live, torch.eye(key_dim) + 0.05 * torch.randn(1, heads, key_dim, key_dim,
-                                                                                   generator=gen)], dim=-1)
-            layer.set_state(live, value_dim)
-        if conv:
-            layer.conv = torch.randn(1, channels, kernel, generator=gen)
-        layers.append(layer)
+        layers.append(_row_layer(what, carry, conv, fixed, glue.dims(module), gen))
         steps.append(GDNStep(restore_plan=None, num_restore=0, checkpoint_plan=None, checkpoint_at=0, track=track,
                              backend="torch"))
     alone = copy.deepcopy(layers)
@@ -332,14 +340,13 @@ def test_checkpoint_rows_together_equal_each_row_alone(first_turn_only):
 
     from handmade_qwen3_5 import tiny_qwen3_5
 
-    from hf_raincheck.gdn_state import GDNLayerState, GDNStep
+    from hf_raincheck.gdn_state import GDNStep
     from hf_raincheck.gdn_state.layer import gdn_checkpoint_rows_forward
     from hf_raincheck.models.qwen3_5 import Qwen3_5GDNGlue
 
     model = tiny_qwen3_5("eager")
     module = next(layer.linear_attn for layer in model.model.language_model.layers if hasattr(layer, "linear_attn"))
     glue = Qwen3_5GDNGlue()
-    heads, key_dim, value_dim, channels, kernel = glue.dims(module)
     gen = torch.Generator().manual_seed(17)
     # (state, carry, conv, track, fixed), rows, rows before the boundary
     kinds = [(("none", 0, False, True, True), 130, 100), (("state", 0, True, True, False), 5, 2),
@@ -350,16 +357,7 @@ def test_checkpoint_rows_together_equal_each_row_alone(first_turn_only):
                  (("none", 0, False, True, False), 20, 19)]
     layers, steps = [], []
     for (what, carry, conv, track, fixed), _, cut in kinds:
-        layer = GDNLayerState(fixed=fixed)
-        if what == "state":
-            live = 0.3 * torch.randn(1, heads, key_dim, value_dim, generator=gen)
-            if carry:
-                live = torch.cat([live, torch.eye(key_dim) + 0.05 * torch.randn(1, heads, key_dim, key_dim,
-                                                                                   generator=gen)], dim=-1)
-            layer.set_state(live, value_dim)
-        if conv:
-            layer.conv = torch.randn(1, channels, kernel, generator=gen)
-        layers.append(layer)
+        layers.append(_row_layer(what, carry, conv, fixed, glue.dims(module), gen))
         steps.append(GDNStep(restore_plan=None, num_restore=0, checkpoint_plan=1000 + len(steps), checkpoint_at=cut,
                              track=track, backend="torch"))
     alone = copy.deepcopy(layers)
