@@ -371,3 +371,89 @@ def test_checkpoint_rows_together_equal_each_row_alone(first_turn_only):
             assert layer.prefix.plan_id == expected.prefix.plan_id
             torch.testing.assert_close(layer.prefix.recurrent, expected.prefix.recurrent, atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(layer.prefix.conv, expected.prefix.conv, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("every_row_decodes", [True, False])
+def test_restore_rows_together_equal_each_row_alone(every_row_decodes):
+    """`gdn_restore_rows_forward` (the rows of an eager fused decode step that restore deferred rows: each row's next
+    chunk from its own prefix checkpoint, the join, then its decode row, in one call of each piece) against
+    `gdn_rows_forward` row by row: chunks of different sizes (one row, fewer rows than the conv kernel, a full
+    chunk), a plan that finishes with this step (P_tail dropped before the decode row), a fixed layout, and rows
+    that stopped (deferred rows only, no decode row); outputs (padding positions zero), live states, conv windows
+    and the prefix checkpoints (state and window at the new end of the restored rows). Padding holds NaN."""
+    import copy
+
+    from handmade_qwen3_5 import tiny_qwen3_5
+
+    from hf_raincheck.gdn_state import GDNStep, PrefixCheckpoint
+    from hf_raincheck.gdn_state.layer import gdn_restore_rows_forward
+    from hf_raincheck.models.qwen3_5 import Qwen3_5GDNGlue
+
+    model = tiny_qwen3_5("eager")
+    module = next(layer.linear_attn for layer in model.model.language_model.layers if hasattr(layer, "linear_attn"))
+    glue = Qwen3_5GDNGlue()
+    heads, key_dim, value_dim, channels, kernel = dims = glue.dims(module)
+    gen = torch.Generator().manual_seed(19)
+    # (deferred rows, decode row, track, fixed)
+    kinds = [(31, True, True, False), (1, True, True, False), (2, True, False, False), (17, True, True, True),
+             (9, True, False, True)]
+    if not every_row_decodes:
+        kinds += [(5, False, True, False), (31, False, False, False)]
+    layers, steps, lengths = [], [], []
+    for j, (count, decode, track, fixed) in enumerate(kinds):
+        layer = _row_layer("state", "K", True, fixed, dims, gen)
+        layer.prefix = PrefixCheckpoint(plan_id=2000 + j,
+                                        recurrent=0.3 * torch.randn(1, heads, key_dim, value_dim, generator=gen),
+                                        conv=torch.randn(1, channels, kernel, generator=gen))
+        layers.append(layer)
+        steps.append(GDNStep(restore_plan=2000 + j, num_restore=count, checkpoint_plan=None, checkpoint_at=0,
+                             track=track, backend="torch"))
+        lengths.append(count + decode)
+    alone = copy.deepcopy(layers)
+    old = [(layer.state.clone(), layer.conv.clone(), layer.prefix.recurrent.clone(), layer.prefix.conv.clone())
+           for layer in layers]
+    before = [(layer.state, layer.conv, layer.prefix.recurrent, layer.prefix.conv) for layer in layers]
+    width = max(lengths)
+    starts = [width - t for t in lengths]
+    _rows_together_equal_rows_alone(gdn_restore_rows_forward, glue, module, layers, alone, steps, starts, width, gen)
+    for j, (layer, expected) in enumerate(zip(layers, alone)):
+        if expected.prefix is not None:
+            assert layer.prefix.plan_id == expected.prefix.plan_id
+            torch.testing.assert_close(layer.prefix.recurrent, expected.prefix.recurrent, atol=1e-5, rtol=1e-4,
+                                       msg=f"row {j} prefix state")
+            torch.testing.assert_close(layer.prefix.conv, expected.prefix.conv, atol=1e-6, rtol=1e-5,
+                                       msg=f"row {j} prefix window")
+    for tensors, copies in zip(before, old):  # the old tensors untouched (a rollback keeps them)
+        for t, c in zip(tensors, copies):
+            assert torch.equal(t, c)
+
+
+def test_a_fused_step_of_restoring_rows_makes_one_kernel_call_per_gdn_layer(monkeypatch):
+    """An eager shared fused step whose rows all restore deferred rows and decode runs each GDN layer's deferred
+    rows in one kernel call and the decode rows in one more (not two per row)."""
+    from hf_raincheck.gdn_state import GDNStep, PrefixCheckpoint, layer as layer_module
+    from hf_raincheck.gdn_state.layer import SharedGDNSteps, gdn_shared_forward
+    from hf_raincheck.models.qwen3_5 import Qwen3_5GDNGlue
+    from handmade_qwen3_5 import tiny_qwen3_5
+
+    model = tiny_qwen3_5("eager")
+    module = next(layer.linear_attn for layer in model.model.language_model.layers if hasattr(layer, "linear_attn"))
+    glue = Qwen3_5GDNGlue()
+    heads, key_dim, value_dim, channels, kernel = dims = glue.dims(module)
+    gen = torch.Generator().manual_seed(23)
+    calls = []
+    real = layer_module.advance
+    monkeypatch.setattr(layer_module, "advance", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    rows = []
+    counts = [4, 3, 4, 2]
+    for j, count in enumerate(counts):
+        layer = _row_layer("state", "K", True, False, dims, gen)
+        layer.prefix = PrefixCheckpoint(plan_id=j, recurrent=torch.zeros(1, heads, key_dim, value_dim),
+                                        conv=torch.zeros(1, channels, kernel))
+        step = GDNStep(restore_plan=j, num_restore=count, checkpoint_plan=None, checkpoint_at=0, track=True,
+                       backend="torch")
+        rows.append((5 - count - 1, step, lambda idx, layer=layer: layer))
+    hidden = torch.randn(len(counts), 5, module.hidden_size, generator=gen)
+    with torch.no_grad():
+        gdn_shared_forward(glue, module, hidden, SharedGDNSteps(rows=rows))
+    assert [tuple(shape[:2]) for shape in calls] == [(4, 5), (4, 1)]

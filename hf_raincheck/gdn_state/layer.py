@@ -175,7 +175,9 @@ def gdn_shared_forward(glue: GDNGlue, module, hidden: torch.Tensor, steps: Share
     call of each piece for all of them); so do the rows that continue a live state with no deferred rows and no
     new plan's boundary (`gdn_prefill_rows_forward`: Full / Hard prompts, text-only prompts, decode rows beside
     them), and those whose live rows hold a new plan's boundary (`gdn_checkpoint_rows_forward`: Raincheck's first
-    prefill with images); the others (rows restoring deferred rows) run one by one."""
+    prefill with images), and those that restore deferred rows and then feed at most one decode row
+    (`gdn_restore_rows_forward`: an eager fused decode step); the others (a prompt after deferred rows) run one by
+    one."""
     out = None
     last = hidden.shape[1] - 1
     decode = [b for b, item in enumerate(steps.rows) if item is not None and _decode_row_only(item, last)]
@@ -194,7 +196,8 @@ def gdn_shared_forward(glue: GDNGlue, module, hidden: torch.Tensor, steps: Share
     else:
         decode = []
     together = set(decode)
-    for kind, fn in ((_live_rows_only, gdn_prefill_rows_forward), (_checkpoint_inside, gdn_checkpoint_rows_forward)):
+    for kind, fn in ((_live_rows_only, gdn_prefill_rows_forward), (_checkpoint_inside, gdn_checkpoint_rows_forward),
+                     (_restore_then_decode, gdn_restore_rows_forward)):
         chosen = [b for b, item in enumerate(steps.rows) if item is not None and b not in together and kind(item, last)]
         if len(chosen) < 2:
             continue
@@ -243,6 +246,14 @@ def _checkpoint_inside(item, last: int) -> bool:
             and 0 < step.checkpoint_at < last + 1 - start)
 
 
+def _restore_then_decode(item, last: int) -> bool:
+    """Whether a batch row's rows in a shared forward are deferred rows of its pending plan followed by at most one
+    decode row (no new plan's boundary): an eager fused decode step."""
+    start, step, _ = item
+    return (start <= last and step.num_restore > 0 and step.checkpoint_plan is None
+            and last + 1 - start - step.num_restore in (0, 1))
+
+
 def _cached_index(cache: dict, rows, device) -> torch.Tensor:
     """A long tensor of `rows` on `device`, built once per forward (each GDN layer would copy it host to device)."""
     key = ("index", tuple(rows), device)
@@ -280,21 +291,20 @@ def _checkpoint_indices(cache: dict, starts, cuts, length: int, kernel: int, dev
     return got
 
 
-def _placed_windows(cache: dict, qkv, starts, layers, kernel: int) -> torch.Tensor:
+def _placed_windows(cache: dict, qkv, starts, windows, kernel: int) -> torch.Tensor:
     """``[n, C, kernel + q]``: each row's rows (positions ``starts[j]:`` of `qkv`, at ``kernel + starts[j]:``) with
-    its live conv window right before them (a missing one: zeros); the positions before hold padding inputs, read
-    only by padding positions."""
+    its conv window ``windows[j]`` (``[1, C, kernel]``; None: zeros) right before them; the positions before hold
+    padding inputs, read only by padding positions."""
     n, channels, length = qkv.shape
     zeros = None
-    windows = []
-    for layer in layers:
-        if layer.conv is None:
+    placed = []
+    for window in windows:
+        if window is None:
             if zeros is None:
                 zeros = qkv.new_zeros(1, channels, kernel)
-            windows.append(zeros)
-        else:
-            windows.append(layer.conv)
-    stacked = torch.cat([torch.cat(windows), qkv], dim=-1)  # [n, C, kernel + q]: windows first
+            window = zeros
+        placed.append(window)
+    stacked = torch.cat([torch.cat(placed), qkv], dim=-1)  # [n, C, kernel + q]: windows first
     key = ("conv_index", tuple(starts), length, kernel, qkv.device)
     where = cache.get(key)
     if where is None:
@@ -407,7 +417,7 @@ def gdn_prefill_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, starts
         conv_out = glue.conv_full(module, full)
         new_windows = conv_window(full, kernel)
     else:
-        full = _placed_windows(cache, qkv, starts, layers, kernel)
+        full = _placed_windows(cache, qkv, starts, [layer.conv for layer in layers], kernel)
         conv_out = glue.conv_full(module, full)[:, -length:]
         new_windows = full[..., -kernel:].contiguous()
     q, k, v, g, beta = glue.factors(module, conv_out, a, b)
@@ -456,7 +466,7 @@ def gdn_checkpoint_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, sta
         # `_placed_windows` would place there (one pad instead of its concatenations and gather per GDN layer)
         full = F.pad(qkv, (kernel, 0))
     else:
-        full = _placed_windows(cache, qkv, starts, layers, kernel)
+        full = _placed_windows(cache, qkv, starts, [layer.conv for layer in layers], kernel)
     conv_out = glue.conv_full(module, full)[:, -length:]
     boundary_windows = full.gather(-1, where.expand(-1, channels, -1))
     end_windows = full[..., -kernel:].contiguous()
@@ -487,6 +497,85 @@ def gdn_checkpoint_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, sta
         if layer.fixed and layer.carry == 0:
             layer.add_transition_columns(key_dim)
     core = torch.cat([out1[:, :-tail], torch.where(after[:, :, None, None], out2, out1[:, -tail:])], dim=1)
+    return _zero_padding(glue.output(module, core, z), valid)
+
+
+def gdn_restore_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, starts: list[int],
+                             layers: list[GDNLayerState], steps: list[GDNStep], cache: dict | None = None):
+    """`gdn_rows_forward` for n batch rows that each restore deferred rows of their pending plan and then feed at
+    most one decode row (``num_restore > 0``, no new plan's boundary: an eager fused decode step; a row that stopped
+    restores without a decode row), in one call of each piece for all of them: one short conv (every row's deferred
+    rows after its prefix window, then every decode row after its live window), one kernel call for the deferred
+    rows from the stacked prefix checkpoints, every row's join at once, one kernel call per P_tail width for the
+    decode rows. `hidden` ``[n, q, hidden]``, right-aligned as in `gdn_prefill_rows_forward`: row j's rows are
+    positions ``starts[j]:``, its deferred rows first. Returns ``[n, q, hidden]`` (padding positions zero)."""
+    cache = {} if cache is None else cache
+    num_v_heads, key_dim, value_dim, channels, kernel = glue.dims(module)
+    n, length = hidden.shape[0], hidden.shape[1]
+    if len(starts) != n or len(layers) != n or len(steps) != n:
+        raise ValueError("gdn_restore_rows_forward: starts, layers and steps need one entry per row of hidden")
+    ends, alive = [], []
+    for start, step, layer in zip(starts, steps, layers):
+        live = length - start - step.num_restore
+        if not 0 <= start < length or step.num_restore < 1 or step.checkpoint_plan is not None or live not in (0, 1):
+            raise ValueError("gdn_restore_rows_forward: every row needs deferred rows then at most one decode row (no "
+                             f"checkpoint) and 0 <= start < {length}, got start {start}")
+        prefix = layer.prefix
+        if prefix is None or prefix.plan_id != step.restore_plan or not layer.carry:
+            raise RuntimeError("Raincheck GDN state: deferred rows without the checkpoint of their plan")
+        ends.append(start + step.num_restore)
+        alive.append(live == 1)
+    every = all(alive)
+    qkv, z, b, a = glue.project(module, hidden)
+    valid, restoring, _, where = _checkpoint_indices(cache, starts, ends, length, kernel, hidden.device)
+    qkv = _zero_padding_inputs(qkv, valid)
+    # [prefix window | deferred rows (right-aligned; a decode row at the end)] then [live window | decode row]: each
+    # conv output reads the `kernel` inputs up to its own, so one conv serves both; the outputs over the live window
+    # are not used
+    placed = _placed_windows(cache, qkv, starts, [layer.prefix.conv for layer in layers], kernel)
+    live_windows = torch.cat([layer.conv for layer in layers])
+    full = torch.cat([placed, live_windows, qkv[..., -1:]], dim=-1)
+    conv_out = glue.conv_full(module, full)[:, kernel:]
+    prefix_windows = (placed[..., length - 1 : length - 1 + kernel] if every
+                      else placed.gather(-1, where.expand(-1, channels, -1)))
+    end_windows = full[..., -kernel:]
+    q, k, v, g, beta = glue.factors(module, conv_out, a, b)
+    q, k, v = (t.split([length, kernel, 1], dim=1) for t in (q, k, v))
+    g1, beta1 = _inert(restoring, g, beta)
+    backend = steps[0].backend
+    old_prefix = torch.cat([layer.prefix.recurrent for layer in layers])
+    out1, new_prefix = advance(backend, q[0], k[0], v[0], g1, beta1, old_prefix)
+    # every row's join at once: S_live += P_tail (S_prefix_new - S_prefix_old)
+    states = torch.cat([layer.state for layer in layers])
+    transition = states[..., value_dim:]
+    joined = torch.baddbmm(states[..., :value_dim].reshape(-1, key_dim, value_dim),
+                           transition.reshape(-1, key_dim, key_dim),
+                           (new_prefix - old_prefix).reshape(-1, key_dim, value_dim))
+    joined = torch.cat([joined.view(n, num_v_heads, key_dim, value_dim), transition], dim=-1)
+    for j, layer in enumerate(layers):
+        layer.prefix.recurrent = new_prefix[j : j + 1]
+        layer.prefix.conv = prefix_windows[j : j + 1]
+        layer.set_state(joined[j : j + 1], value_dim)
+    members = [j for j in range(n) if alive[j]]
+    if not members:
+        core = out1
+    else:
+        for j in members:
+            if not steps[j].track and layers[j].carry:  # (the plan finished with this step: P_tail is dropped)
+                layers[j].release()
+        pick = (lambda t: t) if every else (lambda t: t.index_select(0, _cached_index(cache, members, t.device)))
+        q2, k2, v2 = pick(q[2]), pick(k[2]), pick(v[2])
+        g2, beta2 = pick(g[:, -1:]), pick(beta[:, -1:])
+        live_layers = [layers[j] for j in members]
+        out2, finals, _ = _advance_rows(cache, backend, q2, k2, v2, g2, beta2, [layer.state for layer in live_layers],
+                                        [layer.carry for layer in live_layers], (num_v_heads, key_dim, value_dim),
+                                        stacked=joined if every and all(step.track for step in steps) else None)
+        for i, layer in enumerate(live_layers):
+            layer.set_state(finals[i], value_dim)
+            layer.conv = end_windows[members[i] : members[i] + 1]
+        if not every:
+            out2 = out1[:, -1:].index_copy(0, _cached_index(cache, members, out1.device), out2)
+        core = torch.cat([out1[:, :-1], out2], dim=1)
     return _zero_padding(glue.output(module, core, z), valid)
 
 
