@@ -457,3 +457,55 @@ def test_a_fused_step_of_restoring_rows_makes_one_kernel_call_per_gdn_layer(monk
     with torch.no_grad():
         gdn_shared_forward(glue, module, hidden, SharedGDNSteps(rows=rows))
     assert [tuple(shape[:2]) for shape in calls] == [(4, 5), (4, 1)]
+
+
+def _python_aten_calls(fn) -> int:
+    """aten operators called from Python (none above them) while `fn` runs."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    count = 0
+    for event in prof.events():
+        if not event.name.startswith("aten::"):
+            continue
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        count += parent is None
+    return count
+
+
+@pytest.mark.parametrize("kind", ["decode", "restore"])
+def test_batched_gdn_step_host_work_does_not_grow_with_the_rows(kind):
+    """Eager steps are host-bound on a GPU: the batched GDN pieces of a shared step (decode rows; rows restoring
+    deferred rows then decoding) call the same number of aten operators from Python for 2 rows as for 8 (each row's
+    new states are views made by one `split` per tensor, not a slice per row)."""
+    from handmade_qwen3_5 import tiny_qwen3_5
+
+    from hf_raincheck.gdn_state import GDNStep, PrefixCheckpoint
+    from hf_raincheck.gdn_state.layer import gdn_decode_rows_forward, gdn_restore_rows_forward
+    from hf_raincheck.models.qwen3_5 import Qwen3_5GDNGlue
+
+    model = tiny_qwen3_5("eager")
+    module = next(layer.linear_attn for layer in model.model.language_model.layers if hasattr(layer, "linear_attn"))
+    glue = Qwen3_5GDNGlue()
+    heads, key_dim, value_dim, channels, kernel = dims = glue.dims(module)
+    gen = torch.Generator().manual_seed(29)
+
+    def calls(n: int) -> int:
+        layers, steps = [], []
+        for j in range(n):
+            layer = _row_layer("state", "K", True, False, dims, gen)
+            layer.prefix = PrefixCheckpoint(plan_id=j, recurrent=torch.zeros(1, heads, key_dim, value_dim),
+                                            conv=torch.zeros(1, channels, kernel))
+            layers.append(layer)
+            steps.append(GDNStep(restore_plan=j if kind == "restore" else None, num_restore=3 if kind == "restore"
+                                 else 0, checkpoint_plan=None, checkpoint_at=0, track=True, backend="torch"))
+        with torch.no_grad():
+            if kind == "decode":
+                hidden = torch.randn(n, 1, module.hidden_size, generator=gen)
+                return _python_aten_calls(lambda: gdn_decode_rows_forward(glue, module, hidden, layers, steps))
+            hidden = torch.randn(n, 4, module.hidden_size, generator=gen)
+            return _python_aten_calls(lambda: gdn_restore_rows_forward(glue, module, hidden, [0] * n, layers, steps))
+
+    calls(2)  # (first calls build persistent zeros: `ops.zero_like`)
+    assert calls(8) == calls(2)

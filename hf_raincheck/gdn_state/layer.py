@@ -355,8 +355,8 @@ def _advance_rows(cache: dict, backend: str, q, k, v, g, beta, states: list, car
             if core is None:
                 core = out.new_zeros((n,) + tuple(out.shape[1:]))
             core.index_copy_(0, _cached_index(cache, members, q.device), out)
-        for i, j in enumerate(members):
-            finals[j] = final[i : i + 1]
+        for j, row in zip(members, final.split(1)):  # (one call for every row's view: eager steps are host-bound)
+            finals[j] = row
     return core, finals, whole
 
 
@@ -427,9 +427,9 @@ def gdn_prefill_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, starts
             layer.release()
     core, finals, _ = _advance_rows(cache, steps[0].backend, q, k, v, g, beta, [layer.state for layer in layers],
                                     [layer.carry for layer in layers], (num_v_heads, key_dim, value_dim))
-    for j, layer in enumerate(layers):
-        layer.set_state(finals[j], value_dim)
-        layer.conv = new_windows[j : j + 1]
+    for layer, final, window in zip(layers, finals, new_windows.split(1)):
+        layer.set_state(final, value_dim)
+        layer.conv = window
         if layer.fixed and layer.carry == 0:  # a fixed layer's first forward: its rows ran without P_tail's columns
             layer.add_transition_columns(key_dim)
     return _zero_padding(glue.output(module, core, z), valid)
@@ -482,18 +482,18 @@ def gdn_checkpoint_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, sta
     # identities would cost launches per row and GDN layer): the boundary states stacked, one concatenation with a
     # cached identity; each row's checkpoint and live state are rows of these new tensors (never written in place)
     tails = torch.cat([boundary, _identity(cache, n, num_v_heads, key_dim, boundary.device)], dim=-1)
-    for j, (layer, step) in enumerate(zip(layers, steps)):
-        layer.start_tail(step.checkpoint_plan, boundary[j : j + 1], boundary_windows[j : j + 1], tails[j : j + 1],
-                         value_dim)
+    for layer, step, recurrent, window, tail_state in zip(layers, steps, boundary.split(1), boundary_windows.split(1),
+                                                          tails.split(1)):
+        layer.start_tail(step.checkpoint_plan, recurrent, window, tail_state, value_dim)
         if not step.track and layer.carry:
             layer.release()
     g2, beta2 = _inert(after, g[:, -tail:], beta[:, -tail:])
     out2, finals, _ = _advance_rows(cache, backend, q[:, -tail:], k[:, -tail:], v[:, -tail:], g2, beta2,
                                     [layer.state for layer in layers], [layer.carry for layer in layers], dims,
                                     stacked=tails if all(step.track for step in steps) else None)
-    for j, layer in enumerate(layers):
-        layer.set_state(finals[j], value_dim)
-        layer.conv = end_windows[j : j + 1]
+    for layer, final, window in zip(layers, finals, end_windows.split(1)):
+        layer.set_state(final, value_dim)
+        layer.conv = window
         if layer.fixed and layer.carry == 0:
             layer.add_transition_columns(key_dim)
     core = torch.cat([out1[:, :-tail], torch.where(after[:, :, None, None], out2, out1[:, -tail:])], dim=1)
@@ -552,27 +552,35 @@ def gdn_restore_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, starts
                            transition.reshape(-1, key_dim, key_dim),
                            (new_prefix - old_prefix).reshape(-1, key_dim, value_dim))
     joined = torch.cat([joined.view(n, num_v_heads, key_dim, value_dim), transition], dim=-1)
-    for j, layer in enumerate(layers):
-        layer.prefix.recurrent = new_prefix[j : j + 1]
-        layer.prefix.conv = prefix_windows[j : j + 1]
-        layer.set_state(joined[j : j + 1], value_dim)
-    members = [j for j in range(n) if alive[j]]
+    # per-row views by one `split` each (eager steps are host-bound: a slice per row and GDN layer adds up); a row
+    # that decodes gets its joined state only as the decode call's input
+    members, live_states = [], []
+    for j, (layer, step, recurrent, window, state) in enumerate(zip(layers, steps, new_prefix.split(1),
+                                                                    prefix_windows.split(1), joined.split(1))):
+        layer.prefix.recurrent, layer.prefix.conv = recurrent, window
+        if alive[j] and step.track:
+            members.append(j)
+            live_states.append(state)
+            continue
+        layer.set_state(state, value_dim)
+        if alive[j]:  # the plan finished with this step: P_tail is dropped before the decode row
+            layer.release()
+            members.append(j)
+            live_states.append(layer.state)
     if not members:
         core = out1
     else:
-        for j in members:
-            if not steps[j].track and layers[j].carry:  # (the plan finished with this step: P_tail is dropped)
-                layers[j].release()
         pick = (lambda t: t) if every else (lambda t: t.index_select(0, _cached_index(cache, members, t.device)))
         q2, k2, v2 = pick(q[2]), pick(k[2]), pick(v[2])
         g2, beta2 = pick(g[:, -1:]), pick(beta[:, -1:])
-        live_layers = [layers[j] for j in members]
-        out2, finals, _ = _advance_rows(cache, backend, q2, k2, v2, g2, beta2, [layer.state for layer in live_layers],
-                                        [layer.carry for layer in live_layers], (num_v_heads, key_dim, value_dim),
+        out2, finals, _ = _advance_rows(cache, backend, q2, k2, v2, g2, beta2, live_states,
+                                        [state.shape[-1] - value_dim for state in live_states],
+                                        (num_v_heads, key_dim, value_dim),
                                         stacked=joined if every and all(step.track for step in steps) else None)
-        for i, layer in enumerate(live_layers):
-            layer.set_state(finals[i], value_dim)
-            layer.conv = end_windows[members[i] : members[i] + 1]
+        windows = end_windows.split(1)
+        for j, final in zip(members, finals):
+            layers[j].set_state(final, value_dim)
+            layers[j].conv = windows[j]
         if not every:
             out2 = out1[:, -1:].index_copy(0, _cached_index(cache, members, out1.device), out2)
         core = torch.cat([out1[:, :-1], out2], dim=1)
@@ -602,10 +610,9 @@ def gdn_decode_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layers:
     states = torch.cat([layer.state if c == most else F.pad(layer.state, (0, most - c))
                         for layer, c in zip(layers, carries)])
     out, final = advance(steps[0].backend, q, k, v, g, beta, states, most)
-    for j, (layer, c) in enumerate(zip(layers, carries)):
-        state = final[j : j + 1]
+    for layer, c, state, window in zip(layers, carries, final.split(1), new_windows.split(1)):
         layer.set_state(state if c == most else state[..., : value_dim + c].contiguous(), value_dim)
-        layer.conv = new_windows[j : j + 1]
+        layer.conv = window
     return glue.output(module, out, z)
 
 
