@@ -3,6 +3,7 @@
     python benchmarks/step_ops.py                        # tiny Qwen3-VL and Qwen3.5 on the CPU, ~1 min
     python benchmarks/step_ops.py --save                 # also results/step_ops.json
     python benchmarks/step_ops.py --ops fused            # the operators of one fused step, by name
+    python benchmarks/step_ops.py --batch-size 8 --save --out benchmarks/results/step_ops_b8.json   # a batch's steps
 
 Eager (dynamic-cache) steps are host-bound on a GPU: each operator costs the host its dispatch (and, on a GPU,
 most of them a kernel launch), whatever the rows. This counts, per model forward of a whole answer, the aten
@@ -15,6 +16,10 @@ shape queries or allocations), the aten operators called from Python, and the ho
 * ``raincheck, pending``: a decode-only step while deferred slots are still empty (before and between chunks);
 * ``raincheck, fused``: a decode step carrying a deferred chunk;
 * ``raincheck, restored``: a decode step after everything is restored.
+
+``--batch-size B`` (> 1): one left-padded batch of B rows (each its own image and question length) in the shared
+engine (`hf_raincheck.generation.shared_batch`); a step is one forward of the whole batch (fused: some row carries
+deferred rows; pending / restored: a decode-only step while some row's plan is pending / after all are restored).
 
 Tiny random models of `benchmarks/shapes.py` (``tiny``, ``tiny-qwen3.5``), fp32, a 256-token image; the counts
 do not depend on the model's width, only on its layer count and kinds (4 layers: Qwen3.5's 3 GDN + 1 attention).
@@ -52,6 +57,8 @@ from hf_raincheck.gdn_state import kernels as gdn_kernels  # noqa: E402
 from hf_raincheck.attention import sdpa  # noqa: E402
 from hf_raincheck.generation import enable as enable_module  # noqa: E402
 from hf_raincheck.generation import rows as rows_module  # noqa: E402
+from hf_raincheck.generation import shared_batch  # noqa: E402
+from hf_raincheck.conversation import batch_inputs  # noqa: E402
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5_modeling  # noqa: E402
 
 POLICIES = ("plain", "full", "hard", "raincheck")
@@ -166,14 +173,26 @@ def _step_kind(policy: str, plan, restored_before, pending_before) -> str:
     return "raincheck, restored"
 
 
-def run(shape: str, policy: str, image_tokens: int, new_tokens: int, count: bool, where: bool = False):
-    """Per forward of one answer: (kind, summary or host seconds, Counter or None)."""
+def _batch(image_tokens: int, batch_size: int) -> dict:
+    """A left-padded batch of `batch_size` rows (row i: seed i, a question 3 * (i % 4) tokens longer), as
+    ``batch.py`` builds one."""
+    rows = [shapes.build_inputs(image_tokens, 8, 8 + 3 * (i % 4), "cpu", torch.float32, seed=i)
+            for i in range(batch_size)]
+    return dict(batch_inputs(rows, 0))  # (shapes.build_model's pad_token_id)
+
+
+def run(shape: str, policy: str, image_tokens: int, new_tokens: int, count: bool, where: bool = False,
+        batch_size: int = 1):
+    """Per forward of one answer: (kind, summary or host seconds, Counter or None). ``batch_size > 1``: one answer
+    of a batch in the shared engine (`generation.shared_batch`), its steps counted for the whole batch."""
     model = enable_raincheck(shapes.build_model(shape, "cpu", torch.float32))
-    inputs = shapes.build_inputs(image_tokens, 8, 8, "cpu", torch.float32)
+    inputs = shapes.build_inputs(image_tokens, 8, 8, "cpu", torch.float32) if batch_size == 1 else _batch(
+        image_tokens, batch_size)
     records = []
     state = model._raincheck_state
     original_turn_step = enable_module._turn_step
     original_forward = state.original_forward
+    original_shared = (shared_batch.run_shared_step, shared_batch.run_shared_decode)
 
     def measured(fn, kind_of):
         def call(*args, **kwargs):
@@ -207,6 +226,14 @@ def run(shape: str, policy: str, image_tokens: int, new_tokens: int, count: bool
             return None
         return _step_kind(policy, plan, restored, pending)
 
+    def shared_fused_kind(before, args, kwargs):  # a shared step carrying deferred rows (Raincheck only)
+        return True if before is None else "raincheck, fused"
+
+    def shared_decode_kind(before, args, kwargs):  # a shared decode-only step
+        if before is None:
+            return any(c.plan is not None and c.plan.pending for c in args[1].rows)
+        return policy if policy != "raincheck" else ("raincheck, pending" if before else "raincheck, restored")
+
     plain_calls = []
 
     def plain_kind(before, args, kwargs):
@@ -224,6 +251,8 @@ def run(shape: str, policy: str, image_tokens: int, new_tokens: int, count: bool
     # plain generate calls transformers' GDN functions by their module names: the same one-operator count
     hf_gdn = {name: getattr(qwen3_5_modeling, name) for name in HF_GDN_FUNCTIONS}
     enable_module._turn_step = measured(original_turn_step, turn_kind)
+    shared_batch.run_shared_step = measured(original_shared[0], shared_fused_kind)
+    shared_batch.run_shared_decode = measured(original_shared[1], shared_decode_kind)
     state.original_forward = measured(original_forward, plain_kind)
     gdn_kernels.gated_delta = gdn_kernel
     for name, fn in hf_gdn.items():
@@ -237,6 +266,7 @@ def run(shape: str, policy: str, image_tokens: int, new_tokens: int, count: bool
             model.generate(**inputs, **kwargs)
     finally:
         enable_module._turn_step = original_turn_step
+        shared_batch.run_shared_step, shared_batch.run_shared_decode = original_shared
         state.original_forward = original_forward
         gdn_kernels.gated_delta = original_kernel
         for name, fn in hf_gdn.items():
@@ -250,6 +280,8 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default="tiny,tiny-qwen3.5", help="comma list of shapes.py's tiny shapes")
     parser.add_argument("--image-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=40)
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="rows of one left-padded batch (> 1: the shared engine's steps, counted per batch step)")
     parser.add_argument("--ops", default="", help="print the operators of one step of this kind by name "
                                                   "(plain, full, pending, fused, restored)")
     parser.add_argument("--save", action="store_true", help="write results/step_ops.json")
@@ -260,8 +292,9 @@ def main(argv=None) -> int:
     table = []
     for shape in args.models.split(","):
         for policy in POLICIES:
-            counted = run(shape, policy, args.image_tokens, args.new_tokens, count=True, where=bool(args.ops))
-            timed = run(shape, policy, args.image_tokens, args.new_tokens, count=False)
+            counted = run(shape, policy, args.image_tokens, args.new_tokens, count=True, where=bool(args.ops),
+                          batch_size=args.batch_size)
+            timed = run(shape, policy, args.image_tokens, args.new_tokens, count=False, batch_size=args.batch_size)
             by_kind = collections.defaultdict(list)
             for kind, _, ops in counted:
                 by_kind[kind].append(ops)
@@ -270,7 +303,7 @@ def main(argv=None) -> int:
                 times[kind].append(seconds)
             for kind, steps in by_kind.items():
                 summaries = [_summary(*ops[:2]) for ops in steps]
-                row = dict(model=shape, step=kind, steps=len(steps),
+                row = dict(model=shape, batch_size=args.batch_size, step=kind, steps=len(steps),
                            host_us=round(1e6 * statistics.median(times[kind]), 1) if times[kind] else None)
                 for key in ("calls", "kernels", "syncs"):
                     row[key] = statistics.median(s[key] for s in summaries)

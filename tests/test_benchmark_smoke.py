@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD_KEYS = {"model", "workload", "policy", "chunk_size", "fused", "ttft_ms", "tpot_ms", "restore_step_ms",
                "decode_step_ms", "e2e_ms", "restored_at_token", "peak_mem_gib", "cache", "gpus", "step_ms",
@@ -219,13 +221,16 @@ def test_quality_quick_writes_the_issue_records(tmp_path):
         assert abs(rain["accuracy"] - full) <= 0.1
 
 
-def test_step_ops_counts_operators_per_step_kind(tmp_path):
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_step_ops_counts_operators_per_step_kind(tmp_path, batch_size):
     """benchmarks/step_ops.py on the CPU: every step kind of a Raincheck answer is counted, and the steps after
-    restoration run exactly Full's operators (a restored cache is laid out as Full's, rule 6); the JSON has the rows."""
+    restoration run exactly Full's operators (a restored cache is laid out as Full's, rule 6); the JSON has the rows.
+    A batch (the shared engine's steps) too."""
     out_file = tmp_path / "step_ops.json"
     out = run_script(["benchmarks/step_ops.py", "--models", "tiny", "--image-tokens", "64", "--new-tokens", "24",
-                      "--save", "--out", str(out_file)], tmp_path)
+                      "--batch-size", str(batch_size), "--save", "--out", str(out_file)], tmp_path)
     rows = {r["step"]: r for r in json.loads(out_file.read_text())["rows"]}
+    assert all(r["batch_size"] == batch_size for r in rows.values())
     assert set(rows) == {"plain", "full", "hard", "raincheck, pending", "raincheck, fused", "raincheck, restored"}, out
     assert rows["raincheck, restored"]["kernels"] == rows["full"]["kernels"] > 0
     assert rows["raincheck, fused"]["kernels"] > rows["full"]["kernels"]
