@@ -509,3 +509,18 @@ def test_batched_gdn_step_host_work_does_not_grow_with_the_rows(kind):
 
     calls(2)  # (first calls build persistent zeros: `ops.zero_like`)
     assert calls(8) == calls(2)
+
+
+def test_stacked_rows_reuses_the_tensor_a_split_came_from():
+    """`stacked_rows` equals ``torch.cat`` always, and is the very tensor whose `split` gave the rows when they are all
+    of its rows in order (a batch's GDN states from one step to the next: no copy per GDN layer and step)."""
+    from hf_raincheck.gdn_state.layer import stacked_rows
+
+    whole = torch.randn(4, 3, 5)
+    rows = list(whole.split(1))
+    assert stacked_rows(rows) is whole
+    for other in (rows[::-1], rows[:3], rows[1:], [rows[0], rows[1].clone(), rows[2], rows[3]],
+                  list(whole[:, :, :4].split(1)), [r.clone() for r in rows]):
+        got = stacked_rows(other)
+        assert got is not whole and torch.equal(got, torch.cat(other))
+    assert stacked_rows(rows[:1]) is rows[0]

@@ -254,6 +254,20 @@ def _restore_then_decode(item, last: int) -> bool:
             and last + 1 - start - step.num_restore in (0, 1))
 
 
+def stacked_rows(tensors: list) -> torch.Tensor:
+    """``torch.cat(tensors)`` of ``[1, ...]`` tensors, without the copy when they are, in order, every row of one
+    tensor (the `split` of the forward that made them: a batch's GDN states from one step to the next); then that
+    tensor itself, which aliases them: callers only read it."""
+    first = tensors[0]
+    base = first._base
+    if (base is not None and base.shape[0] == len(tensors) and base.shape[1:] == first.shape[1:]
+            and base.stride() == first.stride()):
+        offset, step = base.storage_offset(), base.stride(0)
+        if all(t._base is base and t.storage_offset() == offset + j * step for j, t in enumerate(tensors)):
+            return base
+    return first if len(tensors) == 1 else torch.cat(tensors)
+
+
 def _cached_index(cache: dict, rows, device) -> torch.Tensor:
     """A long tensor of `rows` on `device`, built once per forward (each GDN layer would copy it host to device)."""
     key = ("index", tuple(rows), device)
@@ -347,7 +361,7 @@ def _advance_rows(cache: dict, backend: str, q, k, v, g, beta, states: list, car
                     if zero is None:
                         zero = torch.zeros(1, num_v_heads, key_dim, value_dim, dtype=torch.float32, device=q.device)
                     group[i] = zero
-            state = group[0] if len(group) == 1 else torch.cat(group)
+            state = stacked_rows(group)
         out, final = advance(backend, qg, kg, vg, gg, bg, state, c)
         if len(members) == n:
             core, whole = out, final
@@ -533,7 +547,7 @@ def gdn_restore_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, starts
     # conv output reads the `kernel` inputs up to its own, so one conv serves both; the outputs over the live window
     # are not used
     placed = _placed_windows(cache, qkv, starts, [layer.prefix.conv for layer in layers], kernel)
-    live_windows = torch.cat([layer.conv for layer in layers])
+    live_windows = stacked_rows([layer.conv for layer in layers])
     full = torch.cat([placed, live_windows, qkv[..., -1:]], dim=-1)
     conv_out = glue.conv_full(module, full)[:, kernel:]
     prefix_windows = (placed[..., length - 1 : length - 1 + kernel] if every
@@ -543,10 +557,10 @@ def gdn_restore_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, starts
     q, k, v = (t.split([length, kernel, 1], dim=1) for t in (q, k, v))
     g1, beta1 = _inert(restoring, g, beta)
     backend = steps[0].backend
-    old_prefix = torch.cat([layer.prefix.recurrent for layer in layers])
+    old_prefix = stacked_rows([layer.prefix.recurrent for layer in layers])
     out1, new_prefix = advance(backend, q[0], k[0], v[0], g1, beta1, old_prefix)
     # every row's join at once: S_live += P_tail (S_prefix_new - S_prefix_old)
-    states = torch.cat([layer.state for layer in layers])
+    states = stacked_rows([layer.state for layer in layers])
     transition = states[..., value_dim:]
     joined = torch.baddbmm(states[..., :value_dim].reshape(-1, key_dim, value_dim),
                            transition.reshape(-1, key_dim, key_dim),
@@ -601,14 +615,14 @@ def gdn_decode_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layers:
             raise RuntimeError("Raincheck GDN state: a decode row without a live state")
         if not step.track and layer.carry:  # (the pending plan finished: its P_tail is no longer extended)
             layer.release()
-    windows = layers[0].conv if len(layers) == 1 else torch.cat([layer.conv for layer in layers])
+    windows = stacked_rows([layer.conv for layer in layers])
     conv_out, new_windows = glue.conv(module, qkv, windows)
     q, k, v, g, beta = glue.factors(module, conv_out, a, b)
     value_dim = layers[0].value_dim
     carries = [layer.carry for layer in layers]
     most = max(carries)
-    states = torch.cat([layer.state if c == most else F.pad(layer.state, (0, most - c))
-                        for layer, c in zip(layers, carries)])
+    states = stacked_rows([layer.state if c == most else F.pad(layer.state, (0, most - c))
+                           for layer, c in zip(layers, carries)])
     out, final = advance(steps[0].backend, q, k, v, g, beta, states, most)
     for layer, c, state, window in zip(layers, carries, final.split(1), new_windows.split(1)):
         layer.set_state(state if c == most else state[..., : value_dim + c].contiguous(), value_dim)
