@@ -373,13 +373,14 @@ def test_checkpoint_rows_together_equal_each_row_alone(first_turn_only):
             torch.testing.assert_close(layer.prefix.conv, expected.prefix.conv, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("every_row_decodes", [True, False])
-def test_restore_rows_together_equal_each_row_alone(every_row_decodes):
+@pytest.mark.parametrize("rows", ["decode", "stopped", "uniform"])
+def test_restore_rows_together_equal_each_row_alone(rows):
     """`gdn_restore_rows_forward` (the rows of an eager fused decode step that restore deferred rows: each row's next
     chunk from its own prefix checkpoint, the join, then its decode row, in one call of each piece) against
     `gdn_rows_forward` row by row: chunks of different sizes (one row, fewer rows than the conv kernel, a full
     chunk), a plan that finishes with this step (P_tail dropped before the decode row), a fixed layout, and rows
-    that stopped (deferred rows only, no decode row); outputs (padding positions zero), live states, conv windows
+    that stopped (deferred rows only, no decode row); every row carrying as many rows and decoding (no padding: the
+    common step at large batches); outputs (padding positions zero), live states, conv windows
     and the prefix checkpoints (state and window at the new end of the restored rows). Padding holds NaN."""
     import copy
 
@@ -397,8 +398,10 @@ def test_restore_rows_together_equal_each_row_alone(every_row_decodes):
     # (deferred rows, decode row, track, fixed)
     kinds = [(31, True, True, False), (1, True, True, False), (2, True, False, False), (17, True, True, True),
              (9, True, False, True)]
-    if not every_row_decodes:
+    if rows == "stopped":
         kinds += [(5, False, True, False), (31, False, False, False)]
+    if rows == "uniform":
+        kinds = [(8, True, True, False), (8, True, True, False), (8, True, False, False), (8, True, True, True)]
     layers, steps, lengths = [], [], []
     for j, (count, decode, track, fixed) in enumerate(kinds):
         layer = _row_layer("state", "K", True, fixed, dims, gen)

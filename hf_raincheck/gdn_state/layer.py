@@ -540,13 +540,18 @@ def gdn_restore_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, starts
         ends.append(start + step.num_restore)
         alive.append(live == 1)
     every = all(alive)
+    # every row carries as many deferred rows and decodes (the common fused step): no padding, nothing inert
+    uniform = every and not any(starts)
     qkv, z, b, a = glue.project(module, hidden)
-    valid, restoring, _, where = _checkpoint_indices(cache, starts, ends, length, kernel, hidden.device)
-    qkv = _zero_padding_inputs(qkv, valid)
+    if not uniform:
+        valid, restoring, _, where = _checkpoint_indices(cache, starts, ends, length, kernel, hidden.device)
+        qkv = _zero_padding_inputs(qkv, valid)
     # [prefix window | deferred rows (right-aligned; a decode row at the end)] then [live window | decode row]: each
     # conv output reads the `kernel` inputs up to its own, so one conv serves both; the outputs over the live window
-    # are not used
-    placed = _placed_windows(cache, qkv, starts, [layer.prefix.conv for layer in layers], kernel)
+    # (and, for the deferred rows' kernel call, over the decode row) are not used
+    prefix_convs = [layer.prefix.conv for layer in layers]
+    placed = (torch.cat([stacked_rows(prefix_convs), qkv], dim=-1) if uniform
+              else _placed_windows(cache, qkv, starts, prefix_convs, kernel))
     live_windows = stacked_rows([layer.conv for layer in layers])
     full = torch.cat([placed, live_windows, qkv[..., -1:]], dim=-1)
     conv_out = glue.conv_full(module, full)[:, kernel:]
@@ -555,10 +560,13 @@ def gdn_restore_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, starts
     end_windows = full[..., -kernel:]
     q, k, v, g, beta = glue.factors(module, conv_out, a, b)
     q, k, v = (t.split([length, kernel, 1], dim=1) for t in (q, k, v))
-    g1, beta1 = _inert(restoring, g, beta)
+    if uniform:
+        q1, k1, v1, g1, beta1 = q[0][:, :-1], k[0][:, :-1], v[0][:, :-1], g[:, :-1], beta[:, :-1]
+    else:
+        (q1, k1, v1), (g1, beta1) = (q[0], k[0], v[0]), _inert(restoring, g, beta)
     backend = steps[0].backend
     old_prefix = stacked_rows([layer.prefix.recurrent for layer in layers])
-    out1, new_prefix = advance(backend, q[0], k[0], v[0], g1, beta1, old_prefix)
+    out1, new_prefix = advance(backend, q1, k1, v1, g1, beta1, old_prefix)
     # every row's join at once: S_live += P_tail (S_prefix_new - S_prefix_old)
     states = stacked_rows([layer.state for layer in layers])
     transition = states[..., value_dim:]
@@ -597,8 +605,9 @@ def gdn_restore_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, starts
             layers[j].conv = windows[j]
         if not every:
             out2 = out1[:, -1:].index_copy(0, _cached_index(cache, members, out1.device), out2)
-        core = torch.cat([out1[:, :-1], out2], dim=1)
-    return _zero_padding(glue.output(module, core, z), valid)
+        core = torch.cat([out1 if uniform else out1[:, :-1], out2], dim=1)
+    out = glue.output(module, core, z)
+    return out if uniform else _zero_padding(out, valid)
 
 
 def gdn_decode_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layers: list[GDNLayerState],
