@@ -76,48 +76,54 @@ def run_shared_step(adapter, group: BatchedDeferredPrefillCache, live_embeds: to
     for cache in caches:
         cache.reserve(width, device)
 
-    # host side: where every real row goes, what it is, and the decode rows' slots / positions
-    dest, kinds, live_slots, live_positions = [], [], [], []
-    for b, (count, alive, n) in enumerate(zip(counts, live, lengths)):
+    # host side: where every real row goes (the deferred rows of every row, then the decode rows), what it is, and
+    # the decode rows' slots / positions
+    dest, live_dest, live_rows = [], [], []
+    for b, (count, alive) in enumerate(zip(counts, live)):
         start = b * q + q - sizes[b]
-        dest.extend(range(start, start + sizes[b]))
-        kinds.extend([_DEFERRED] * count + [_LIVE] * int(alive))
-        live_slots.append(n)
-        live_positions.append(n + rope_deltas[b])
-    n_real = len(dest)
-    meta = host_to_device(dest + kinds + live_slots + live_positions, device)
+        dest.extend(range(start, start + count))
+        if alive:
+            live_dest.append(start + count)
+            live_rows.append(b)
+    n_deferred, n_live = len(dest), len(live_rows)
+    n_real = n_deferred + n_live
+    kinds = [_DEFERRED] * n_deferred + [_LIVE] * n_live
+    live_slots = [lengths[b] for b in live_rows]
+    live_positions = [lengths[b] + rope_deltas[b] for b in live_rows]
+    every_live = n_live == batch
+    meta = host_to_device(dest + live_dest + kinds + live_slots + live_positions + ([] if every_live else live_rows),
+                          device)
     dest_t, kinds_t = meta[:n_real], meta[n_real : 2 * n_real]
-    live_slot_t = meta[2 * n_real : 2 * n_real + batch]
-    live_pos_t = meta[2 * n_real + batch :]
+    live_slot_t = meta[2 * n_real : 2 * n_real + n_live]
+    live_pos_t = meta[2 * n_real + n_live : 2 * n_real + 2 * n_live]
 
-    # the real rows' inputs, row after row (each row's chunk, then its decode row): views, one cat per kind
+    # the real rows' inputs: each row's chunk (views, one cat per kind), then every decode row at once (a batch's
+    # decode rows cost a fixed number of operators)
     embeds_parts, position_parts, slot_parts = [], [], []
     deepstack_parts = None
     layers = next((len(c.plan.store_deepstack) for c, n in zip(caches, counts)
                    if n and c.plan.store_deepstack is not None), 0)
     if layers:
-        deepstack_parts = [[] for _ in range(layers)]
-        zero_row = live_embeds.new_zeros((1, live_embeds.shape[-1]))
-    for b, (cache, count, alive) in enumerate(zip(caches, counts, live)):
+        deepstack_parts = [[] for _ in range(layers)]  # (the decode rows' DeepStack features are zeros)
+    for cache, count in zip(caches, counts):
         if count:
             plan = cache.plan
             r = plan.restored
-            embeds_parts.append(plan.store_embeds[r : r + count].to(live_embeds.dtype))
+            embeds_parts.append(plan.store_embeds[r : r + count])
             position_parts.append(plan.store_positions[:, r : r + count])
             slot_parts.append(plan.deferred_on_device[r : r + count])
             if deepstack_parts is not None:
                 for k in range(layers):
-                    deepstack_parts[k].append(plan.store_deepstack[k][r : r + count].to(live_embeds.dtype))
-        if alive:
-            embeds_parts.append(live_embeds[b])
-            position_parts.append(live_pos_t[b : b + 1].expand(3, 1))
-            slot_parts.append(live_slot_t[b : b + 1])
-            if deepstack_parts is not None:
-                for k in range(layers):
-                    deepstack_parts[k].append(zero_row)
+                    deepstack_parts[k].append(plan.store_deepstack[k][r : r + count])
+    if n_live:
+        rows = live_embeds.view(batch, -1)
+        embeds_parts.append(rows if every_live else rows.index_select(0, meta[2 * n_real + 2 * n_live :]))
+        position_parts.append(live_pos_t[None, :].expand(3, -1))
+        slot_parts.append(live_slot_t)
     real_slots = torch.cat(slot_parts)
 
-    embeds = live_embeds.new_zeros((batch * q, live_embeds.shape[-1])).index_copy_(0, dest_t, torch.cat(embeds_parts))
+    embeds = live_embeds.new_zeros((batch * q, live_embeds.shape[-1]))
+    embeds.index_copy_(0, dest_t, torch.cat(embeds_parts).to(embeds.dtype))
     positions = torch.zeros((3, batch * q), dtype=torch.long, device=device)
     positions.index_copy_(1, dest_t, torch.cat(position_parts, dim=1))
     scratch = kv_real + torch.arange(q, device=device)
@@ -125,8 +131,9 @@ def run_shared_step(adapter, group: BatchedDeferredPrefillCache, live_embeds: to
     kind = torch.zeros(batch * q, dtype=torch.long, device=device).index_copy_(0, dest_t, kinds_t).view(batch, q)
     deepstack = None
     if deepstack_parts is not None:
-        deepstack = [embeds.new_zeros(embeds.shape).index_copy_(0, dest_t, torch.cat(parts)).view(batch, q, -1)
-                     for parts in deepstack_parts]
+        deferred_dest = dest_t[:n_deferred]
+        deepstack = [embeds.new_zeros(embeds.shape).index_copy_(0, deferred_dest, torch.cat(parts).to(embeds.dtype))
+                     .view(batch, q, -1) for parts in deepstack_parts]
 
     # every row's mask at once (the rules of `visibility.visible`); a padding position writes False to its scratch
     # slot, which is never filled, and every slot is below `width`
@@ -162,11 +169,9 @@ def run_shared_step(adapter, group: BatchedDeferredPrefillCache, live_embeds: to
 
     # bookkeeping: the real rows' slots are filled; every row's transaction learns its slots first, so a rollback
     # anywhere from here unmarks them (unmarking a slot not yet marked changes nothing: it was empty)
-    start = 0
-    for cache, size in zip(caches, sizes):
+    for b, (cache, size) in enumerate(zip(caches, sizes)):
         if size:
-            cache.marks_filled(real_slots[start : start + size])
-        start += size
+            cache.marks_filled(slots[b, q - size :])  # (row b's real rows, right-aligned)
     group.filled.scatter_(1, slots, real)
     for cache, count in zip(caches, counts):
         if count:
