@@ -25,6 +25,17 @@ def state(seed=1, width=V):
     return torch.randn(1, HV, K, width, generator=torch.Generator().manual_seed(seed))
 
 
+def _gdn_module():
+    """A Gated DeltaNet layer of a tiny Qwen3.5 (eager) and the family's glue."""
+    from handmade_qwen3_5 import tiny_qwen3_5
+
+    from hf_raincheck.models.qwen3_5 import Qwen3_5GDNGlue
+
+    model = tiny_qwen3_5("eager")
+    module = next(layer.linear_attn for layer in model.model.language_model.layers if hasattr(layer, "linear_attn"))
+    return module, Qwen3_5GDNGlue()
+
+
 @pytest.mark.parametrize("t, with_state", [(37, True), (37, False), (1, True), (64, True)])
 def test_torch_kernels_match_naive(t, with_state):
     q, k, v, g, beta = factors(t)
@@ -150,15 +161,10 @@ def test_batch_graph_step_matches_the_per_row_reference(chunk):
     """`gdn_batch_forward_graph` (a compiled static batch step's GDN layer, run eagerly here) against the per-row,
     per-token reference: rows with different carry counts (none, some, a whole chunk), live and stopped rows; a row
     that carries nothing and stopped keeps its states bit for bit."""
-    from handmade_qwen3_5 import tiny_qwen3_5
-
     from hf_raincheck.gdn_state import GDNBatchGraphStep, gdn_batch_forward_graph
     from hf_raincheck.gdn_state.naive import naive_batch_graph_step
-    from hf_raincheck.models.qwen3_5 import Qwen3_5GDNGlue
 
-    model = tiny_qwen3_5("eager")
-    module = next(layer.linear_attn for layer in model.model.language_model.layers if hasattr(layer, "linear_attn"))
-    glue = Qwen3_5GDNGlue()
+    module, glue = _gdn_module()
     heads, key_dim, value_dim, channels, kernel = glue.dims(module)
     counts, live = [0, 2, 5, 0], [True, False, True, False]
     batch = len(counts)
@@ -196,15 +202,10 @@ def test_decode_rows_together_equal_each_row_alone():
     left untouched (a rollback keeps them)."""
     import copy
 
-    from handmade_qwen3_5 import tiny_qwen3_5
-
     from hf_raincheck.gdn_state import GDNLayerState, GDNStep, gdn_rows_forward
     from hf_raincheck.gdn_state.layer import gdn_decode_rows_forward
-    from hf_raincheck.models.qwen3_5 import Qwen3_5GDNGlue
 
-    model = tiny_qwen3_5("eager")
-    module = next(layer.linear_attn for layer in model.model.language_model.layers if hasattr(layer, "linear_attn"))
-    glue = Qwen3_5GDNGlue()
+    module, glue = _gdn_module()
     heads, key_dim, value_dim, channels, kernel = glue.dims(module)
     gen = torch.Generator().manual_seed(11)
     layers, steps = [], []
@@ -297,15 +298,10 @@ def test_prefill_rows_together_equal_each_row_alone(first_turn_only):
     old states are left untouched (a rollback keeps them). Padding positions hold NaN: none reaches a real row."""
     import copy
 
-    from handmade_qwen3_5 import tiny_qwen3_5
-
     from hf_raincheck.gdn_state import GDNStep
     from hf_raincheck.gdn_state.layer import gdn_prefill_rows_forward
-    from hf_raincheck.models.qwen3_5 import Qwen3_5GDNGlue
 
-    model = tiny_qwen3_5("eager")
-    module = next(layer.linear_attn for layer in model.model.language_model.layers if hasattr(layer, "linear_attn"))
-    glue = Qwen3_5GDNGlue()
+    module, glue = _gdn_module()
     gen = torch.Generator().manual_seed(13)
     kinds = _prefill_rows(fixed_first=True)
     lengths = [130, 1, 70, 2, 64]
@@ -338,15 +334,10 @@ def test_checkpoint_rows_together_equal_each_row_alone(first_turn_only):
     Padding positions hold NaN: none reaches a real row."""
     import copy
 
-    from handmade_qwen3_5 import tiny_qwen3_5
-
     from hf_raincheck.gdn_state import GDNStep
     from hf_raincheck.gdn_state.layer import gdn_checkpoint_rows_forward
-    from hf_raincheck.models.qwen3_5 import Qwen3_5GDNGlue
 
-    model = tiny_qwen3_5("eager")
-    module = next(layer.linear_attn for layer in model.model.language_model.layers if hasattr(layer, "linear_attn"))
-    glue = Qwen3_5GDNGlue()
+    module, glue = _gdn_module()
     gen = torch.Generator().manual_seed(17)
     # (state, carry, conv, track, fixed), rows, rows before the boundary
     kinds = [(("none", 0, False, True, True), 130, 100), (("state", 0, True, True, False), 5, 2),
@@ -373,6 +364,20 @@ def test_checkpoint_rows_together_equal_each_row_alone(first_turn_only):
             torch.testing.assert_close(layer.prefix.conv, expected.prefix.conv, atol=1e-6, rtol=1e-5)
 
 
+def _restoring_row(plan_id: int, count: int, track: bool, fixed: bool, dims, gen):
+    """One row of a fused step restoring `count` deferred rows of plan `plan_id`: its `GDNLayerState` (a live state
+    with P_tail, a random conv window and a random prefix checkpoint) and its `GDNStep`."""
+    from hf_raincheck.gdn_state import GDNStep, PrefixCheckpoint
+
+    heads, key_dim, value_dim, channels, kernel = dims
+    layer = _row_layer("state", "K", True, fixed, dims, gen)
+    layer.prefix = PrefixCheckpoint(plan_id=plan_id,
+                                    recurrent=0.3 * torch.randn(1, heads, key_dim, value_dim, generator=gen),
+                                    conv=torch.randn(1, channels, kernel, generator=gen))
+    return layer, GDNStep(restore_plan=plan_id, num_restore=count, checkpoint_plan=None, checkpoint_at=0, track=track,
+                          backend="torch")
+
+
 @pytest.mark.parametrize("rows", ["decode", "stopped", "uniform"])
 def test_restore_rows_together_equal_each_row_alone(rows):
     """`gdn_restore_rows_forward` (the rows of an eager fused decode step that restore deferred rows: each row's next
@@ -384,16 +389,9 @@ def test_restore_rows_together_equal_each_row_alone(rows):
     and the prefix checkpoints (state and window at the new end of the restored rows). Padding holds NaN."""
     import copy
 
-    from handmade_qwen3_5 import tiny_qwen3_5
-
-    from hf_raincheck.gdn_state import GDNStep, PrefixCheckpoint
     from hf_raincheck.gdn_state.layer import gdn_restore_rows_forward
-    from hf_raincheck.models.qwen3_5 import Qwen3_5GDNGlue
 
-    model = tiny_qwen3_5("eager")
-    module = next(layer.linear_attn for layer in model.model.language_model.layers if hasattr(layer, "linear_attn"))
-    glue = Qwen3_5GDNGlue()
-    heads, key_dim, value_dim, channels, kernel = dims = glue.dims(module)
+    module, glue = _gdn_module()
     gen = torch.Generator().manual_seed(19)
     # (deferred rows, decode row, track, fixed)
     kinds = [(31, True, True, False), (1, True, True, False), (2, True, False, False), (17, True, True, True),
@@ -404,13 +402,9 @@ def test_restore_rows_together_equal_each_row_alone(rows):
         kinds = [(8, True, True, False), (8, True, True, False), (8, True, False, False), (8, True, True, True)]
     layers, steps, lengths = [], [], []
     for j, (count, decode, track, fixed) in enumerate(kinds):
-        layer = _row_layer("state", "K", True, fixed, dims, gen)
-        layer.prefix = PrefixCheckpoint(plan_id=2000 + j,
-                                        recurrent=0.3 * torch.randn(1, heads, key_dim, value_dim, generator=gen),
-                                        conv=torch.randn(1, channels, kernel, generator=gen))
+        layer, step = _restoring_row(2000 + j, count, track, fixed, glue.dims(module), gen)
         layers.append(layer)
-        steps.append(GDNStep(restore_plan=2000 + j, num_restore=count, checkpoint_plan=None, checkpoint_at=0,
-                             track=track, backend="torch"))
+        steps.append(step)
         lengths.append(count + decode)
     alone = copy.deepcopy(layers)
     old = [(layer.state.clone(), layer.conv.clone(), layer.prefix.recurrent.clone(), layer.prefix.conv.clone())
@@ -434,15 +428,10 @@ def test_restore_rows_together_equal_each_row_alone(rows):
 def test_a_fused_step_of_restoring_rows_makes_one_kernel_call_per_gdn_layer(monkeypatch):
     """An eager shared fused step whose rows all restore deferred rows and decode runs each GDN layer's deferred
     rows in one kernel call and the decode rows in one more (not two per row)."""
-    from hf_raincheck.gdn_state import GDNStep, PrefixCheckpoint, layer as layer_module
+    from hf_raincheck.gdn_state import layer as layer_module
     from hf_raincheck.gdn_state.layer import SharedGDNSteps, gdn_shared_forward
-    from hf_raincheck.models.qwen3_5 import Qwen3_5GDNGlue
-    from handmade_qwen3_5 import tiny_qwen3_5
 
-    model = tiny_qwen3_5("eager")
-    module = next(layer.linear_attn for layer in model.model.language_model.layers if hasattr(layer, "linear_attn"))
-    glue = Qwen3_5GDNGlue()
-    heads, key_dim, value_dim, channels, kernel = dims = glue.dims(module)
+    module, glue = _gdn_module()
     gen = torch.Generator().manual_seed(23)
     calls = []
     real = layer_module.advance
@@ -450,11 +439,7 @@ def test_a_fused_step_of_restoring_rows_makes_one_kernel_call_per_gdn_layer(monk
     rows = []
     counts = [4, 3, 4, 2]
     for j, count in enumerate(counts):
-        layer = _row_layer("state", "K", True, False, dims, gen)
-        layer.prefix = PrefixCheckpoint(plan_id=j, recurrent=torch.zeros(1, heads, key_dim, value_dim),
-                                        conv=torch.zeros(1, channels, kernel))
-        step = GDNStep(restore_plan=j, num_restore=count, checkpoint_plan=None, checkpoint_at=0, track=True,
-                       backend="torch")
+        layer, step = _restoring_row(j, count, True, False, glue.dims(module), gen)
         rows.append((5 - count - 1, step, lambda idx, layer=layer: layer))
     hidden = torch.randn(len(counts), 5, module.hidden_size, generator=gen)
     with torch.no_grad():
@@ -462,53 +447,36 @@ def test_a_fused_step_of_restoring_rows_makes_one_kernel_call_per_gdn_layer(monk
     assert [tuple(shape[:2]) for shape in calls] == [(4, 5), (4, 1)]
 
 
-def _python_aten_calls(fn) -> int:
-    """aten operators called from Python (none above them) while `fn` runs."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        fn()
-    count = 0
-    for event in prof.events():
-        if not event.name.startswith("aten::"):
-            continue
-        parent = event.cpu_parent
-        while parent is not None and not parent.name.startswith("aten::"):
-            parent = parent.cpu_parent
-        count += parent is None
-    return count
-
-
 @pytest.mark.parametrize("kind", ["decode", "restore"])
-def test_batched_gdn_step_host_work_does_not_grow_with_the_rows(kind):
+def test_batched_gdn_step_host_work_does_not_grow_with_the_rows(kind, monkeypatch):
     """Eager steps are host-bound on a GPU: the batched GDN pieces of a shared step (decode rows; rows restoring
     deferred rows then decoding) call the same number of aten operators from Python for 2 rows as for 8 (each row's
-    new states are views made by one `split` per tensor, not a slice per row)."""
-    from handmade_qwen3_5 import tiny_qwen3_5
+    new states are views made by one `split` per tensor, not a slice per row), counted as `benchmarks/step_ops.py`
+    counts them."""
+    import os
 
-    from hf_raincheck.gdn_state import GDNStep, PrefixCheckpoint
+    from hf_raincheck.gdn_state import GDNStep
     from hf_raincheck.gdn_state.layer import gdn_decode_rows_forward, gdn_restore_rows_forward
-    from hf_raincheck.models.qwen3_5 import Qwen3_5GDNGlue
 
-    model = tiny_qwen3_5("eager")
-    module = next(layer.linear_attn for layer in model.model.language_model.layers if hasattr(layer, "linear_attn"))
-    glue = Qwen3_5GDNGlue()
-    heads, key_dim, value_dim, channels, kernel = dims = glue.dims(module)
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from step_ops import _top
+
+    module, glue = _gdn_module()
     gen = torch.Generator().manual_seed(29)
 
     def calls(n: int) -> int:
-        layers, steps = [], []
-        for j in range(n):
-            layer = _row_layer("state", "K", True, False, dims, gen)
-            layer.prefix = PrefixCheckpoint(plan_id=j, recurrent=torch.zeros(1, heads, key_dim, value_dim),
-                                            conv=torch.zeros(1, channels, kernel))
-            layers.append(layer)
-            steps.append(GDNStep(restore_plan=j if kind == "restore" else None, num_restore=3 if kind == "restore"
-                                 else 0, checkpoint_plan=None, checkpoint_at=0, track=True, backend="torch"))
-        with torch.no_grad():
-            if kind == "decode":
-                hidden = torch.randn(n, 1, module.hidden_size, generator=gen)
-                return _python_aten_calls(lambda: gdn_decode_rows_forward(glue, module, hidden, layers, steps))
-            hidden = torch.randn(n, 4, module.hidden_size, generator=gen)
-            return _python_aten_calls(lambda: gdn_restore_rows_forward(glue, module, hidden, [0] * n, layers, steps))
+        rows = [_restoring_row(j, 3, True, False, glue.dims(module), gen) for j in range(n)]
+        layers, steps = [layer for layer, _ in rows], [step for _, step in rows]
+        if kind == "decode":
+            steps = [GDNStep(restore_plan=None, num_restore=0, checkpoint_plan=None, checkpoint_at=0, track=True,
+                             backend="torch")] * n
+            forward = lambda hidden: gdn_decode_rows_forward(glue, module, hidden, layers, steps)  # noqa: E731
+        else:
+            forward = lambda hidden: gdn_restore_rows_forward(glue, module, hidden, [0] * n, layers, steps)  # noqa
+        hidden = torch.randn(n, 1 if kind == "decode" else 4, module.hidden_size, generator=gen)
+        with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            forward(hidden)
+        return _top(prof.events())
 
     calls(2)  # (first calls build persistent zeros: `ops.zero_like`)
     assert calls(8) == calls(2)
