@@ -255,6 +255,30 @@ def gdn_causal_conv(module, full):
     )
 
 
+def gdn_causal_conv_tail(module, full, n: int):
+    """The last `n` outputs of `gdn_causal_conv` over ``full [B, C, L]`` (``L >= n + kernel - 1``, so no position
+    reads the zero padding) as ``kernel`` shifted products and one activation -> ``[B, C, n]``: elementwise work
+    that a compiled graph fuses into one kernel (transformers' fallback is a depthwise ``conv1d`` call, a cuDNN
+    kernel per layer that costs more than the products at a compiled step's few rows). The conv's dtype rules:
+    inputs in the weight's dtype, products summed in float32, output rounded to the weight's dtype before the
+    activation."""
+    weight = module.conv1d.weight.squeeze(1)  # [C, kernel]
+    kernel, length = weight.shape[-1], full.shape[-1]
+    x = full.to(weight.dtype).float()
+    w = weight.float()
+    acc = x[..., length - n - kernel + 1 : length - kernel + 1] * w[:, :1]
+    for j in range(1, kernel):
+        acc = acc + x[..., length - n - kernel + 1 + j : length - kernel + 1 + j] * w[:, j : j + 1]
+    if module.conv1d.bias is not None:
+        acc = acc + module.conv1d.bias.float()[:, None]
+    out = acc.to(weight.dtype)
+    if module.activation is not None:
+        from transformers.activations import ACT2FN
+
+        out = ACT2FN[module.activation](out)
+    return out.to(full.dtype)
+
+
 def gdn_factors(module, conv_out, a, b):
     """-> q, k ``[B, T, H_k, K]``, v ``[B, T, H_v, V]``, g (fp32), beta."""
     batch, seq_len, _ = conv_out.shape

@@ -82,3 +82,20 @@ def test_tiny_qwen3_5_end_to_end_fla_equals_torch():
     print(f"\ntiny Qwen3.5 fp32 logits, fla vs torch: max abs diff {float((a - b).abs().max()):.2e}")
     assert torch.equal(outs["torch"].sequences, outs["fla"].sequences)
     torch.testing.assert_close(b, a, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 31], ids=["recurrent", "chunk5", "chunk31"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_identity_rows_leave_fla_states_bit_for_bit(rows, dtype):
+    """Rows with ``g = beta = 0`` (a compiled batch step's padding rows, a stopped row's decode position) through
+    fla's kernels, as compiled steps call them (the custom op): the final ``[S | P]`` state is the initial one bit
+    for bit, so `gdn_batch_forward_graph` writes the kernel's states without selecting the rows that changed."""
+    q, k, v, _, _ = factors(rows, dtype, seed=3)
+    g = torch.zeros(1, rows, HV, device="cuda")
+    beta = torch.zeros(1, rows, HV, device="cuda", dtype=dtype)
+    gen = torch.Generator().manual_seed(4)
+    state = torch.cat([torch.randn(1, HV, K, V, generator=gen), torch.randn(1, HV, K, K, generator=gen)], -1).cuda()
+    _, final = advance("fla", q, k, v, g, beta, state.clone(), carry=K, opaque=True)
+    assert torch.equal(final, state)
+    _, final = advance("fla", q, k, v, g, beta, state[..., :V].contiguous(), opaque=True)
+    assert torch.equal(final, state[..., :V])

@@ -156,6 +156,25 @@ def test_eager_fla_calls_take_the_recurrent_kernel_up_to_their_own_limit(monkeyp
     assert calls == ["recurrent", "recurrent", "chunk", "recurrent", op_31, op_41]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, extra", [(1, 0), (5, 0), (31, 0), (3, 7)])
+def test_conv_tail_equals_transformers_conv(dtype, n, extra):
+    """`conv_tail` (compiled steps' short conv as elementwise products) against transformers' conv (`conv_full`) on
+    the last `n` positions of ``[window | rows]`` (and of a longer input: `extra` columns before the window)."""
+    module, glue = _gdn_module()
+    module = module.to(dtype)
+    _, _, _, channels, kernel = glue.dims(module)
+    full = torch.randn(3, channels, extra + kernel + n, generator=torch.Generator().manual_seed(n)).to(dtype)
+    with torch.no_grad():
+        got = glue.conv_tail(module, full, n)
+        want = glue.conv_full(module, full)[:, -n:]
+    assert got.shape == want.shape == (3, n, channels) and got.dtype == want.dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    else:  # both sum in float32 and round once to bfloat16 before the activation: at most a rounding step apart
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1.6e-2)
+
+
 @pytest.mark.parametrize("chunk", [None, 5])
 def test_batch_graph_step_matches_the_per_row_reference(chunk):
     """`gdn_batch_forward_graph` (a compiled static batch step's GDN layer, run eagerly here) against the per-row,

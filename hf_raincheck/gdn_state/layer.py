@@ -58,6 +58,11 @@ class GDNGlue:
     def conv_full(self, module, full):  # causal conv over ``full`` [1, C, L] (zero left padding) -> [1, L, C]
         raise NotImplementedError
 
+    # the last `n` outputs of `conv_full` (``full`` [B, C, L], L >= n + kernel - 1: no padding read) -> [B, n, C],
+    # as elementwise products (compiled steps: fused into one kernel instead of a conv kernel per layer)
+    def conv_tail(self, module, full, n):
+        raise NotImplementedError
+
     def conv_step_(self, module, mixed_qkv, window):  # one row [1, C, 1]; updates `window` in place -> [1, 1, C]
         raise NotImplementedError
 
@@ -673,7 +678,7 @@ def gdn_rows_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, layer: G
         prefix = layer.prefix
         window = prefix.conv
         full = torch.cat([window, qkv[..., :n]], dim=-1)
-        conv_out = glue.conv_full(module, full)[:, -n:]
+        conv_out = glue.conv_tail(module, full, n)
         where = step.count + torch.arange(window.shape[-1], device=full.device)
         new_window = full.index_select(-1, where)
         q, k, v, g, beta = glue.factors(module, conv_out, a[:, :n], b[:, :n])
@@ -690,7 +695,9 @@ def gdn_rows_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, layer: G
         prefix.conv.copy_(new_window)
         outs.append(out)
     if step.live:
-        conv_out = glue.conv_step_(module, qkv[..., -1:], layer.conv)
+        full = torch.cat([layer.conv, qkv[..., -1:]], dim=-1)
+        conv_out = glue.conv_tail(module, full, 1)
+        layer.conv.copy_(full[..., 1:])
         q, k, v, g, beta = glue.factors(module, conv_out, a[:, -1:], b[:, -1:])
         out, state = advance(step.backend, q, k, v, g, beta, layer.state, layer.carry, opaque=True)
         layer.state.copy_(state)
@@ -744,8 +751,9 @@ def gdn_batch_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, buffers
         prefix, prefix_conv = buffers["prefix"], buffers["prefix_conv"]
         kernel = prefix_conv.shape[-1]
         full = torch.cat([prefix_conv, qkv[..., :n]], dim=-1)  # [B, C, kernel + n]
-        conv_out = glue.conv_full(module, full)[:, -n:]
-        where = step.count[:, None] + torch.arange(kernel, device=full.device)  # [B, kernel]: ends at the last real row
+        conv_out = glue.conv_tail(module, full, n)
+        # [B, kernel]: ends at the last real row (a row that carried nothing: its old window, unchanged)
+        where = step.count[:, None] + torch.arange(kernel, device=full.device)
         new_window = full.gather(-1, where[:, None, :].expand(-1, full.shape[1], -1))
         q, k, v, g, beta = glue.factors(module, conv_out, a[:, :n], b[:, :n])
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -753,19 +761,23 @@ def gdn_batch_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, buffers
         g = torch.where(valid, g, torch.zeros_like(g))
         beta = torch.where(valid, beta, torch.zeros_like(beta))
         out, new_prefix = advance(step.backend, q, k, v, g, beta, prefix, opaque=True)
-        carried = (step.count > 0)[:, None, None, None]
-        update = torch.matmul(state[..., value_dim:], new_prefix - prefix)
-        state[..., :value_dim] += torch.where(carried, update, torch.zeros_like(update))
-        prefix.copy_(torch.where(carried, new_prefix, prefix))
-        prefix_conv.copy_(torch.where(carried[..., 0], new_window, prefix_conv))
+        # a row that carried nothing ran identity rows only: its new prefix is its old one exactly and its join adds
+        # P_tail 0 = 0 (the buffers hold finite values: zeros or states), so no row needs a select here
+        state[..., :value_dim] += torch.matmul(state[..., value_dim:], new_prefix - prefix)
+        prefix.copy_(new_prefix)
+        prefix_conv.copy_(new_window)
         outs.append(out)
-    live = step.live
-    window = conv.clone()
-    conv_out = glue.conv_step_(module, qkv[..., -1:], window)  # (updates `window`: kept below for live rows only)
-    conv.copy_(torch.where(live[:, None, None], window, conv))
+    live = step.live[:, None, None]
+    full = torch.cat([conv, qkv[..., -1:]], dim=-1)
+    conv_out = glue.conv_tail(module, full, 1)
+    conv.copy_(torch.where(live, full[..., 1:], conv))
     q, k, v, g, beta = glue.factors(module, conv_out, a[:, -1:], b[:, -1:])
+    # a stopped row's decode position is the identity on its state (g = beta = 0), so the kernel's final state is
+    # every row's new state: no select over the [B, H_v, K, V + K] states
+    g = torch.where(live, g, torch.zeros_like(g))
+    beta = torch.where(live, beta, torch.zeros_like(beta))
     out, new_state = advance(step.backend, q, k, v, g, beta, state, state.shape[-1] - value_dim, opaque=True)
-    state.copy_(torch.where(live[:, None, None, None], new_state, state))
+    state.copy_(new_state)
     outs.append(out)
     core = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return glue.output(module, core, z)
