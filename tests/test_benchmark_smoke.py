@@ -238,6 +238,22 @@ def test_step_ops_counts_operators_per_step_kind(tmp_path, batch_size):
     assert "| tiny | raincheck, fused |" in out
 
 
+def test_gdn_layer_steps_quick_times_both_step_kinds(tmp_path):
+    """benchmarks/gdn_layer_steps.py --quick: one tiny GDN layer's fused and decode-only batch steps for B = 1 and 3
+    (the fused window from the package's defaults), every record's ratio and all-layer extra from its own times."""
+    out_file = tmp_path / "gdn.json"
+    out = run_script(["benchmarks/gdn_layer_steps.py", "--quick", "--out", str(out_file)], tmp_path)
+    report = json.loads(out_file.read_text())
+    assert report["meta"]["gdn_layers"] == 3 and report["meta"]["gdn_backend"] == "torch"
+    records = report["records"]
+    assert [r["batch_size"] for r in records] == [1, 3] and all(r["window"] == 31 for r in records)
+    for r in records:
+        assert r["fused_us"] > 0 and r["decode_us"] > 0
+        assert r["fused_over_decode"] == pytest.approx(r["fused_us"] / r["decode_us"], rel=1e-2)
+        assert r["extra_ms_all_layers"] == pytest.approx((r["fused_us"] - r["decode_us"]) * 3 / 1e3, abs=2e-3)
+    assert "B=3   window 31: fused" in out
+
+
 def test_serve_memory_logs_every_batched_call(tmp_path):
     """benchmarks/serve_memory.py on a small shape: one JSON line per batched call of the real server (its rows, their
     cached and pending tokens, the pool's bytes equal to the live caches' own count), then the pool's snapshot."""
@@ -407,6 +423,19 @@ def test_batch_bad_arguments_name_the_option(capsys):
         with pytest.raises(SystemExit):
             batch.parse_args(["--quick", *argv])
         assert f"error: {option}" in capsys.readouterr().err, argv
+
+
+def test_gdn_layer_steps_bad_arguments_name_the_option(capsys):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gdn_layer_steps
+
+    for argv, option in [(["--reps", "0"], "--reps"), (["--iters", "0"], "--iters"),
+                         (["--chunk-size", "0"], "--chunk-size"), (["--batch-sizes", "4", "0"], "--batch-sizes"),
+                         (["--step-budget", "-1"], "--step-budget"), (["--shape", "tiny"], "--shape")]:
+        with pytest.raises(SystemExit):
+            gdn_layer_steps.main(["--device", "cpu", *argv])
+        err = capsys.readouterr().err
+        assert f"error: {option}" in err or f"error: argument {option}" in err, (argv, err)
 
 
 def test_batch_budget_scales_the_previous_batch_size():
