@@ -19,10 +19,11 @@ Copied code (keep in step with the named transformers source):
    ``F.scaled_dot_product_attention`` once per ``cu_seqlens`` segment under ``_attn_implementation == "sdpa"``.
    Check: the forward's argument names (``hidden_states``, ``cu_seqlens``, ``position_embeddings``) and its SDPA
    call pattern (tests/test_vision_attention_lse.py fails if they drift).
-3. `gdn_project`, `gdn_causal_conv`, `gdn_conv_update`, `gdn_factors`, `gdn_output`, `gdn_dims`:
-   ``Qwen3_5GatedDeltaNet.forward`` piece by piece (projections ``in_proj_qkv``/``in_proj_z``/``in_proj_b``/
-   ``in_proj_a``, the short causal conv through the modeling module's ``causal_conv1d_fn`` /
-   ``causal_conv1d_update``, the gates ``-A_log.exp() * softplus(a + dt_bias)`` and ``b.sigmoid()``, the gated
+3. `gdn_project`, `gdn_causal_conv`, `gdn_causal_conv_tail`, `gdn_conv_update`, `gdn_factors`, `gdn_output`,
+   `gdn_dims`: ``Qwen3_5GatedDeltaNet.forward`` piece by piece (projections ``in_proj_qkv``/``in_proj_z``/
+   ``in_proj_b``/``in_proj_a``, the short causal conv through the modeling module's ``causal_conv1d_fn`` /
+   ``causal_conv1d_update`` or, in compiled steps, as products of ``conv1d.weight`` / ``bias`` and
+   ``ACT2FN[activation]`` matching them, the gates ``-A_log.exp() * softplus(a + dt_bias)`` and ``b.sigmoid()``, the gated
    RMSNorm ``norm(core, z)``, ``out_proj``). Check every attribute name and the gate formulas.
 
 Private or internal names reached:

@@ -63,9 +63,6 @@ class GDNGlue:
     def conv_tail(self, module, full, n):
         raise NotImplementedError
 
-    def conv_step_(self, module, mixed_qkv, window):  # one row [1, C, 1]; updates `window` in place -> [1, 1, C]
-        raise NotImplementedError
-
     # -> q, k, v, g, beta; row-wise: q, k, v have conv_out's rows, g and beta a's / b's (they may differ in number)
     def factors(self, module, conv_out, a, b):
         raise NotImplementedError

@@ -38,9 +38,6 @@ class Qwen3_5GDNGlue(GDNGlue):
     def conv_tail(self, module, full, n):
         return hf.gdn_causal_conv_tail(module, full, n).transpose(1, 2)
 
-    def conv_step_(self, module, mixed_qkv, window):
-        return hf.gdn_conv_update(module, mixed_qkv, window).transpose(1, 2)
-
     def factors(self, module, conv_out, a, b):
         return hf.gdn_factors(module, conv_out, a, b)
 
