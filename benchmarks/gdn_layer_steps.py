@@ -2,6 +2,7 @@
 
     python benchmarks/gdn_layer_steps.py --device cuda --save            # Qwen3.5-9B's GDN layer, B = 1 4 8 16
     python benchmarks/gdn_layer_steps.py --device cuda --batch-sizes 16 --profile --out gdn_b16.json
+    python benchmarks/gdn_layer_steps.py --device cuda --path batch1     # one conversation's compiled step
     python benchmarks/gdn_layer_steps.py --quick                         # tiny layer on the CPU (smoke run)
 
 A compiled Qwen3.5 batch step (`generation/shared_static.py`) runs `gdn_state.layer.gdn_batch_forward_graph` in each
@@ -14,6 +15,9 @@ minutes: a layer of the shape (`shapes.py`, random weights, bf16 on CUDA), its s
 * ``fused``: ``[B, window + 1]`` rows, window = `fused_window(chunk_size, step_deferred_budget, B)` (the package
   defaults: 31, 128), every row carrying its whole window and decoding (the common fused step);
 * ``decode``: ``[B, 1]``, every row decoding (a decode-only step, Full's and Raincheck's alike).
+
+``--path batch1``: one conversation's compiled step instead (`gdn_rows_forward_graph`, `generation/decode.py`: a
+window of ``chunk_size`` rows), B = 1.
 
 Each is compiled once (torch.compile, ``fullgraph=True``, no CUDA graphs of its own), then `--reps` calls are
 captured in one CUDA graph and replayed `--iters` times: ``us`` = GPU time per call (CUDA events over the
@@ -39,7 +43,14 @@ sys.path[:0] = [_ROOT, os.path.dirname(os.path.abspath(__file__))]
 
 from shapes import SHAPES  # noqa: E402
 
-from hf_raincheck.gdn_state import GDNBatchGraphStep, gdn_batch_forward_graph  # noqa: E402
+from hf_raincheck.gdn_state import (  # noqa: E402
+    GDNBatchGraphStep,
+    GDNGraphStep,
+    GDNLayerState,
+    PrefixCheckpoint,
+    gdn_batch_forward_graph,
+    gdn_rows_forward_graph,
+)
 from hf_raincheck.gdn_state import kernels as gdn_kernels  # noqa: E402
 from hf_raincheck.generation.shared_batch import fused_window  # noqa: E402
 from hf_raincheck.models.qwen3_5 import Qwen3_5GDNGlue  # noqa: E402
@@ -87,6 +98,23 @@ def step_function(glue, module, buffers: dict, backend: str, window: int | None)
     return fn
 
 
+def batch1_function(glue, module, buffers: dict, backend: str, window: int | None):
+    """The same step of a batch-1 conversation (``--path batch1``: `gdn_rows_forward_graph`, what a compiled
+    static step of one conversation runs, `generation/decode.py`): its `GDNLayerState` in the fixed layout on row 0
+    of `buffers`."""
+    layer = GDNLayerState(fixed=True)
+    layer.set_state(buffers["state"][:1], buffers["prefix"].shape[-1])
+    layer.conv = buffers["conv"][:1]
+    layer.prefix = PrefixCheckpoint(plan_id=0, recurrent=buffers["prefix"][:1], conv=buffers["prefix_conv"][:1])
+
+    def fn(hidden, live, count):
+        valid = None if window is None else torch.arange(window, device=hidden.device) < count[0]
+        step = GDNGraphStep(valid=valid, count=None if window is None else count[0], live=True, backend=backend)
+        return gdn_rows_forward_graph(glue, module, hidden, layer, step)
+
+    return fn
+
+
 def measure(fn, args, cuda: bool, reps: int, iters: int, profile: bool):
     """-> (us per call, profiler or None)."""
     for _ in range(3):
@@ -129,12 +157,13 @@ def run(args) -> dict:
     module, layers = build_layer(args.shape, args.device, dtype)
     glue = Qwen3_5GDNGlue()
     records, profiles = [], []
+    make = batch1_function if args.path == "batch1" else step_function
     for batch in args.batch_sizes:
-        window = fused_window(args.chunk_size, args.step_budget, batch)
+        window = args.chunk_size if args.path == "batch1" else fused_window(args.chunk_size, args.step_budget, batch)
         by_kind = {}
         for kind, rows in (("fused", window), ("decode", None)):
             buffers = batch_buffers(glue, module, batch, args.device, dtype)
-            fn = step_function(glue, module, buffers, backend, rows)
+            fn = make(glue, module, buffers, backend, rows)
             if not args.no_compile:
                 fn = torch.compile(fn, fullgraph=True, dynamic=False)
             total = 1 if rows is None else rows + 1
@@ -150,15 +179,15 @@ def run(args) -> dict:
 
                 profiles.append(profile_tables(prof, f"B={batch} {kind} step, one GDN layer, {args.reps} calls",
                                                args.profile_rows, cuda))
-        record = dict(batch_size=batch, window=window, fused_us=round(by_kind["fused"], 2),
+        record = dict(path=args.path, batch_size=batch, window=window, fused_us=round(by_kind["fused"], 2),
                       decode_us=round(by_kind["decode"], 2),
                       fused_over_decode=round(by_kind["fused"] / by_kind["decode"], 3),
                       extra_ms_all_layers=round((by_kind["fused"] - by_kind["decode"]) * layers / 1e3, 3))
         records.append(record)
-        print(f"B={batch:<3} window {window:>2}: fused {record['fused_us']:9.2f} us  decode {record['decode_us']:9.2f} "
+        print(f"{args.path} B={batch:<3} window {window:>2}: fused {record['fused_us']:9.2f} us  decode {record['decode_us']:9.2f} "
               f"us  fused/decode {record['fused_over_decode']:.3f}  +{record['extra_ms_all_layers']:.3f} ms over "
               f"{layers} layers", flush=True)
-    meta = dict(command=" ".join(sys.argv), torch=torch.__version__, device=args.device, shape=args.shape,
+    meta = dict(command=" ".join(sys.argv), torch=torch.__version__, device=args.device, shape=args.shape, path=args.path,
                 gdn_backend=backend, dtype=str(dtype), compiled=not args.no_compile, reps=args.reps,
                 iters=args.iters, gdn_layers=layers, chunk_size=args.chunk_size, step_budget=args.step_budget,
                 gpu=torch.cuda.get_device_name() if cuda else None, cpu=platform.processor() or platform.machine(),
@@ -172,7 +201,11 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--shape", default="qwen3.5-9b", choices=[k for k, v in SHAPES.items()
                                                                    if v["family"] == "qwen3_5"])
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--path", default="batch", choices=["batch", "batch1"],
+                        help="batch: a batch's step (gdn_batch_forward_graph); batch1: one conversation's "
+                             "(gdn_rows_forward_graph, batch size 1 only)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                        help="default 1 4 8 16 (--path batch), 1 (--path batch1)")
     parser.add_argument("--chunk-size", type=int, default=31)
     parser.add_argument("--step-budget", type=int, default=128, help="step_deferred_budget (0: no cap)")
     parser.add_argument("--gdn-backend", default="auto", choices=list(gdn_kernels.BACKENDS))
@@ -184,13 +217,18 @@ def main(argv=None) -> int:
     parser.add_argument("--save", action="store_true", help="write results/gdn_layer_steps.json")
     parser.add_argument("--out", default=None, help="JSON path (default with --save: results/gdn_layer_steps.json)")
     args = parser.parse_args(argv)
+    if args.batch_sizes is None:
+        args.batch_sizes = [1] if args.path == "batch1" else [1, 4, 8, 16]
     if args.quick:
-        args.device, args.shape, args.batch_sizes, args.no_compile, args.iters = "cpu", "tiny-qwen3.5", [1, 3], True, 3
+        args.device, args.shape, args.no_compile, args.iters = "cpu", "tiny-qwen3.5", True, 3
+        args.batch_sizes = [1] if args.path == "batch1" else [1, 3]
     for name in ("reps", "iters", "chunk_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if min(args.batch_sizes) < 1:
         parser.error(f"--batch-sizes must be >= 1, got {args.batch_sizes}")
+    if args.path == "batch1" and args.batch_sizes != [1]:
+        parser.error(f"--batch-sizes must be 1 with --path batch1 (one conversation), got {args.batch_sizes}")
     if args.step_budget < 0:
         parser.error(f"--step-budget must be >= 0 (0: no cap), got {args.step_budget}")
     args.step_budget = args.step_budget or None

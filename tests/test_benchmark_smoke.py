@@ -238,20 +238,23 @@ def test_step_ops_counts_operators_per_step_kind(tmp_path, batch_size):
     assert "| tiny | raincheck, fused |" in out
 
 
-def test_gdn_layer_steps_quick_times_both_step_kinds(tmp_path):
-    """benchmarks/gdn_layer_steps.py --quick: one tiny GDN layer's fused and decode-only batch steps for B = 1 and 3
-    (the fused window from the package's defaults), every record's ratio and all-layer extra from its own times."""
+@pytest.mark.parametrize("path, batch_sizes", [("batch", [1, 3]), ("batch1", [1])])
+def test_gdn_layer_steps_quick_times_both_step_kinds(tmp_path, path, batch_sizes):
+    """benchmarks/gdn_layer_steps.py --quick: one tiny GDN layer's fused and decode-only steps, a batch's for B = 1
+    and 3 (the fused window from the package's defaults) or one conversation's (`--path batch1`), every record's
+    ratio and all-layer extra from its own times."""
     out_file = tmp_path / "gdn.json"
-    out = run_script(["benchmarks/gdn_layer_steps.py", "--quick", "--out", str(out_file)], tmp_path)
+    out = run_script(["benchmarks/gdn_layer_steps.py", "--quick", "--path", path, "--out", str(out_file)], tmp_path)
     report = json.loads(out_file.read_text())
     assert report["meta"]["gdn_layers"] == 3 and report["meta"]["gdn_backend"] == "torch"
     records = report["records"]
-    assert [r["batch_size"] for r in records] == [1, 3] and all(r["window"] == 31 for r in records)
+    assert [r["batch_size"] for r in records] == batch_sizes and all(r["window"] == 31 for r in records)
+    assert all(r["path"] == path for r in records)
     for r in records:
         assert r["fused_us"] > 0 and r["decode_us"] > 0
         assert r["fused_over_decode"] == pytest.approx(r["fused_us"] / r["decode_us"], rel=1e-2)
         assert r["extra_ms_all_layers"] == pytest.approx((r["fused_us"] - r["decode_us"]) * 3 / 1e3, abs=2e-3)
-    assert "B=3   window 31: fused" in out
+    assert f"{path} B={batch_sizes[-1]}   window 31: fused" in out
 
 
 def test_serve_memory_logs_every_batched_call(tmp_path):
@@ -431,7 +434,8 @@ def test_gdn_layer_steps_bad_arguments_name_the_option(capsys):
 
     for argv, option in [(["--reps", "0"], "--reps"), (["--iters", "0"], "--iters"),
                          (["--chunk-size", "0"], "--chunk-size"), (["--batch-sizes", "4", "0"], "--batch-sizes"),
-                         (["--step-budget", "-1"], "--step-budget"), (["--shape", "tiny"], "--shape")]:
+                         (["--step-budget", "-1"], "--step-budget"), (["--shape", "tiny"], "--shape"),
+                         (["--path", "batch1", "--batch-sizes", "4"], "--batch-sizes"), (["--path", "b"], "--path")]:
         with pytest.raises(SystemExit):
             gdn_layer_steps.main(["--device", "cpu", *argv])
         err = capsys.readouterr().err
