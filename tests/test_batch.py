@@ -533,10 +533,18 @@ def _own(tensor, slots: int) -> bool:
     return tensor.shape[2 if tensor.dim() == 4 else 0] == slots and tensor.untyped_storage().nbytes() == tensor.nbytes
 
 
+def _gdn_fields(layer):
+    """A `GDNLayerState`'s tensors by field name (state, conv window, checkpoint)."""
+    fields = [("state", layer.state), ("conv", layer.conv)]
+    if layer.prefix is not None:
+        fields += [("prefix.recurrent", layer.prefix.recurrent), ("prefix.conv", layer.prefix.conv)]
+    return [(name, t) for name, t in fields if t is not None]
+
+
 def test_trimmed_rows_hold_their_own_right_sized_buffers_and_continue_like_batch1(family, monkeypatch):
     """The rows of a batch of different lengths, trimmed (`DeferredPrefillCache.trim`, what the server does before
     it pools a row): each holds KV buffers and a filled-slot mask of its own, of its slots rounded up to 256, with
-    the same entries, and the batch's shared buffers are freed; continued together (rows folding different pending
+    the same entries, and GDN states of its own (Qwen3.5), and the batch's shared buffers and step outputs are freed; continued together (rows folding different pending
     counts into one shared prefill) and then alone, the trimmed rows equal their batch-1 conversations. The shared
     forwards allocate the width the call needs: a short row's padding next to a row folding its pending tokens
     writes one scratch slot, not one per padding position."""
@@ -554,6 +562,11 @@ def test_trimmed_rows_hold_their_own_right_sized_buffers_and_continue_like_batch
     before = [[(a.keys[:, :, :r.length].clone(), a.values[:, :, :r.length].clone()) for a in r.layers
                if a.is_initialized] for r in rows]
     filled = [r.filled.clone() for r in rows]
+    gdn = [{(idx, field): t for idx, layer in r.gdn_states.items() for field, t in _gdn_fields(layer)} for r in rows]
+    # Qwen3.5: the rows' GDN states are rows of the batch's last forward's outputs (a trim gives them their own)
+    gdn_bases = [weakref.ref(t._base) for states in gdn for t in states.values() if t._base is not None]
+    assert (len(gdn_bases) > 0) == bool(rows[0].gdn_states)
+    gdn = [{key: t.clone() for key, t in states.items()} for states in gdn]
     needed = [-(-r.length // 256) * 256 for r in rows]
     assert needed[0] > needed[1]  # (rows of different sizes)
     for row in rows:
@@ -568,10 +581,14 @@ def test_trimmed_rows_hold_their_own_right_sized_buffers_and_continue_like_batch
                                                                                       values)
         assert row.filled.untyped_storage().nbytes() == row.slot_index.numel() == needed[i]  # (bool: a byte a slot)
         assert torch.equal(row.filled, filled[i])
+        states = {(idx, field): t for idx, layer in row.gdn_states.items() for field, t in _gdn_fields(layer)}
+        assert states.keys() == gdn[i].keys()
+        for key, t in states.items():
+            assert t.untyped_storage().nbytes() == t.nbytes and torch.equal(t, gdn[i][key]), f"row {i} {key}"
         assert row.trim() == needed[i]  # (trimmed already: nothing moves)
     del out, group
     gc.collect()
-    assert all(ref() is None for ref in shared)  # no row uses the batch's buffers: they are freed
+    assert all(ref() is None for ref in shared + gdn_bases)  # no row uses the batch's tensors: they are freed
 
     widths = []
     share_buffers = BatchedDeferredPrefillCache.share_buffers

@@ -520,9 +520,11 @@ class DeferredPrefillCache(RunningCall, DynamicCache):
     def trim(self) -> int:
         """Moves this dynamic cache's KV layers and filled-slot mask to buffers of its own of `capacity_needed`
         slots, with the entries of its `length` slots (nothing at or past `length` is ever filled: slots there
-        hold only padding's scratch writes). A row of a batch's shared buffers leaves them (the batch's buffers
-        are freed once no row uses them), and a buffer that grew geometrically over earlier calls shrinks; a
-        later call grows it again as it needs. The entries, the mask and every later result are unchanged.
+        hold only padding's scratch writes), and its Gated DeltaNet states (live state, conv window, checkpoint)
+        that are views into larger tensors (a batch's rows: rows of its last forward's outputs) to copies of their
+        own. A row of a batch's shared buffers leaves them (the batch's buffers are freed once no row uses them),
+        and a buffer that grew geometrically over earlier calls shrinks; a later call grows it again as it needs.
+        The entries, the mask, the states and every later result are unchanged.
         Returns the slots per layer now (0: no KV yet).
 
         A no-op for a cache whose buffers already are its own at that size, and for a static cache (its capacity
@@ -552,6 +554,8 @@ class DeferredPrefillCache(RunningCall, DynamicCache):
             filled = torch.zeros(capacity, dtype=torch.bool, device=self._filled.device)
             filled[:length] = self._filled[:length]
             self._filled, self._slot_index = filled, torch.arange(capacity, device=filled.device)  # (one line)
+        for state in self.gdn_states.values():  # (a batch's rows: views of its last forward's [B, ...] outputs)
+            state.persist(_own_tensor)
         return next((layer.keys.shape[2] for layer in self.layers if layer.is_initialized), 0)
 
     def marks_filled(self, slots: torch.Tensor) -> None:
@@ -679,6 +683,12 @@ class DeferredPrefillCache(RunningCall, DynamicCache):
     def mask_width(self, kv_len: int) -> int:
         """Key width the attention sees: ``kv_len`` (dynamic) or the whole static buffer."""
         return self.layers[0].capacity if self.static else kv_len
+
+
+def _own_tensor(field: str, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, or a copy when it is a view into a larger storage (a row of a batch's tensor): what `trim` makes of
+    each GDN state field (`GDNLayerState.persist`)."""
+    return tensor if tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size() else tensor.clone()
 
 
 def _own_buffer(first: torch.Tensor, second: torch.Tensor | None, capacity: int) -> bool:
