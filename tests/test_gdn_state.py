@@ -444,6 +444,78 @@ def test_restore_rows_together_equal_each_row_alone(rows):
             assert torch.equal(t, c)
 
 
+def test_rows_restoring_then_running_a_prompt_together_equal_each_row_alone(monkeypatch):
+    """A shared forward's rows that restore deferred rows and then run a prompt (a next turn folding the rows still
+    pending: `_restore_then_prompt_rows`, the restore and prompt pieces each batched) against `gdn_rows_forward`
+    row by row: different deferred counts and prompt lengths, a plan that finishes (P_tail released before the
+    prompt) and one that keeps tracking, a prompt with a new plan's boundary inside it (its checkpoint), a fixed
+    layout; next to a decode row and a row of a kind of its own. Outputs (padding zero), live states, conv windows
+    and checkpoints; padding holds NaN; the old tensors untouched. The deferred rows of all such rows run in one
+    kernel call per GDN layer (not one per row)."""
+    import copy
+
+    from hf_raincheck.gdn_state import GDNStep, gdn_rows_forward
+    from hf_raincheck.gdn_state import layer as layer_module
+    from hf_raincheck.gdn_state.layer import SharedGDNSteps, gdn_shared_forward
+
+    module, glue = _gdn_module()
+    dims = glue.dims(module)
+    gen = torch.Generator().manual_seed(31)
+    # (deferred rows, prompt rows, track, fixed, boundary inside the prompt)
+    kinds = [(5, 7, False, False, None), (31, 3, True, False, None), (2, 9, True, False, 4), (17, 2, False, True, None),
+             (3, 6, True, True, 2)]
+    layers, steps, lengths = [], [], []
+    for j, (count, prompt, track, fixed, cut) in enumerate(kinds):
+        layer, step = _restoring_row(3000 + j, count, track, fixed, dims, gen)
+        if cut is not None:
+            step = GDNStep(restore_plan=step.restore_plan, num_restore=count, checkpoint_plan=4000 + j,
+                           checkpoint_at=cut, track=True, backend="torch")
+        layers.append(layer)
+        steps.append(step)
+        lengths.append(count + prompt)
+    # a decode-only row and a lone restore-then-decode row beside them (kinds of their own)
+    layers.append(_row_layer("state", 0, True, False, dims, gen))
+    steps.append(GDNStep(None, 0, None, 0, False, "torch"))
+    lengths.append(1)
+    layer, step = _restoring_row(5000, 4, True, False, dims, gen)
+    layers.append(layer)
+    steps.append(step)
+    lengths.append(5)
+    alone = copy.deepcopy(layers)
+    old = [[t.clone() for t in (layer.state, layer.conv)] for layer in layers]
+    before = [(layer.state, layer.conv) for layer in layers]
+    width = max(lengths)
+    starts = [width - t for t in lengths]
+    hidden = torch.randn(len(layers), width, module.hidden_size, generator=gen)
+    for j, start in enumerate(starts):
+        hidden[j, :start] = float("nan")
+    calls = []
+    real = layer_module.advance
+    monkeypatch.setattr(layer_module, "advance", lambda *a, **kw: calls.append(tuple(a[1].shape[:2])) or real(*a, **kw))
+    rows = [(start, step, lambda idx, layer=layer: layer) for start, step, layer in zip(starts, steps, layers)]
+    with torch.no_grad():
+        out = gdn_shared_forward(glue, module, hidden, SharedGDNSteps(rows=rows))
+    assert (len(kinds), max(count for count, *_ in kinds)) in calls  # every row's deferred rows in one call
+    monkeypatch.setattr(layer_module, "advance", real)
+    with torch.no_grad():
+        refs = [gdn_rows_forward(glue, module, hidden[j : j + 1, s:], alone[j], steps[j]) for j, s in enumerate(starts)]
+    for j, (s, ref) in enumerate(zip(starts, refs)):
+        torch.testing.assert_close(out[j : j + 1, s:], ref, atol=1e-5, rtol=1e-4, msg=f"row {j}")
+        assert not out[j, :s].any(), f"row {j}: padding outputs"
+    for j, (layer, expected) in enumerate(zip(layers, alone)):
+        assert layer.carry == expected.carry and layer.value_dim == expected.value_dim, j
+        torch.testing.assert_close(layer.state, expected.state, atol=1e-5, rtol=1e-4, msg=f"row {j} state")
+        torch.testing.assert_close(layer.conv, expected.conv, atol=1e-6, rtol=1e-5, msg=f"row {j} conv")
+        assert (layer.prefix is None) == (expected.prefix is None), j
+        if expected.prefix is not None:
+            assert layer.prefix.plan_id == expected.prefix.plan_id, j
+            torch.testing.assert_close(layer.prefix.recurrent, expected.prefix.recurrent, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(layer.prefix.conv, expected.prefix.conv, atol=1e-6, rtol=1e-5)
+    for tensors, copies in zip(before, old):
+        for t, c in zip(tensors, copies):
+            assert torch.equal(t, c)
+
+
 def test_a_fused_step_of_restoring_rows_makes_one_kernel_call_per_gdn_layer(monkeypatch):
     """An eager shared fused step whose rows all restore deferred rows and decode runs each GDN layer's deferred
     rows in one kernel call and the decode rows in one more (not two per row)."""
