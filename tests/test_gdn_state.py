@@ -454,7 +454,7 @@ def test_rows_restoring_then_running_a_prompt_together_equal_each_row_alone(monk
     kernel call per GDN layer (not one per row)."""
     import copy
 
-    from hf_raincheck.gdn_state import GDNStep, gdn_rows_forward
+    from hf_raincheck.gdn_state import GDNStep
     from hf_raincheck.gdn_state import layer as layer_module
     from hf_raincheck.gdn_state.layer import SharedGDNSteps, gdn_shared_forward
 
@@ -485,28 +485,18 @@ def test_rows_restoring_then_running_a_prompt_together_equal_each_row_alone(monk
     old = [[t.clone() for t in (layer.state, layer.conv)] for layer in layers]
     before = [(layer.state, layer.conv) for layer in layers]
     width = max(lengths)
-    starts = [width - t for t in lengths]
-    hidden = torch.randn(len(layers), width, module.hidden_size, generator=gen)
-    for j, start in enumerate(starts):
-        hidden[j, :start] = float("nan")
     calls = []
     real = layer_module.advance
     monkeypatch.setattr(layer_module, "advance", lambda *a, **kw: calls.append(tuple(a[1].shape[:2])) or real(*a, **kw))
-    rows = [(start, step, lambda idx, layer=layer: layer) for start, step, layer in zip(starts, steps, layers)]
-    with torch.no_grad():
-        out = gdn_shared_forward(glue, module, hidden, SharedGDNSteps(rows=rows))
+
+    def shared(glue, module, hidden, starts, layers, steps):
+        rows = [(start, step, lambda idx, layer=layer: layer) for start, step, layer in zip(starts, steps, layers)]
+        return gdn_shared_forward(glue, module, hidden, SharedGDNSteps(rows=rows))
+
+    _rows_together_equal_rows_alone(shared, glue, module, layers, alone, steps, [width - t for t in lengths], width,
+                                    gen)
     assert (len(kinds), max(count for count, *_ in kinds)) in calls  # every row's deferred rows in one call
-    monkeypatch.setattr(layer_module, "advance", real)
-    with torch.no_grad():
-        refs = [gdn_rows_forward(glue, module, hidden[j : j + 1, s:], alone[j], steps[j]) for j, s in enumerate(starts)]
-    for j, (s, ref) in enumerate(zip(starts, refs)):
-        torch.testing.assert_close(out[j : j + 1, s:], ref, atol=1e-5, rtol=1e-4, msg=f"row {j}")
-        assert not out[j, :s].any(), f"row {j}: padding outputs"
     for j, (layer, expected) in enumerate(zip(layers, alone)):
-        assert layer.carry == expected.carry and layer.value_dim == expected.value_dim, j
-        torch.testing.assert_close(layer.state, expected.state, atol=1e-5, rtol=1e-4, msg=f"row {j} state")
-        torch.testing.assert_close(layer.conv, expected.conv, atol=1e-6, rtol=1e-5, msg=f"row {j} conv")
-        assert (layer.prefix is None) == (expected.prefix is None), j
         if expected.prefix is not None:
             assert layer.prefix.plan_id == expected.prefix.plan_id, j
             torch.testing.assert_close(layer.prefix.recurrent, expected.prefix.recurrent, atol=1e-5, rtol=1e-4)
