@@ -15,7 +15,7 @@ pixels and text drawn from its own seed (different images). Answers of ``--new-t
 * ``plain``: transformers' own batched ``generate`` (no ``raincheck_config``);
 * ``full``, ``hard``: ``RaincheckConfig(policy="full")`` / ``policy="hard"`` (Hard: ``--retention``, ``--pruning``);
 * ``raincheck``: the package's defaults (retention 0.3, chunk 31, guard 16, the ``mmtok`` selector,
-  ``step_deferred_budget`` 128; each overridable) except ``completion="blocking"``, so that a call's end includes
+  ``step_deferred_budget="auto"``: 128, or 512 for Qwen3.5; each overridable) except ``completion="blocking"``, so that a call's end includes
   every row's deferred tokens restored (as ``latency.py``). Full and Hard are blocking too (nothing to complete).
 
 Cache kinds (``--cache``): ``dynamic`` (default; eager decode): batches run in the shared engine (every row in each
@@ -105,7 +105,7 @@ RECORD_KEYS = ("model", "cache", "batch_size", "method", "rows", "rows_why", "im
                "tokens_per_s", "tokens_per_s_rounds", "e2e_ms", "e2e_ms_rounds", "peak_mem_gib", "rounds",
                "warmup_s", "answer_ttft_ms", "step_ms", "step_p50_ms", "restore_step_ms", "decode_step_ms", "restored_at_token",
                "deferred_per_row", "restored_during_decode", "pending_at_answer_end", "restored_after_answer",
-               "replay_matches")
+               "replay_matches", "step_budget")
 
 
 # ---------------------------------------------------------------------------------------------------- methods
@@ -248,7 +248,8 @@ def restoration(bench: Bench, method: Method, cache, batch_size: int, steps: int
     """Raincheck's per-row accounting of the answer and ``restored_at_token``: the schedule (and, in the shared
     engine, ``step_deferred_budget`` shared over the rows) replayed for the rows' deferred counts."""
     empty = dict(restored_at_token=None, deferred_per_row=None, restored_during_decode=None,
-                 pending_at_answer_end=None, restored_after_answer=None, replay_matches=None, counts=None)
+                 pending_at_answer_end=None, restored_after_answer=None, replay_matches=None, counts=None,
+                 step_budget=None)
     if method.config is None or method.config.policy != "raincheck":
         return empty
     stats = [row[-1] for row in cache.row_turn_stats]
@@ -256,11 +257,12 @@ def restoration(bench: Bench, method: Method, cache, batch_size: int, steps: int
     shared = bench.rows(method, batch_size) == "shared"
     pending = [s.deferred for s in stats]
     schedule = config.schedule or FixedChunkSchedule(config.chunk_size, config.guard_tokens)
+    budget = config.step_budget(bench.model._raincheck_state.adapter.gdn_glue is not None)
     per_step = []  # the batch's deferred tokens carried by decode steps 1..steps
     per_row = [0] * batch_size
     for step in range(1, steps + 1):
         wanted = [carried_tokens(schedule, step, p) for p in pending]
-        counts = carry_counts(wanted, config.step_deferred_budget) if shared else wanted
+        counts = carry_counts(wanted, budget) if shared else wanted
         pending = [p - c for p, c in zip(pending, counts)]
         per_row = [a + c for a, c in zip(per_row, counts)]
         per_step.append(sum(counts))
@@ -278,6 +280,7 @@ def restoration(bench: Bench, method: Method, cache, batch_size: int, steps: int
         restored_after_answer=sum(s.restored_after_answer for s in stats),
         replay_matches=matches,
         counts=per_step,
+        step_budget=budget if shared else None,  # the budget the shared steps ran with ("auto" resolved)
     )
 
 
@@ -362,6 +365,7 @@ def make_record(bench: Bench, entry: Entry, batch_size: int, prompt_tokens: list
         restored_during_decode=middle["restored_during_decode"], pending_at_answer_end=middle["pending_at_answer_end"],
         restored_after_answer=middle["restored_after_answer"],
         replay_matches=None if middle["replay_matches"] is None else all(a["replay_matches"] for a in answers),
+        step_budget=middle["step_budget"],
     )
     return {key: record[key] for key in RECORD_KEYS}
 
@@ -722,8 +726,9 @@ def parse_args(argv=None):
     parser.add_argument("--chunk-size", type=int, default=31)
     parser.add_argument("--guard-tokens", type=int, default=16)
     parser.add_argument("--pruning", default="mmtok", help="selector of hard and raincheck (the package default)")
-    parser.add_argument("--step-budget", default="128",
-                        help="RaincheckConfig.step_deferred_budget of raincheck (the default 128; 'none': no cap)")
+    parser.add_argument("--step-budget", default="auto",
+                        help="RaincheckConfig.step_deferred_budget of raincheck (the default 'auto': the model's, "
+                             "128 or 512 for Qwen3.5; 'none': no cap)")
     parser.add_argument("--attn-backend", default="auto", choices=("auto", "sdpa", "eager", "flash"))
     parser.add_argument("--gdn-backend", default="auto", choices=("auto", "torch", "fla"))
     parser.add_argument("--budget-s", type=float, default=450.0,
@@ -779,11 +784,13 @@ def parse_args(argv=None):
         parser.error(f"--ttft-repeats: at least 0, got {args.ttft_repeats}")
     if args.step_budget.lower() == "none":
         args.step_budget = None
+    elif args.step_budget.lower() == "auto":
+        args.step_budget = "auto"
     else:
         try:
             args.step_budget = int(args.step_budget)
         except ValueError:
-            parser.error(f"--step-budget: an int >= 1 or 'none', got {args.step_budget!r}")
+            parser.error(f"--step-budget: an int >= 1, 'auto' or 'none', got {args.step_budget!r}")
     if args.out:
         args.save = True
     for option, wanted in (("--profile-steps", args.profile_steps), ("--profile-ttft", args.profile_ttft)):

@@ -13,7 +13,8 @@ minutes: a layer of the shape (`shapes.py`, random weights, bf16 on CUDA), its s
 (``[S | P_tail]`` fp32, conv windows, prefix checkpoints), and per batch size B
 
 * ``fused``: ``[B, window + 1]`` rows, window = `fused_window(chunk_size, step_deferred_budget, B)` (the package
-  defaults: 31, 128), every row carrying its whole window and decoding (the common fused step);
+  defaults for a model with GDN layers: 31, 512), every row carrying its whole window and decoding (the common
+  fused step);
 * ``decode``: ``[B, 1]``, every row decoding (a decode-only step, Full's and Raincheck's alike).
 
 ``--path batch1``: one conversation's compiled step instead (`gdn_rows_forward_graph`, `generation/decode.py`: a
@@ -51,6 +52,7 @@ from hf_raincheck.gdn_state import (  # noqa: E402
     gdn_batch_forward_graph,
     gdn_rows_forward_graph,
 )
+from hf_raincheck import RaincheckConfig  # noqa: E402
 from hf_raincheck.gdn_state import kernels as gdn_kernels  # noqa: E402
 from hf_raincheck.generation.shared_batch import fused_window  # noqa: E402
 from hf_raincheck.models.qwen3_5 import Qwen3_5GDNGlue  # noqa: E402
@@ -207,7 +209,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
                         help="default 1 4 8 16 (--path batch), 1 (--path batch1)")
     parser.add_argument("--chunk-size", type=int, default=31)
-    parser.add_argument("--step-budget", type=int, default=128, help="step_deferred_budget (0: no cap)")
+    parser.add_argument("--step-budget", type=int, default=RaincheckConfig.STEP_BUDGET_GDN,
+                        help="step_deferred_budget (default: the package's for GDN models, "
+                             f"{RaincheckConfig.STEP_BUDGET_GDN}; 0: no cap)")
     parser.add_argument("--gdn-backend", default="auto", choices=list(gdn_kernels.BACKENDS))
     parser.add_argument("--reps", type=int, default=24, help="calls per captured CUDA graph (a step's GDN layers)")
     parser.add_argument("--iters", type=int, default=50, help="graph replays timed")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Union
+from typing import Any, Callable, ClassVar, Union
 
 POLICIES = ("full", "hard", "raincheck")
 COMPLETIONS = ("background", "blocking", "next_turn")
@@ -69,15 +69,20 @@ class RaincheckConfig:
             ``step > guard_tokens``.
         seed: seed of the ``random`` selector.
         step_deferred_budget: batches only (``generate`` with B > 1 rows): the most deferred tokens one shared
-            decode step carries over all its rows (>= 1), or None for no cap. Each row carries at most
-            ``ceil(budget / B)`` a step (B: the batch's rows), and when the rows' schedules ask for more than the
-            budget it is shared evenly (each row at most what its schedule asks; the rest goes to the rows that
-            want more). The per-row cap keeps a fused step's padded shape ``[B, cap + 1]`` at the budget's size
-            (rows are padded to the widest). Default 128: a decode step of an 8B-class model stays memory-bound up to roughly 200
-            rows on an H200 (its bf16 compute over memory bandwidth), so 128 deferred rows plus the decode rows of a
-            batch of 16 keep the step close to a plain decode step's time (the benchmarks page measures it). A
-            batch-1 call ignores it.
-
+            decode step carries over all its rows (>= 1), None for no cap, or ``"auto"`` (default): the model's
+            own default, resolved per call (`step_budget`). Each row carries at most ``ceil(budget / B)`` a step
+            (B: the batch's rows), and when the rows' schedules ask for more than the budget it is shared evenly
+            (each row at most what its schedule asks; the rest goes to the rows that want more). The per-row cap
+            keeps a fused step's padded shape ``[B, cap + 1]`` at the budget's size (rows are padded to the
+            widest). ``"auto"`` is `STEP_BUDGET_ATTENTION` (128) for models whose layers are all attention layers:
+            a decode step of an 8B-class model stays memory-bound up to roughly 200 rows on an H200 (its bf16
+            compute over memory bandwidth), so 128 deferred rows plus the decode rows of a batch of 16 keep a fused
+            step close to a plain decode step's time. For models with Gated DeltaNet layers (Qwen3.5) it is
+            `STEP_BUDGET_GDN` (512): there a fused step costs a fixed amount of GPU work over a decode step
+            whatever its rows carry (every GDN layer continues each row's prefix state, joins it into the live
+            state and passes the states once more), so fewer, wider fused steps cost less in all; at B = 16 the
+            Qwen3.5-9B shape's compiled TPOT / Full went 1.25 (128) -> 1.18 (256) -> 1.10 (512) (benchmarks page,
+            "Batches"). A batch-1 call ignores it.
     ``to_dict()`` / ``RaincheckConfig.from_dict(d)`` give and take a JSON-serialisable dict (what
     ``generation_config.json`` holds when ``model.generation_config.raincheck_config`` is set).
     """
@@ -96,7 +101,12 @@ class RaincheckConfig:
     fused: bool = True
     schedule: Callable[[int, int], int] | None = None
     seed: int = 0
-    step_deferred_budget: int | None = 128
+    step_deferred_budget: int | None | str = "auto"
+
+    #: ``step_deferred_budget="auto"`` for models whose layers are all attention layers
+    STEP_BUDGET_ATTENTION: ClassVar[int] = 128
+    #: ``step_deferred_budget="auto"`` for models with Gated DeltaNet layers
+    STEP_BUDGET_GDN: ClassVar[int] = 512
 
     def __post_init__(self) -> None:
         _check_choice("policy", self.policy, POLICIES)
@@ -109,8 +119,12 @@ class RaincheckConfig:
         _check_int("guard_tokens", self.guard_tokens, 0)
         _check_int("completion_chunk_size", self.completion_chunk_size, 1)
         _check_int("seed", self.seed, 0)
-        if self.step_deferred_budget is not None:
-            _check_int("step_deferred_budget", self.step_deferred_budget, 1)
+        budget = self.step_deferred_budget
+        if not (budget is None or budget == "auto" or (isinstance(budget, int) and not isinstance(budget, bool)
+                                                       and budget >= 1)):
+            raise ValueError(
+                f"RaincheckConfig.step_deferred_budget must be an int >= 1, None (no cap) or 'auto', got {budget!r}"
+            )
         _check_choice("completion", self.completion, COMPLETIONS)
         _check_choice("attn_backend", self.attn_backend, ATTN_BACKENDS)
         _check_choice("visibility", self.visibility, VISIBILITIES)
@@ -136,6 +150,13 @@ class RaincheckConfig:
         resolve_options(self.pruning, self.pruning_options)  # unknown option names or bad values: ValueError
         if self.schedule is not None and not callable(self.schedule):
             raise ValueError(f"RaincheckConfig.schedule must be callable(step, pending) -> int, got {self.schedule!r}")
+
+    def step_budget(self, gdn_layers: bool) -> int | None:
+        """`step_deferred_budget` for a model with (`gdn_layers`) or without Gated DeltaNet layers: ``"auto"``
+        resolved to `STEP_BUDGET_GDN` or `STEP_BUDGET_ATTENTION`, any other value as given."""
+        if self.step_deferred_budget == "auto":
+            return self.STEP_BUDGET_GDN if gdn_layers else self.STEP_BUDGET_ATTENTION
+        return self.step_deferred_budget
 
     def kept_budget(self, num_tokens: int) -> int:
         """Tokens kept from a span of `num_tokens`: ``N - floor((1 - rho) N)`` (all of them under ``full``)."""

@@ -309,6 +309,30 @@ def test_a_binding_step_budget_equals_batch1_fed_the_same_counts(family, monkeyp
         assert_same_cache(out.past_key_values.rows[i], ref.past_key_values)
 
 
+def test_the_default_step_budget_is_the_models(family, monkeypatch):
+    """``step_deferred_budget="auto"`` (the default) is resolved per call from the model: 128 for models whose
+    layers are all attention layers, 512 for models with Gated DeltaNet layers (the benchmarks page, "Batches");
+    the config keeps saying ``"auto"``; an int the user sets is used as given."""
+    import hf_raincheck.generation.shared_batch as shared_batch
+
+    model, processor = family
+    budgets = []
+    real = shared_batch.carry_counts
+    monkeypatch.setattr(shared_batch, "carry_counts", lambda wanted, budget: budgets.append(budget) or real(wanted, budget))
+    batch = _inputs(processor, CONVERSATIONS[:2])
+    cfg = RaincheckConfig(retention=0.3, chunk_size=4, guard_tokens=1, completion="blocking")
+    assert cfg.step_deferred_budget == "auto"
+    out = _gen(model, batch, cfg)
+    gdn = model._raincheck_state.adapter.gdn_glue is not None
+    assert gdn == (model.config.model_type == "qwen3_5")
+    assert budgets and set(budgets) == {512 if gdn else 128}
+    assert out.past_key_values.rows[0].config.step_deferred_budget == "auto"
+    budgets.clear()
+    _gen(model, batch, RaincheckConfig(retention=0.3, chunk_size=4, guard_tokens=1, completion="blocking",
+                                       step_deferred_budget=3))
+    assert budgets and set(budgets) == {3}
+
+
 def test_unsupported_batches_raise(family):
     model, processor = family
     batch = _inputs(processor, CONVERSATIONS[:2])

@@ -315,7 +315,7 @@ BATCH_RECORD_KEYS = {"model", "cache", "batch_size", "method", "rows", "rows_why
                      "tpot_from", "tokens_per_s", "tokens_per_s_rounds", "e2e_ms", "e2e_ms_rounds", "peak_mem_gib",
                      "rounds", "warmup_s", "answer_ttft_ms", "step_ms", "step_p50_ms", "restore_step_ms",
                      "decode_step_ms", "restored_at_token", "deferred_per_row", "restored_during_decode", "pending_at_answer_end",
-                     "restored_after_answer", "replay_matches"}
+                     "restored_after_answer", "replay_matches", "step_budget"}
 
 
 def test_batch_quick_shared_engine(tmp_path):
@@ -358,8 +358,9 @@ def test_batch_quick_shared_engine(tmp_path):
             steps = math.ceil(44 / 31) if b == 1 else 7
             assert r["restored_at_token"] == 16 + steps + 1
             assert r["restore_step_ms"] > 0 and r["decode_step_ms"] > 0
+            assert r["step_budget"] == (None if b == 1 else 20)  # (batch-1 calls have no step budget)
         else:
-            assert r["restored_at_token"] is None and r["deferred_per_row"] is None
+            assert r["restored_at_token"] is None and r["deferred_per_row"] is None and r["step_budget"] is None
     pairs = {(r["batch_size"], r["pair"]): r for r in report["ratios"]}
     assert set(pairs) == {(b, p) for b in (1, 3) for p in ("raincheck/full", "raincheck/hard", "full/plain")}
     by = {(r["batch_size"], r["method"]): r for r in records}

@@ -46,6 +46,9 @@ CFG = RaincheckConfig(retention=0.5, chunk_size=2, guard_tokens=1)
         ("pruning", 3, "pruning must be a registered selector name or a callable"),
         ("pruning_options", [1], "pruning_options must be a dict"),
         ("schedule", 5, "schedule must be callable"),
+        ("step_deferred_budget", 0, "step_deferred_budget must be an int >= 1, None (no cap) or 'auto'"),
+        ("step_deferred_budget", "max", "step_deferred_budget must be an int >= 1, None (no cap) or 'auto'"),
+        ("step_deferred_budget", True, "step_deferred_budget must be an int >= 1, None (no cap) or 'auto'"),
     ],
 )
 def test_invalid_config_values_name_the_field(field, value, message):

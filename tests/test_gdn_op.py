@@ -56,6 +56,30 @@ def test_opaque_advance_carries_the_transition_map_alike(t):
     assert torch.equal(out, ref_out) and torch.equal(final, ref_final)
 
 
+@pytest.mark.parametrize("t", [1, 7])
+def test_in_place_advance_leaves_what_advance_returns_in_the_buffer(t):
+    """``advance_`` (``hf_raincheck::gated_delta_``, what compiled steps' decode rows call): the state buffer ends
+    holding ``advance``'s final state (``[S | P]`` included), the outputs are ``advance``'s, the inputs untouched."""
+    from hf_raincheck.gdn_state.ops import advance_
+
+    q, k, v, g, beta, stacked = factors(t, True, seed=3, width=V + K)
+    inputs = [x.clone() for x in (q, k, v, g, beta)]
+    ref_out, ref_final = advance("torch", q, k, v, g, beta, stacked, carry=K)
+    buffer = stacked.clone()
+    pointer = buffer.data_ptr()
+    out = advance_("torch", q, k, v, g, beta, buffer, carry=K)
+    assert buffer.data_ptr() == pointer and torch.equal(buffer, ref_final) and not torch.equal(buffer, stacked)
+    assert torch.equal(out, ref_out)
+    assert all(torch.equal(a, b) for a, b in zip(inputs, (q, k, v, g, beta)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_in_place_opcheck(dtype):
+    """Schema (the state is declared mutated), fake outputs and AOT dispatch of ``hf_raincheck::gated_delta_``."""
+    q, k, v, g, beta, state = factors(1, True, seed=4, dtype=dtype)
+    torch.library.opcheck(torch.ops.hf_raincheck.gated_delta_.default, (q, k, v, g, beta, state, "torch"))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_opcheck(case, dtype):

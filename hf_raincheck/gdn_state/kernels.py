@@ -5,6 +5,7 @@ kernels. `ops.py` wraps the call as a custom op for compiled steps and holds `ad
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 
@@ -68,6 +69,63 @@ FLA_RECURRENT_MAX_ROWS = 1
 #: chunk of an eager fused step. The recurrent kernel is one launch; its GPU time for such rows hides under the
 #: host time saved.
 FLA_EAGER_RECURRENT_MAX_ROWS = 64
+
+
+#: fla-core 0.6's recurrent forward kernel takes these arguments (`_fla_recurrent_kernel` checks them: another
+#: signature falls back to fla's public function and a copy).
+_FLA_RECURRENT_KERNEL_ARGS = (
+    "q", "k", "v", "g", "gk", "gv", "beta", "A_log", "dt_bias", "o", "h0", "ht", "cu_seqlens", "scale", "T", "H",
+    "HV", "K", "V", "BK", "BV", "USE_G", "USE_GK", "USE_GV", "USE_QK_L2NORM_IN_KERNEL", "IS_BETA_HEADWISE",
+    "USE_INITIAL_STATE", "STORE_FINAL_STATE", "STATE_V_FIRST", "IS_VARLEN", "USE_GATE_IN_KERNEL", "HAS_DT_BIAS",
+    "APPLY_BETA_SIGMOID", "ALLOW_NEG_EIGVAL",
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _fla_recurrent_kernel():
+    """fla-core's recurrent forward Triton kernel when its signature is the one `gated_delta_` was written for,
+    else None. The one place this package reaches inside fla-core (fla's public function allocates the final state,
+    so a caller that keeps its state in a fixed buffer pays a copy of it per call)."""
+    try:
+        from fla.ops.gated_delta_rule import fused_recurrent as module
+    except Exception:
+        return None
+    kernel = getattr(module, "fused_recurrent_gated_delta_rule_fwd_kernel", None)
+    if tuple(getattr(kernel, "arg_names", ())) != _FLA_RECURRENT_KERNEL_ARGS:
+        return None
+    return kernel
+
+
+def gated_delta_(backend: str, q, k, v, g, beta, state):
+    """`gated_delta` of rows from `state` (``[B, H_v, K, V]`` float32, updated in place) by the recurrent kernel:
+    returns the outputs ``[B, T, H_v, V]`` in v's dtype; `state` holds the final state.
+
+    fla: its recurrent forward kernel with the state as both initial and final state (each kernel program loads its
+    block of the state before the rows and stores it after them, so reading and writing one buffer is safe), which
+    saves the allocation and the copy of a new final state: at a batch of 16 rows of the Qwen3.5-9B shape
+    ``[S | P_tail]`` is 67 MB a GDN layer. Falls back to `gated_delta` and a copy for the torch kernels, a state that
+    is not a contiguous float32 buffer, or an fla-core whose kernel has another signature.
+    """
+    kernel = _fla_recurrent_kernel() if backend == "fla" else None
+    if kernel is None or state.dtype != torch.float32 or not state.is_contiguous():
+        out, final = gated_delta(backend, q, k, v, g, beta, state, recurrent_rows=q.shape[1])
+        state.copy_(final)
+        return out.to(v.dtype)
+    import triton
+
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    batch, rows, heads, key_dim = k.shape
+    num_v_heads, value_dim = v.shape[2], v.shape[3]
+    out = torch.empty_like(v)
+    block_v = min(8, triton.next_power_of_2(value_dim))  # as fla's own launcher
+    grid = (triton.cdiv(value_dim, block_v) * batch * num_v_heads,)
+    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+        kernel[grid](q=q, k=k, v=v, g=g, gk=None, gv=None, beta=beta, A_log=None, dt_bias=None, o=out, h0=state,
+                     ht=state, cu_seqlens=None, scale=key_dim ** -0.5, T=rows, H=heads, HV=num_v_heads, K=key_dim,
+                     V=value_dim, BK=triton.next_power_of_2(key_dim), BV=block_v, IS_BETA_HEADWISE=beta.ndim != v.ndim,
+                     USE_QK_L2NORM_IN_KERNEL=True, APPLY_BETA_SIGMOID=False, ALLOW_NEG_EIGVAL=False,
+                     STATE_V_FIRST=False, num_warps=1, num_stages=3)
+    return out
 
 
 def gated_delta(backend: str, q, k, v, g, beta, state, recurrent_rows: int | None = None):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .ops import advance, zero_like
+from .ops import advance, advance_, zero_like
 from .state import GDNLayerState
 
 
@@ -760,9 +760,7 @@ def gdn_rows_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, layer: G
         conv_out = glue.conv_tail(module, full, 1)
         layer.conv.copy_(full[..., 1:])
         q, k, v, g, beta = glue.factors(module, conv_out, a[:, -1:], b[:, -1:])
-        out, state = advance(step.backend, q, k, v, g, beta, layer.state, layer.carry, opaque=True)
-        layer.state.copy_(state)
-        outs.append(out)
+        outs.append(advance_(step.backend, q, k, v, g, beta, layer.state, layer.carry))  # the state in place
     core = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return glue.output(module, core, z)
 
@@ -834,11 +832,9 @@ def gdn_batch_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, buffers
     conv.copy_(torch.where(live, full[..., 1:], conv))
     q, k, v, g, beta = glue.factors(module, conv_out, a[:, -1:], b[:, -1:])
     # a stopped row's decode position is the identity on its state (g = beta = 0), so the kernel's final state is
-    # every row's new state: no select over the [B, H_v, K, V + K] states
+    # every row's new state: no select over the [B, H_v, K, V + K] states, which the kernel updates in place
     g = torch.where(live, g, torch.zeros_like(g))
     beta = torch.where(live, beta, torch.zeros_like(beta))
-    out, new_state = advance(step.backend, q, k, v, g, beta, state, state.shape[-1] - value_dim, opaque=True)
-    state.copy_(new_state)
-    outs.append(out)
+    outs.append(advance_(step.backend, q, k, v, g, beta, state, state.shape[-1] - value_dim))
     core = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return glue.output(module, core, z)

@@ -8,6 +8,10 @@ compiling in minutes), and fla-core's Triton launchers traced by dynamo did not 
 forwards call `kernels.gated_delta` directly. Importing this module needs no fla-core: `kernels.functions` imports a
 backend's kernels on first use, outside any trace.
 
+``advance_(...)`` (the ``hf_raincheck::gated_delta_`` op, which mutates its state) is the decode rows' call in
+compiled steps: the state buffer is updated in place by fla's recurrent kernel (`kernels.gated_delta_`), not
+returned as a new tensor and copied back.
+
 ``advance(...)`` runs rows from a state and can carry a transition map ``P`` along in the same call: a gated
 delta rule run with ``v = 0`` from state ``P`` returns ``A_T ... A_1 P``, and the rule acts on ``(v, S)`` column
 by column, so a state ``[S | P]`` with values ``[v | 0]`` gives the new state and the new map at once.
@@ -40,6 +44,26 @@ def gated_delta_op(
 def _(q, k, v, g, beta, state, backend):
     batch, _, heads, value_dim = v.shape
     return v.new_empty(v.shape, dtype=q.dtype), v.new_empty(batch, heads, k.shape[-1], value_dim, dtype=torch.float32)
+
+
+@torch.library.custom_op("hf_raincheck::gated_delta_", mutates_args=("state",))
+def gated_delta_inplace_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    backend: str,
+) -> torch.Tensor:
+    """`kernels.gated_delta_` of `backend`: rows from `state` ``[B, H_v, K, V]`` float32, which ends holding the final
+    state (mutated in place). Returns ``o [B, T, H_v, V]`` in q's dtype, a new tensor."""
+    return kernels.gated_delta_(backend, q, k, v, g, beta, state).to(q.dtype)
+
+
+@gated_delta_inplace_op.register_fake
+def _(q, k, v, g, beta, state, backend):
+    return v.new_empty(v.shape, dtype=q.dtype)
 
 
 _ZERO: dict = {}  # (device, dtype) -> a 0-d zero, expanded (no copy) into P's value columns by eager calls
@@ -84,3 +108,14 @@ def advance(backend: str, q, k, v, g, beta, state, carry: int = 0, opaque: bool 
     else:
         out, final = kernels.gated_delta(backend, q, k, v, g, beta, state, kernels.FLA_EAGER_RECURRENT_MAX_ROWS)
     return (out[..., : out.shape[-1] - carry] if carry else out), final
+
+
+def advance_(backend: str, q, k, v, g, beta, state, carry: int = 0):
+    """`advance` with `state` updated in place (``[B, H_v, K, V + carry]`` float32, a fixed buffer of a compiled
+    step: its last `carry` columns the transition map): returns the outputs ``[B, T, H_v, V]``. Through the
+    ``hf_raincheck::gated_delta_`` custom op (one node in a traced graph, as `advance` with `opaque`), which runs
+    fla's recurrent kernel on the buffer itself (`kernels.gated_delta_`): no new final state, no copy back."""
+    if carry:
+        v = torch.cat([v, _zero_columns(v, carry)], dim=-1)
+    out = torch.ops.hf_raincheck.gated_delta_(q, k, v, g, beta, state, backend)
+    return out[..., : out.shape[-1] - carry] if carry else out

@@ -42,6 +42,7 @@ class BatchTurn:
     prefill_done: bool = False
     masks: StepMasks = field(default_factory=StepMasks)  # the rows' boundaries and deferred-slot masks
     static_step: object = None  # a static batch's compiled steps (`shared_static.StaticBatchStep`), or None
+    step_budget: int | None = None  # ``step_deferred_budget`` for this model (`RaincheckConfig.step_budget`)
     _rope_deltas: torch.Tensor | None = None
 
     @property
@@ -145,7 +146,8 @@ def prepare_batch_turn(adapter, group: BatchedDeferredPrefillCache, config, row_
         schedule = config.schedule or FixedChunkSchedule(config.chunk_size, config.guard_tokens)
         turns.append(prepare_turn(adapter, cache, config, inputs["input_ids"], inputs, schedule, backend,
                                   vision=None if vision is None else vision[b]))
-    return BatchTurn(turns=turns, config=config, backend=backend, stops=stops)
+    return BatchTurn(turns=turns, config=config, backend=backend, stops=stops,
+                     step_budget=config.step_budget(adapter.gdn_glue is not None))
 
 
 @torch.no_grad()
@@ -181,11 +183,11 @@ def shared_step(adapter, group: BatchedDeferredPrefillCache, bturn: BatchTurn, i
             wanted.append(0)  # folded into the row's next turn, as the user asked
         else:
             wanted.append(carried_tokens(turn.schedule, turn.step, pending))
-    counts = carry_counts(wanted, config.step_deferred_budget)
+    counts = carry_counts(wanted, bturn.step_budget)
     tokens = input_ids[:, -1:].to(bturn.turns[0].positions.device)
     live = [not done for done in stopped]
     with row_transactions(caches):
-        window = fused_window(config.chunk_size, config.step_deferred_budget, len(caches))
+        window = fused_window(config.chunk_size, bturn.step_budget, len(caches))
         if bturn.static_step is not None and max(counts) <= window:  # compiled (`shared_static`)
             logits = bturn.static_step(adapter, group, bturn, tokens, live, counts)
         elif not any(counts):  # the common step: every row feeds its token, or nothing (stopped)

@@ -166,7 +166,7 @@ class StaticBatchStep:
         config = bturn.config
         chunk_size = config.chunk_size
         width = group.capacity
-        window = fused_window(chunk_size, config.step_deferred_budget, len(caches))
+        window = fused_window(chunk_size, bturn.step_budget, len(caches))
         if max(counts) > window:
             raise ValueError(f"a compiled batch step carries at most {window} deferred tokens per row, got {counts}")
         lengths = [c.length for c in caches]
