@@ -15,8 +15,9 @@ pixels and text drawn from its own seed (different images). Answers of ``--new-t
 * ``plain``: transformers' own batched ``generate`` (no ``raincheck_config``);
 * ``full``, ``hard``: ``RaincheckConfig(policy="full")`` / ``policy="hard"`` (Hard: ``--retention``, ``--pruning``);
 * ``raincheck``: the package's defaults (retention 0.3, chunk 31, guard 16, the ``mmtok`` selector,
-  ``step_deferred_budget="auto"``: 128, or 512 for Qwen3.5; each overridable) except ``completion="blocking"``, so that a call's end includes
-  every row's deferred tokens restored (as ``latency.py``). Full and Hard are blocking too (nothing to complete).
+  ``step_deferred_budget="auto"``: 128, or 512 for Qwen3.5; each overridable) except ``completion="blocking"``, so
+  that a call's end includes every row's deferred tokens restored (as ``latency.py``). Full and Hard are blocking
+  too (nothing to complete).
 
 Cache kinds (``--cache``): ``dynamic`` (default; eager decode): batches run in the shared engine (every row in each
 forward; Qwen3.5 too); ``static`` (``cache_implementation="static"``, compiled steps): batches run the shared engine
@@ -99,6 +100,10 @@ PAD = 0  # shapes.build_model's pad_token_id
 METHODS = ("raincheck", "full", "hard", "plain")  # --methods; the table's order is TABLE_ORDER
 TABLE_ORDER = ("plain", "full", "hard", "raincheck")
 PAIRS = (("raincheck", "full"), ("raincheck", "hard"), ("full", "plain"))
+#: what ``--step-budget auto`` (the package default) resolves to (each record's ``step_budget``)
+STEP_BUDGET_AUTO = (f" ({RaincheckConfig.STEP_BUDGET_ATTENTION}; {RaincheckConfig.STEP_BUDGET_GDN} for models with "
+                    "Gated DeltaNet layers)")
+
 RECORD_KEYS = ("model", "cache", "batch_size", "method", "rows", "rows_why", "image_tokens", "prompt_tokens",
                "new_tokens",
                "ttft_ms", "ttft_ms_calls", "ttft_ms_rounds", "tpot_ms", "tpot_ms_rounds", "tpot_from",
@@ -818,7 +823,8 @@ def main(argv=None) -> int:
     report = results.report()
     print(f"\n{args.new_tokens} forced tokens, images {args.image_tokens} (cycled over the rows), {args.cache} cache; "
           f"raincheck: retention {args.retention}, chunk {args.chunk_size}, guard {args.guard_tokens}, selector "
-          f"{args.pruning}, step budget {args.step_budget}, blocking; ratios: TPOT and tokens/s paired medians over "
+          f"{args.pruning}, step budget {args.step_budget}{STEP_BUDGET_AUTO if args.step_budget == 'auto' else ''}, "
+          f"blocking; ratios: TPOT and tokens/s paired medians over "
           f"rounds, TTFT of the medians over first-token calls; {results.meta['elapsed_s']:.0f} s\n")
     print(markdown_tables(report))
     if results.skipped:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, ClassVar, Union
+from typing import Any, Callable, ClassVar, Literal, Union
 
 POLICIES = ("full", "hard", "raincheck")
 COMPLETIONS = ("background", "blocking", "next_turn")
@@ -101,7 +101,7 @@ class RaincheckConfig:
     fused: bool = True
     schedule: Callable[[int, int], int] | None = None
     seed: int = 0
-    step_deferred_budget: int | None | str = "auto"
+    step_deferred_budget: int | None | Literal["auto"] = "auto"
 
     #: ``step_deferred_budget="auto"`` for models whose layers are all attention layers
     STEP_BUDGET_ATTENTION: ClassVar[int] = 128

@@ -51,9 +51,11 @@ def test_in_place_kernel_equals_fla_bit_for_bit(device, monkeypatch, dtype, rows
     gen = torch.Generator().manual_seed(1)
     state = torch.randn(3, HV, K, V, generator=gen)
     if carry:
-        state = torch.cat([state, torch.eye(K).expand(3, HV, K, K) + 0.01 * torch.randn(3, HV, K, K, generator=gen)], -1)
+        transition = torch.eye(K).expand(3, HV, K, K) + 0.01 * torch.randn(3, HV, K, K, generator=gen)
+        state = torch.cat([state, transition], -1)
     state = state.to(device)
-    ref_out, ref_final = kernels.gated_delta("fla", *padded(q, k, v, g, beta, carry), state.clone(), recurrent_rows=rows)
+    ref_out, ref_final = kernels.gated_delta("fla", *padded(q, k, v, g, beta, carry), state.clone(),
+                                             recurrent_rows=rows)
     buffer = state.clone()
     pointer = buffer.data_ptr()
 
