@@ -83,6 +83,7 @@ class RaincheckConfig:
             state and passes the states once more), so fewer, wider fused steps cost less in all; at B = 16 the
             Qwen3.5-9B shape's compiled TPOT / Full went 1.25 (128) -> 1.18 (256) -> 1.10 (512) (benchmarks page,
             "Batches"). A batch-1 call ignores it.
+
     ``to_dict()`` / ``RaincheckConfig.from_dict(d)`` give and take a JSON-serialisable dict (what
     ``generation_config.json`` holds when ``model.generation_config.raincheck_config`` is set).
     """
