@@ -80,6 +80,52 @@ def test_in_place_opcheck(dtype):
     torch.library.opcheck(torch.ops.hf_raincheck.gated_delta_.default, (q, k, v, g, beta, state, "torch"))
 
 
+def _join_operands(batch=3, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    state = torch.randn(batch, HV, K, V + K, generator=gen)
+    delta = torch.randn(batch, HV, K, V, generator=gen)
+    return state, delta
+
+
+def test_in_place_join_adds_p_tail_times_delta_in_the_buffer():
+    """``join_`` (``hf_raincheck::join_``, compiled steps' join): ``S += P_tail delta`` in the buffer's first V
+    columns, P_tail untouched, the same bits as the eager join's ``baddbmm`` (`GDNLayerState.join`) and within
+    rounding of the plain product; a row whose delta is 0 (it carried nothing) keeps its state bit for bit."""
+    from hf_raincheck.gdn_state.ops import join_
+
+    state, delta = _join_operands()
+    delta[1] = 0.0
+    before = state.clone()
+    pointer = state.data_ptr()
+    join_(state, delta)
+    assert state.data_ptr() == pointer
+    eager = torch.baddbmm(before[..., :V].reshape(-1, K, V), before[..., V:].reshape(-1, K, K),
+                          delta.reshape(-1, K, V)).view(3, HV, K, V)
+    assert torch.equal(state[..., :V], eager)
+    torch.testing.assert_close(state[..., :V], before[..., :V] + before[..., V:] @ delta, rtol=1e-5, atol=1e-5)
+    assert torch.equal(state[..., V:], before[..., V:]) and torch.equal(state[1], before[1])
+    assert not torch.equal(state[0], before[0])
+
+
+def test_join_of_a_view_updates_the_view_and_nothing_else():
+    """A state that is a view (not one contiguous buffer) takes the plain product, still in place; the rest of its
+    storage is left alone."""
+    from hf_raincheck.gdn_state.ops import join_
+
+    state, delta = _join_operands()
+    storage = torch.cat([state, torch.full((3, HV, K, 5), 7.0)], dim=-1)
+    view = storage[..., : V + K]
+    expected = view[..., :V] + view[..., V:] @ delta
+    join_(view, delta)
+    torch.testing.assert_close(storage[..., :V], expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(storage[..., V + K:], torch.full((3, HV, K, 5), 7.0))
+
+
+def test_join_opcheck():
+    """Schema (the state is declared mutated), fake outputs and AOT dispatch of ``hf_raincheck::join_``."""
+    torch.library.opcheck(torch.ops.hf_raincheck.join_.default, _join_operands())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_opcheck(case, dtype):

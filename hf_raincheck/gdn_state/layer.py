@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .ops import advance, advance_, zero_like
+from .ops import advance, advance_, join_, zero_like
 from .state import GDNLayerState
 
 
@@ -732,7 +732,6 @@ def gdn_rows_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, layer: G
     ``hf_raincheck::gated_delta`` custom op (`ops.py`): one opaque node per call in the traced graph.
     """
     qkv, z, b, a = glue.project(module, hidden)
-    value_dim = layer.value_dim
     outs = []
     if step.valid is not None:
         n = step.valid.shape[0]
@@ -750,8 +749,7 @@ def gdn_rows_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, layer: G
         g = torch.where(valid, g, torch.zeros_like(g))
         beta = torch.where(valid, beta, torch.zeros_like(beta))
         out, new_prefix = advance(step.backend, q, k, v, g, beta, prefix.recurrent, opaque=True)
-        update = torch.matmul(layer.state[..., value_dim:], new_prefix - prefix.recurrent)
-        layer.state[..., :value_dim] += update
+        join_(layer.state, new_prefix - prefix.recurrent)  # S_live += P_tail (new - old), in the buffer
         prefix.recurrent.copy_(new_prefix)
         prefix.conv.copy_(new_window)
         outs.append(out)
@@ -822,7 +820,7 @@ def gdn_batch_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, buffers
         out, new_prefix = advance(step.backend, q, k, v, g, beta, prefix, opaque=True)
         # a row that carried nothing ran identity rows only: its new prefix is its old one exactly and its join adds
         # P_tail 0 = 0 (the buffers hold finite values: zeros or states), so no row needs a select here
-        state[..., :value_dim] += torch.matmul(state[..., value_dim:], new_prefix - prefix)
+        join_(state, new_prefix - prefix)  # S_live += P_tail (new - old), in the buffer
         prefix.copy_(new_prefix)
         prefix_conv.copy_(new_window)
         outs.append(out)
