@@ -175,7 +175,8 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 def test_compiled_steps_hold_the_op_not_the_traced_kernels(hybrid):
     """Compiled Qwen3.5 steps (dynamo, fullgraph) give eager's tokens, and each graph holds one op node per GDN
-    kernel call (3 GDN layers: a decode step 1 call each, a fused step 2) and none of the torch kernels' ops."""
+    kernel call (3 GDN layers: a decode step 1 call each, a fused step 2), the fused step one in-place join per GDN
+    layer (``hf_raincheck::join_``), and none of the torch kernels' ops."""
     graphs = []
 
     def recorder(gm, example_inputs, **options):  # options: CompileConfig's mode
@@ -192,10 +193,12 @@ def test_compiled_steps_hold_the_op_not_the_traced_kernels(hybrid):
     torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(eager.logits), atol=2e-5, rtol=1e-4)
 
     layers = sum(t == "linear_attention" for t in hybrid.config.text_config.layer_types)
-    ops, kernel_ops = [], []
+    ops, joins, kernel_ops = [], [], []
     for gm in graphs:
         targets = [str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
         ops.append(sum("hf_raincheck.gated_delta" in t for t in targets))
+        joins.append(sum("hf_raincheck.join_" in t for t in targets))
         kernel_ops.append([t for t in targets if "solve_triangular" in t or "l2norm" in t or "cumsum" in t])
     assert sorted(ops) == [layers, 2 * layers]
+    assert sorted(joins) == [0, layers]
     assert kernel_ops == [[] for _ in graphs]
