@@ -15,9 +15,8 @@ returned as a new tensor and copied back.
 ``join_(state, delta)`` (the ``hf_raincheck::join_`` op, which mutates its state) is the compiled steps' join,
 ``S_live += P_tail delta`` on the ``[S | P_tail]`` buffer: one batched GEMM that accumulates into the buffer's
 first V columns (`torch.baddbmm_` on the view: cuBLAS reads and writes the strided columns where they are). Traced as
-``matmul`` and ``+=``, Inductor wrote the product to a new tensor, added it to S in a second pass into another new
-tensor and copied that into the buffer in a third (each a pass over the fp32 states: 33.5 MB per GDN layer at
-B = 16, Qwen3.5-9B). Eager joins (`state.GDNLayerState.join`, the eager batch forwards) use the same
+``matmul`` and ``+=`` instead, Inductor writes the product to a new tensor, adds it to S in a second pass into
+another new tensor and copies that into the buffer in a third (each a pass over the fp32 states). Eager joins (`state.GDNLayerState.join`, the eager batch forwards) use the same
 ``baddbmm``, out of place.
 
 ``advance(...)`` runs rows from a state and can carry a transition map ``P`` along in the same call: a gated
