@@ -457,3 +457,31 @@ def test_a_first_token_call_of_a_static_qwen3_5_batch_runs_only_its_prefill(tiny
     ref_again = _gen(model, nxt, cfg, n=N, past_key_values=ref_group, output_logits=True)
     assert_rows_equal(again, ref_again, nxt["input_ids"].shape[1], range(len(CONVERSATIONS)))
     assert steps
+
+
+def test_row_writes_store_only_the_written_entries_when_compiled():
+    """`write_rows_` (a batch's KV writes: row b's entries to its own slots) gives the reference writes eager and
+    compiled by Inductor, and the compiled kernel stores only the written entries: no loop over the whole buffer
+    (``scatter_`` on a graph input compiled to a copy of the buffer, the scatter and a copy back)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from hf_raincheck.cache.batched import write_rows_
+
+    generator = torch.Generator().manual_seed(0)
+    buffer = torch.randn(3, 2, 37, 8, generator=generator)
+    slots = torch.tensor([[0, 5, 6, 36], [1, 2, 3, 4], [30, 10, 20, 9]])
+    states = torch.randn(3, 2, 4, 8, generator=generator)
+    expected = buffer.clone()
+    for b in range(3):
+        for r in range(4):
+            expected[b, :, slots[b, r]] = states[b, :, r]
+
+    eager = buffer.clone()
+    assert write_rows_(eager, slots, states) is eager
+    assert torch.equal(eager, expected)
+
+    compiled = buffer.clone()
+    _, (code, *_) = run_and_get_code(torch.compile(write_rows_, backend="inductor", fullgraph=True), compiled, slots,
+                                     states)
+    assert torch.equal(compiled, expected)
+    assert f"{buffer.numel()}L" not in code, "the compiled write runs over the whole buffer"

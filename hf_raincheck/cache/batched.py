@@ -352,10 +352,24 @@ class BatchedDeferredPrefillCache(RunningCall, DynamicCache):
             self._point_layer(layer_idx)
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         slots = context.slots_on(key_states.device)  # [B, q]
-        index = slots[:, None, :, None]
-        keys.scatter_(2, index.expand(-1, keys.shape[1], -1, keys.shape[3]), key_states.to(keys.dtype))
-        values.scatter_(2, index.expand(-1, values.shape[1], -1, values.shape[3]), value_states.to(values.dtype))
+        write_rows_(keys, slots, key_states.to(keys.dtype))
+        write_rows_(values, slots, value_states.to(values.dtype))
         return keys[:, :, : context.kv_len], values[:, :, : context.kv_len]
+
+
+def write_rows_(buffer: torch.Tensor, slots: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+    """``buffer[b, :, slots[b, r]] = states[b, :, r]`` in place (``buffer [B, H, W, D]``, ``slots [B, q]``,
+    ``states [B, H, q, D]``): only the written entries are touched.
+
+    Compiled, as `index_put_`: Inductor lowers that to one kernel storing the written entries into the buffer,
+    whereas ``scatter_`` on a graph input became a copy of the whole buffer, the scatter into the copy and a copy
+    back (two passes over a layer's keys or values per step: ~0.9 ms of a 8.5 ms decode step at B = 16 on the
+    Qwen3.5-9B shape, H200). Eager, as ``scatter_``: one operator, no index tensors to build."""
+    if not torch.compiler.is_compiling():
+        return buffer.scatter_(2, slots[:, None, :, None].expand(-1, buffer.shape[1], -1, buffer.shape[3]), states)
+    rows = torch.arange(buffer.shape[0], device=buffer.device)[:, None, None]
+    heads = torch.arange(buffer.shape[1], device=buffer.device)[None, :, None]
+    return buffer.index_put_((rows, heads, slots[:, None, :]), states)
 
 
 # freed static batches whose buffers some row cache still views: (buffers by name, weak references to the rows)
