@@ -459,14 +459,9 @@ def test_a_first_token_call_of_a_static_qwen3_5_batch_runs_only_its_prefill(tiny
     assert steps
 
 
-def test_row_writes_store_only_the_written_entries_when_compiled():
-    """`write_rows_` (a batch's KV writes: row b's entries to its own slots) gives the reference writes eager and
-    compiled by Inductor, and the compiled kernel stores only the written entries: no loop over the whole buffer
-    (``scatter_`` on a graph input compiled to a copy of the buffer, the scatter and a copy back)."""
-    from torch._inductor.utils import run_and_get_code
-
-    from hf_raincheck.cache.batched import write_rows_
-
+def row_write_case(device="cpu"):
+    """``(buffer, slots, states, expected)`` of a batch's KV write: three rows, each writing four entries to slots of
+    its own, ``expected`` the buffer after the writes (a reference loop)."""
     generator = torch.Generator().manual_seed(0)
     buffer = torch.randn(3, 2, 37, 8, generator=generator)
     slots = torch.tensor([[0, 5, 6, 36], [1, 2, 3, 4], [30, 10, 20, 9]])
@@ -475,7 +470,18 @@ def test_row_writes_store_only_the_written_entries_when_compiled():
     for b in range(3):
         for r in range(4):
             expected[b, :, slots[b, r]] = states[b, :, r]
+    return tuple(t.to(device) for t in (buffer, slots, states, expected))
 
+
+def test_row_writes_store_only_the_written_entries_when_compiled():
+    """`write_rows_` (a batch's KV writes: row b's entries to its own slots) gives the reference writes eager and
+    compiled by Inductor, and the compiled kernel stores only the written entries: no loop over the whole buffer
+    (``scatter_`` on a graph input compiled to a copy of the buffer, the scatter and a copy back)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from hf_raincheck.cache.batched import write_rows_
+
+    buffer, slots, states, expected = row_write_case()
     eager = buffer.clone()
     assert write_rows_(eager, slots, states) is eager
     assert torch.equal(eager, expected)

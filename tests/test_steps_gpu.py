@@ -304,13 +304,9 @@ def test_compiled_row_writes_store_only_the_written_entries_on_cuda():
 
     from hf_raincheck.cache.batched import write_rows_
 
-    generator = torch.Generator().manual_seed(0)
-    buffer = torch.randn(3, 2, 37, 8, generator=generator).cuda()
-    slots = torch.tensor([[0, 5, 6, 36], [1, 2, 3, 4], [30, 10, 20, 9]]).cuda()
-    states = torch.randn(3, 2, 4, 8, generator=generator).cuda()
-    expected = buffer.clone()
-    for b in range(3):
-        expected[b][:, slots[b]] = states[b]
+    from test_batch_compiled import row_write_case
+
+    buffer, slots, states, expected = row_write_case("cuda")
     compiled = buffer.clone()
     _, (code, *_) = run_and_get_code(torch.compile(write_rows_, fullgraph=True), compiled, slots, states)
     assert torch.equal(compiled, expected)
