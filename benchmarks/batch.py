@@ -14,9 +14,9 @@ pixels and text drawn from its own seed (different images). Answers of ``--new-t
 
 * ``plain``: transformers' own batched ``generate`` (no ``raincheck_config``);
 * ``full``, ``hard``: ``RaincheckConfig(policy="full")`` / ``policy="hard"`` (Hard: ``--retention``, ``--pruning``);
-* ``raincheck``: the package's defaults (retention 0.3, chunk 31, guard 16, the ``mmtok`` selector,
-  ``step_deferred_budget="auto"``: 128, or 512 for Qwen3.5; each overridable) except ``completion="blocking"``, so
-  that a call's end includes every row's deferred tokens restored (as ``latency.py``). Full and Hard are blocking
+* ``raincheck``: the package's defaults (retention 0.3, ``chunk_size="auto"``: 31, or 63 for Qwen3.5; guard 16,
+  the ``mmtok`` selector, ``step_deferred_budget="auto"``: 128, or 512 for Qwen3.5; each overridable) except
+  ``completion="blocking"``, so that a call's end includes every row's deferred tokens restored (as ``latency.py``). Full and Hard are blocking
   too (nothing to complete).
 
 Cache kinds (``--cache``): ``dynamic`` (default; eager decode): batches run in the shared engine (every row in each
@@ -89,6 +89,7 @@ from shapes import SHAPES, build_inputs, build_model  # noqa: E402
 
 import hf_raincheck  # noqa: E402
 from hf_raincheck import FixedChunkSchedule, RaincheckConfig, enable_raincheck  # noqa: E402
+from hf_raincheck.config import parse_chunk_size  # noqa: E402
 from hf_raincheck.conversation import batch_inputs  # noqa: E402
 from hf_raincheck.generation.batch import shared_steps_supported  # noqa: E402
 from hf_raincheck.generation.schedule import carried_tokens  # noqa: E402
@@ -103,6 +104,7 @@ PAIRS = (("raincheck", "full"), ("raincheck", "hard"), ("full", "plain"))
 #: what ``--step-budget auto`` (the package default) resolves to (each record's ``step_budget``)
 STEP_BUDGET_AUTO = (f" ({RaincheckConfig.STEP_BUDGET_ATTENTION}; {RaincheckConfig.STEP_BUDGET_GDN} for models with "
                     "Gated DeltaNet layers)")
+CHUNK_AUTO = f" ({RaincheckConfig.CHUNK_ATTENTION}; {RaincheckConfig.CHUNK_GDN} for models with Gated DeltaNet layers)"
 
 RECORD_KEYS = ("model", "cache", "batch_size", "method", "rows", "rows_why", "image_tokens", "prompt_tokens",
                "new_tokens",
@@ -261,8 +263,10 @@ def restoration(bench: Bench, method: Method, cache, batch_size: int, steps: int
     config = method.config
     shared = bench.rows(method, batch_size) == "shared"
     pending = [s.deferred for s in stats]
+    gdn = bench.model._raincheck_state.adapter.gdn_glue is not None
+    config = config.for_model(gdn)  # "auto" chunk size as generate ran it
     schedule = config.schedule or FixedChunkSchedule(config.chunk_size, config.guard_tokens)
-    budget = config.step_budget(bench.model._raincheck_state.adapter.gdn_glue is not None)
+    budget = config.step_budget(gdn)
     per_step = []  # the batch's deferred tokens carried by decode steps 1..steps
     per_row = [0] * batch_size
     for step in range(1, steps + 1):
@@ -728,7 +732,8 @@ def parse_args(argv=None):
                         help="answer length of the warm-up call on a dynamic cache (48, at most --new-tokens); "
                              "a static cache always warms up with the whole answer (compilation)")
     parser.add_argument("--retention", type=float, default=0.3)
-    parser.add_argument("--chunk-size", type=int, default=31)
+    parser.add_argument("--chunk-size", type=parse_chunk_size, default="auto",
+                        help="Raincheck's chunk size (default auto: the package's, 31; 63 for qwen3.5)")
     parser.add_argument("--guard-tokens", type=int, default=16)
     parser.add_argument("--pruning", default="mmtok", help="selector of hard and raincheck (the package default)")
     parser.add_argument("--step-budget", default="auto",
@@ -822,7 +827,8 @@ def main(argv=None) -> int:
     results.meta["elapsed_s"] = round(time.perf_counter() - started, 1)
     report = results.report()
     print(f"\n{args.new_tokens} forced tokens, images {args.image_tokens} (cycled over the rows), {args.cache} cache; "
-          f"raincheck: retention {args.retention}, chunk {args.chunk_size}, guard {args.guard_tokens}, selector "
+          f"raincheck: retention {args.retention}, chunk {args.chunk_size}"
+          f"{CHUNK_AUTO if args.chunk_size == 'auto' else ''}, guard {args.guard_tokens}, selector "
           f"{args.pruning}, step budget {args.step_budget}{STEP_BUDGET_AUTO if args.step_budget == 'auto' else ''}, "
           f"blocking; ratios: TPOT and tokens/s paired medians over "
           f"rounds, TTFT of the medians over first-token calls; {results.meta['elapsed_s']:.0f} s\n")

@@ -12,8 +12,9 @@ workload and cache kind the policies run side by side:
 
 * ``plain``: transformers' own generate (no ``raincheck_config``);
 * ``full``, ``hard``: ``RaincheckConfig(policy=...)``;
-* ``raincheck``: retention 0.3, chunk 31, guard 16, selector ``--pruning`` (``uniform``: selection cost is
-  measured by ``selector_speed.py``), blocking completion so that E2E includes finishing D;
+* ``raincheck``: retention 0.3, chunk ``--chunk-size`` (the package's ``auto``: 31; 63 for Qwen3.5), guard 16,
+  selector ``--pruning`` (``uniform``: selection cost is measured by ``selector_speed.py``), blocking completion so
+  that E2E includes finishing D;
 * ``raincheck`` with ``fused=False``: the control (the carried chunk as its own forward before the decode step);
 * ``--chunk-sweep``: Raincheck with other chunk sizes on ``--sweep-workload``.
 
@@ -92,10 +93,11 @@ from transformers.generation.streamers import BaseStreamer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from shapes import SHAPES, build_inputs, build_model, build_video_inputs, dispatch  # noqa: E402
+from shapes import SHAPES, build_inputs, build_model, build_video_inputs, default_chunk_size, dispatch  # noqa: E402
 
 import hf_raincheck  # noqa: E402
 from hf_raincheck import FixedChunkSchedule, RaincheckConfig, enable_raincheck, release_static_buffers  # noqa: E402
+from hf_raincheck.config import parse_chunk_size  # noqa: E402
 from hf_raincheck.generation.schedule import carried_tokens  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -652,11 +654,12 @@ def ratio(a, b):
     return a / b if a is not None and b else None
 
 
-def check_targets(records: list[dict], chunk_size: int) -> list[dict]:
-    """The issue's targets per (model, workload, cache), each against Full (or Hard) on the same cache kind."""
+def check_targets(records: list[dict], chunk_size: int | str) -> list[dict]:
+    """The issue's targets per (model, workload, cache), each against Full (or Hard) on the same cache kind; the
+    Raincheck run checked is the one of `chunk_size` (``"auto"``: each model's default)."""
     checks = []
     for model, gpus, workload, cache in sorted({group_key(r) for r in records}):
-        rc = find(records, model, workload, cache, "raincheck", chunk_size, True, gpus)
+        rc = find(records, model, workload, cache, "raincheck", default_chunk_size(model, chunk_size), True, gpus)
         if rc is None:
             continue
         full = find(records, model, workload, cache, "full", gpus=gpus)
@@ -708,7 +711,7 @@ def markdown_tables(records: list[dict], checks: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(records: list[dict], chunk_size: int, path: str) -> None:
+def plot(records: list[dict], chunk_size: int | str, path: str) -> None:
     """TTFT and TPOT bars per policy per workload; one row per model, two panels per cache kind."""
     try:
         import matplotlib
@@ -719,7 +722,8 @@ def plot(records: list[dict], chunk_size: int, path: str) -> None:
     except ImportError:
         print("matplotlib is not installed (pip install -e .[bench]): no plot")
         return
-    main = [r for r in records if r["policy"] != "raincheck" or r["chunk_size"] == chunk_size]
+    main = [r for r in records
+            if r["policy"] != "raincheck" or r["chunk_size"] == default_chunk_size(r["model"], chunk_size)]
     models = list(dict.fromkeys((r["model"], gpus_of(r)) for r in main))
     caches = list(dict.fromkeys(r["cache"] for r in main))
     fig, axes = plt.subplots(len(models), 2 * len(caches), figsize=(6 * len(caches) * 2, 3.6 * len(models)),
@@ -956,6 +960,7 @@ def run_model(model_name: str, gpus: int, args, workloads: dict, budget: Budget,
     """Builds one model (split over `gpus` GPUs with an accelerate device_map when > 1) and runs its plan (the
     profile first, on the first model)."""
     started = time.perf_counter()
+    args = argparse.Namespace(**dict(vars(args), chunk_size=default_chunk_size(model_name, args.chunk_size)))
     dtype = torch.bfloat16 if cuda else torch.float32
     devices = placement_devices(args, gpus)
     model = build_model(model_name, devices[0], dtype)
@@ -1019,7 +1024,8 @@ def parse_args(argv=None):
     parser.add_argument("--ttft-repeats", type=int, default=None, help="extra first-token-only calls (4; --quick 1)")
     parser.add_argument("--new-tokens", type=int, default=None, help="forced answer length (256; --quick 24)")
     parser.add_argument("--retention", type=float, default=0.3)
-    parser.add_argument("--chunk-size", type=int, default=31)
+    parser.add_argument("--chunk-size", type=parse_chunk_size, default="auto",
+                        help="Raincheck's chunk size (default auto: the package's, 31; 63 for qwen3.5)")
     parser.add_argument("--guard-tokens", type=int, default=16)
     parser.add_argument("--attn-backend", default="auto", choices=("auto", "sdpa", "eager", "flash"),
                         help="RaincheckConfig.attn_backend of the Full / Hard / Raincheck runs")

@@ -50,6 +50,7 @@ from shapes import SHAPES, build_model, dispatch  # noqa: E402
 
 import hf_raincheck  # noqa: E402
 from hf_raincheck import RaincheckConfig, enable_raincheck  # noqa: E402
+from hf_raincheck.config import parse_chunk_size  # noqa: E402
 from hf_raincheck.models import get_adapter  # noqa: E402
 from hf_raincheck.models.base import execution_device  # noqa: E402
 
@@ -295,7 +296,8 @@ def parse_args(argv=None):
     parser.add_argument("--workload", default="image1024", choices=sorted(WORKLOADS))
     parser.add_argument("--new-tokens", type=int, default=None, help="greedy tokens of turn 1 (64; --quick 20)")
     parser.add_argument("--retention", type=float, default=0.3)
-    parser.add_argument("--chunk-size", type=int, default=31)
+    parser.add_argument("--chunk-size", type=parse_chunk_size, default="auto",
+                        help="Raincheck's chunk size (default auto: the package's, 31; 63 for qwen3.5)")
     parser.add_argument("--guard-tokens", type=int, default=16)
     parser.add_argument("--next-turn-chunk", type=int, default=7, help="chunk of the next_turn policy (pending rows)")
     parser.add_argument("--pruning", default="mmtok")

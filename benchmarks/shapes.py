@@ -7,6 +7,7 @@ CPU in seconds (smoke runs of every script).
 from __future__ import annotations
 
 import torch
+from hf_raincheck import RaincheckConfig
 from transformers import (
     Qwen3_5Config,
     Qwen3_5ForConditionalGeneration,
@@ -45,6 +46,12 @@ SHAPES = {
     ),
 }
 IMAGE, VIDEO, VSTART, VEND = 1001, 1002, 1003, 1004
+
+
+def default_chunk_size(shape: str, chunk_size: int | str = "auto") -> int:
+    """The chunk size the package runs on `shape`: ``"auto"`` resolved as `RaincheckConfig.for_model` does (63 with
+    Gated DeltaNet layers, else 31), an int as given."""
+    return RaincheckConfig(chunk_size=chunk_size).for_model(SHAPES[shape]["family"] == "qwen3_5").chunk_size
 
 
 def build_model(shape: str, device: str, dtype: torch.dtype, attn: str = "sdpa"):

@@ -39,6 +39,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from hf_raincheck import RaincheckChat, RaincheckConfig, TurnStats
 from hf_raincheck.images import eight_bit
+from hf_raincheck.models import get_adapter
 from hf_raincheck.pruning import available_selectors
 
 logger = logging.getLogger("raincheck_demo")
@@ -769,6 +770,10 @@ class RaincheckDemo:
         return "\n".join(table) + note, overlay, caption
 
     # ------------------------------------------------------------------ layout
+    def default_chunk_size(self) -> int:
+        """The package's ``chunk_size="auto"`` for the served model (31; 63 with Gated DeltaNet layers)."""
+        return RaincheckConfig().for_model(get_adapter(self.runtime.model).gdn_glue is not None).chunk_size
+
     def build(self):
         """The Gradio Blocks app."""
         with gr.Blocks(title="Raincheck: deferred multimodal prefill") as demo:
@@ -797,7 +802,8 @@ class RaincheckDemo:
                         policy = gr.Radio(list(POLICIES), value="Raincheck", label="Policy", elem_id="policy")
                         retention = gr.Slider(0.05, 1.0, value=0.3, step=0.05, label="Retention (kept share)",
                                               elem_id="retention")
-                        chunk = gr.Slider(1, 128, value=31, step=1, label="Chunk size (deferred tokens per step)",
+                        chunk = gr.Slider(1, 128, value=self.default_chunk_size(), step=1,
+                                          label="Chunk size (deferred tokens per step)",
                                           elem_id="chunk")
                         selector = gr.Dropdown(available_selectors(), value="mmtok", label="Selector",
                                                elem_id="selector")

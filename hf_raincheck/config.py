@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, ClassVar, Literal, Union
 
 POLICIES = ("full", "hard", "raincheck")
@@ -17,6 +17,16 @@ GDN_BACKENDS = ("auto", "torch", "fla")
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"RaincheckConfig.{name} must be an int >= {minimum}, got {value!r}")
+
+
+def parse_chunk_size(text: str) -> int | str:
+    """A command line's ``--chunk-size``: an int, or ``auto`` (`RaincheckConfig.chunk_size`); validated there."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"chunk size must be an int >= 1 or 'auto', got {text!r}") from None
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -34,7 +44,16 @@ class RaincheckConfig:
             ``"full"`` (plain prefill of everything).
         retention: fraction rho in (0, 1] of each image span / video frame kept for the first prefill;
             span m of N_m tokens keeps ``N_m - floor((1 - rho) * N_m)`` tokens.
-        chunk_size: deferred tokens carried by one fused decode step (>= 1).
+        chunk_size: deferred tokens carried by one fused decode step (>= 1), or ``"auto"`` (default): the
+            model's own default, resolved per call (`for_model`). ``"auto"`` is `CHUNK_ATTENTION` (31, the paper's)
+            for models whose layers are all attention layers: there a fused step's extra cost follows the rows it
+            carries, so the chunk size barely moves the answer's total and 31 keeps each fused step close to a
+            decode step. For models with Gated DeltaNet layers (Qwen3.5) it is `CHUNK_GDN` (63): there a fused
+            step also costs a fixed amount of GPU work whatever it carries (see ``step_deferred_budget``), so half
+            as many steps cost less in all; at batch 1 (Qwen3.5-9B shape, compiled, 4096-token image, 256 tokens,
+            three paired rounds on an H200) TPOT / Full was 1.097 with 31 and 1.030 with 63, restoration ending at
+            token 63 instead of 110 (benchmarks page, "Latency"). A fused step of 63 rows takes longer than one of
+            31 (11.2 against 10.0 ms there, decode-only 7.4).
         guard_tokens: decode steps 1..guard_tokens carry no deferred tokens (>= 0).
         pruning: a registered selector name (see ``hf_raincheck.pruning.available_selectors()``): ``"mmtok"``
             (default, query-aware), ``"hiprune"``, ``"divprune"``, ``"visionzip"`` (VisionZip-Select),
@@ -90,7 +109,7 @@ class RaincheckConfig:
 
     policy: str = "raincheck"
     retention: float = 0.3
-    chunk_size: int = 31
+    chunk_size: int | Literal["auto"] = "auto"
     guard_tokens: int = 16
     pruning: Union[str, Callable[..., Any]] = "mmtok"
     pruning_options: dict = field(default_factory=dict)
@@ -104,6 +123,10 @@ class RaincheckConfig:
     seed: int = 0
     step_deferred_budget: int | None | Literal["auto"] = "auto"
 
+    #: ``chunk_size="auto"`` for models whose layers are all attention layers
+    CHUNK_ATTENTION: ClassVar[int] = 31
+    #: ``chunk_size="auto"`` for models with Gated DeltaNet layers
+    CHUNK_GDN: ClassVar[int] = 63
     #: ``step_deferred_budget="auto"`` for models whose layers are all attention layers
     STEP_BUDGET_ATTENTION: ClassVar[int] = 128
     #: ``step_deferred_budget="auto"`` for models with Gated DeltaNet layers
@@ -116,7 +139,9 @@ class RaincheckConfig:
         if not (0.0 < float(self.retention) <= 1.0) or math.isnan(float(self.retention)):
             raise ValueError(f"RaincheckConfig.retention must be in (0, 1], got {self.retention!r}")
         self.retention = float(self.retention)
-        _check_int("chunk_size", self.chunk_size, 1)
+        if self.chunk_size != "auto":
+            if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+                raise ValueError(f"RaincheckConfig.chunk_size must be an int >= 1 or 'auto', got {self.chunk_size!r}")
         _check_int("guard_tokens", self.guard_tokens, 0)
         _check_int("completion_chunk_size", self.completion_chunk_size, 1)
         _check_int("seed", self.seed, 0)
@@ -151,6 +176,14 @@ class RaincheckConfig:
         resolve_options(self.pruning, self.pruning_options)  # unknown option names or bad values: ValueError
         if self.schedule is not None and not callable(self.schedule):
             raise ValueError(f"RaincheckConfig.schedule must be callable(step, pending) -> int, got {self.schedule!r}")
+
+    def for_model(self, gdn_layers: bool) -> "RaincheckConfig":
+        """This config with ``chunk_size="auto"`` resolved for a model with (`gdn_layers`) or without Gated
+        DeltaNet layers (`CHUNK_GDN` or `CHUNK_ATTENTION`); itself when nothing is left to resolve. `generate`
+        runs with this (``cache.config`` keeps the config as given)."""
+        if self.chunk_size != "auto":
+            return self
+        return replace(self, chunk_size=self.CHUNK_GDN if gdn_layers else self.CHUNK_ATTENTION)
 
     def step_budget(self, gdn_layers: bool) -> int | None:
         """`step_deferred_budget` for a model with (`gdn_layers`) or without Gated DeltaNet layers: ``"auto"``

@@ -28,6 +28,17 @@ def test_round_trip_keeps_selector_options():
     assert back.pruning_options is not config.pruning_options
 
 
+def test_auto_chunk_size_resolves_per_model_kind():
+    config = RaincheckConfig()
+    assert config.chunk_size == "auto"
+    assert config.for_model(gdn_layers=True) == RaincheckConfig(chunk_size=RaincheckConfig.CHUNK_GDN) != config
+    assert config.for_model(gdn_layers=False) == RaincheckConfig(chunk_size=RaincheckConfig.CHUNK_ATTENTION)
+    assert (RaincheckConfig.CHUNK_ATTENTION, RaincheckConfig.CHUNK_GDN) == (31, 63)
+    explicit = RaincheckConfig(chunk_size=15)
+    assert explicit.for_model(gdn_layers=True) is explicit
+    assert RaincheckConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+
+
 def test_missing_keys_take_defaults():
     assert RaincheckConfig.from_dict({"retention": 0.5}) == RaincheckConfig(retention=0.5)
     assert RaincheckConfig.from_dict({}) == RaincheckConfig()

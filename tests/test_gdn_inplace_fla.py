@@ -1,5 +1,6 @@
-"""fla-core's recurrent kernel run on a state buffer in place (`kernels.gated_delta_`, the decode rows of compiled
-static steps) against fla's own public function, bit for bit.
+"""fla-core's recurrent kernel launched by the package against fla's own public function, bit for bit: on a state
+buffer in place (`kernels.gated_delta_`, the decode rows of compiled static steps) and into a new final state
+(`kernels.gated_delta`, the recurrent calls of eager forwards, without the public function's host work).
 
 GPU tests (CI's main suite deselects them); they also run on the CPU under Triton's interpreter, where fla-core's
 kernels run too: ``TRITON_INTERPRET=1 python -m pytest -m triton tests/test_gdn_inplace_fla.py`` with fla-core
@@ -40,6 +41,23 @@ def factors(batch, rows, dtype, device, seed=0):
     return [x.to(device, dtype if x is not g else torch.float32) for x in (q, k, v, g, beta)]
 
 
+def initial_state(carry, device, seed=1):
+    """``[3, H_v, K, V]`` float32, with `carry` columns of a transition map next to it (``[S | P]``)."""
+    gen = torch.Generator().manual_seed(seed)
+    state = torch.randn(3, HV, K, V, generator=gen)
+    if carry:
+        transition = torch.eye(K).expand(3, HV, K, K) + 0.01 * torch.randn(3, HV, K, K, generator=gen)
+        state = torch.cat([state, transition], -1)
+    return state.to(device)
+
+
+def public_recurrent(q, k, v, g, beta, state):
+    """fla-core's public recurrent function (the reference): ``(out, final state)``."""
+    recurrent = kernels.functions("fla")[1]
+    return recurrent(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
+                     use_qk_l2norm_in_kernel=True)
+
+
 @pytest.mark.parametrize("carry", [0, K], ids=["S", "S|P"])
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -48,14 +66,8 @@ def test_in_place_kernel_equals_fla_bit_for_bit(device, monkeypatch, dtype, rows
 
     assert kernels._fla_recurrent_kernel() is not None, "fla-core's recurrent kernel signature changed"
     q, k, v, g, beta = factors(3, rows, dtype, device)
-    gen = torch.Generator().manual_seed(1)
-    state = torch.randn(3, HV, K, V, generator=gen)
-    if carry:
-        transition = torch.eye(K).expand(3, HV, K, K) + 0.01 * torch.randn(3, HV, K, K, generator=gen)
-        state = torch.cat([state, transition], -1)
-    state = state.to(device)
-    ref_out, ref_final = kernels.gated_delta("fla", *padded(q, k, v, g, beta, carry), state.clone(),
-                                             recurrent_rows=rows)
+    state = initial_state(carry, device)
+    ref_out, ref_final = public_recurrent(*padded(q, k, v, g, beta, carry), state.clone())
     buffer = state.clone()
     pointer = buffer.data_ptr()
 
@@ -77,6 +89,30 @@ def test_in_place_kernel_equals_fla_bit_for_bit(device, monkeypatch, dtype, rows
     assert torch.equal(buffer, ref_final)
 
 
+@pytest.mark.parametrize("carry", [0, K], ids=["S", "S|P"])
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_eager_recurrent_calls_launch_the_kernel_into_a_new_state(device, monkeypatch, dtype, rows, carry):
+    """`kernels.gated_delta` with fla's recurrent kernel (eager forwards: up to `FLA_EAGER_RECURRENT_MAX_ROWS` rows
+    from a state) launches it itself: the public function's outputs and final state bit for bit, the initial state
+    only read, and fla's public functions never called."""
+    q, k, v, g, beta = padded(*factors(3, rows, dtype, device, seed=4), carry)
+    state = initial_state(carry, device, seed=5)
+    ref_out, ref_final = public_recurrent(q, k, v, g, beta, state.clone())
+    before = state.clone()
+
+    def public(*args, **kwargs):
+        raise AssertionError("gated_delta called fla's public function")
+
+    kernels.functions("fla")
+    monkeypatch.setitem(kernels._FUNCTIONS, "fla", (public, public))
+    out, final = kernels.gated_delta("fla", q, k, v, g, beta, state,
+                                     recurrent_rows=kernels.FLA_EAGER_RECURRENT_MAX_ROWS)
+    assert torch.equal(state, before) and final.data_ptr() != state.data_ptr()
+    assert final.dtype == torch.float32 and torch.equal(final, ref_final.float())
+    assert out.dtype == ref_out.dtype and torch.equal(out, ref_out)
+
+
 def padded(q, k, v, g, beta, carry):
     """The values with `carry` zero columns, as `advance` feeds a ``[S | P]`` state."""
     if carry:
@@ -88,7 +124,7 @@ def test_a_state_that_is_not_a_contiguous_buffer_takes_the_public_function(devic
     q, k, v, g, beta = factors(2, 1, torch.float32, device, seed=2)
     wide = torch.randn(2, HV, K, 2 * V, generator=torch.Generator().manual_seed(3)).to(device)
     view = wide[..., :V]  # a strided view: the kernel's pointer arithmetic assumes [B, H_v, K, V] contiguous
-    ref_out, ref_final = kernels.gated_delta("fla", q, k, v, g, beta, view.contiguous(), recurrent_rows=1)
+    ref_out, ref_final = public_recurrent(q, k, v, g, beta, view.contiguous())
     rest = wide[..., V:].clone()
     out = kernels.gated_delta_("fla", q, k, v, g, beta, view)
     assert torch.equal(view, ref_final) and torch.equal(out, ref_out) and torch.equal(wide[..., V:], rest)

@@ -327,3 +327,21 @@ def test_eager_fused_step_operators_per_gdn_layer(model, monkeypatch):
     # 3 GDN layers + 1 attention layer: 67 before the fused GDN layers ran one short conv for both segments and
     # the join as one product-and-add (`gdn_rows_forward`, `GDNLayerState.join`)
     assert extra <= 40, (counts, extra)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_vl"])
+def test_default_chunk_size_follows_the_model(model, family):
+    """``chunk_size="auto"`` (the default): a fused step carries 63 deferred tokens on a model with Gated DeltaNet
+    layers, 31 on an attention-only one; the cache keeps the config as given."""
+    if family == "qwen3_vl":
+        from handmade import _tiny_model
+
+        model = enable_raincheck(_tiny_model("eager"))
+    inputs = _conv([(1, 24, 24)], [3, 4])  # 144 visual tokens, 100 deferred at retention 0.3
+    config = RaincheckConfig(pruning="uniform", completion="next_turn")
+    out = generate(model, inputs, 18, config)  # decode steps 1..17: step 17 is the only one past the guard (16)
+    cache = out.past_key_values
+    chunk = RaincheckConfig.CHUNK_GDN if family == "qwen3_5" else RaincheckConfig.CHUNK_ATTENTION
+    assert cache.config is config and config.for_model(family == "qwen3_5").chunk_size == chunk
+    assert cache.turn_stats[-1].restored_during_decode == chunk
+    assert cache.pending == 100 - chunk

@@ -44,8 +44,8 @@ def _softmax_kernel_runs(device: torch.device) -> bool:
 
 
 #: the largest number of query rows (2 and up; see `sdpa_attention` for one row) that takes the grouped path: a
-#: fused step's chunk and decode row (`RaincheckConfig.chunk_size` 31 by default, plus one) and chunks up to twice
-#: that; longer forwards (prefills) take SDPA, whose row tiles they fill
+#: fused step's chunk and decode row (`RaincheckConfig.chunk_size`: 31 by default, 63 with Gated DeltaNet layers;
+#: plus one); longer forwards (prefills) take SDPA, whose row tiles they fill
 GROUPED_MAX_ROWS = 64
 
 

@@ -107,10 +107,21 @@ def gated_delta_(backend: str, q, k, v, g, beta, state):
     is not a contiguous float32 buffer, or an fla-core whose kernel has another signature.
     """
     kernel = _fla_recurrent_kernel() if backend == "fla" else None
-    if kernel is None or state.dtype != torch.float32 or not state.is_contiguous():
+    if kernel is None or not _kernel_state(state):
         out, final = gated_delta(backend, q, k, v, g, beta, state, recurrent_rows=q.shape[1])
         state.copy_(final)
         return out.to(v.dtype)
+    return _launch_recurrent(kernel, q, k, v, g, beta, state, state)
+
+
+def _kernel_state(state) -> bool:
+    """A state fla's recurrent kernel reads and writes as ``[B, H_v, K, V]``: a contiguous float32 buffer."""
+    return state is not None and state.dtype == torch.float32 and state.is_contiguous()
+
+
+def _launch_recurrent(kernel, q, k, v, g, beta, initial: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
+    """fla-core's recurrent forward kernel, launched as its own launcher does (fla 0.6), from state `initial` into
+    `final` (the same buffer, or a new one); returns the outputs ``[B, T, H_v, V]`` in v's dtype."""
     import triton
 
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
@@ -120,8 +131,8 @@ def gated_delta_(backend: str, q, k, v, g, beta, state):
     block_v = min(8, triton.next_power_of_2(value_dim))  # as fla's own launcher
     grid = (triton.cdiv(value_dim, block_v) * batch * num_v_heads,)
     with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
-        kernel[grid](q=q, k=k, v=v, g=g, gk=None, gv=None, beta=beta, A_log=None, dt_bias=None, o=out, h0=state,
-                     ht=state, cu_seqlens=None, scale=key_dim ** -0.5, T=rows, H=heads, HV=num_v_heads, K=key_dim,
+        kernel[grid](q=q, k=k, v=v, g=g, gk=None, gv=None, beta=beta, A_log=None, dt_bias=None, o=out, h0=initial,
+                     ht=final, cu_seqlens=None, scale=key_dim ** -0.5, T=rows, H=heads, HV=num_v_heads, K=key_dim,
                      V=value_dim, BK=triton.next_power_of_2(key_dim), BV=block_v, IS_BETA_HEADWISE=beta.ndim != v.ndim,
                      USE_QK_L2NORM_IN_KERNEL=True, APPLY_BETA_SIGMOID=False, ALLOW_NEG_EIGVAL=False,
                      STATE_V_FIRST=False, num_warps=1, num_stages=3)
@@ -132,11 +143,19 @@ def gated_delta(backend: str, q, k, v, g, beta, state, recurrent_rows: int | Non
     """Rows ``[1, T, ...]`` from `state` (``None``: zeros). Returns ``(o [1, T, H_v, V], final state fp32)``.
 
     Single rows with a state use the recurrent kernel, everything else the chunked one, as transformers does (fla:
-    up to `recurrent_rows` rows from a state take the recurrent one; default `FLA_RECURRENT_MAX_ROWS`).
+    up to `recurrent_rows` rows from a state take the recurrent one; default `FLA_RECURRENT_MAX_ROWS`). fla's
+    recurrent kernel is launched here (`_launch_recurrent`, into a new final state) where the state is a contiguous
+    float32 buffer: its public function's host work (autograd function, input checks) is what eager steps, host-bound
+    on a GPU, pay per GDN layer and call.
     """
     chunk, recurrent = functions(backend)
     most = (FLA_RECURRENT_MAX_ROWS if recurrent_rows is None else recurrent_rows) if backend == "fla" else 1
     fn = recurrent if (state is not None and q.shape[1] <= most) else chunk
+    if fn is recurrent and backend == "fla" and _kernel_state(state):
+        kernel = _fla_recurrent_kernel()
+        if kernel is not None:  # fla's recurrent kernel without its public function's host work (eager steps)
+            final = torch.empty_like(state)
+            return _launch_recurrent(kernel, q, k, v, g, beta, state, final), final
     out, final = fn(
         q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
     )

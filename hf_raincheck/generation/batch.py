@@ -261,13 +261,14 @@ def _generate_shared(model, state, config, kwargs: dict, gen_config, input_ids, 
 
 def _generate_shared_locked(model, state, config, kwargs, gen_config, rows, past, backend, static_new):
     for row in past.rows:
-        row.config = config
+        row.config = config  # as given; the turn runs with its "auto" values resolved for the model
         row.tidy()
     stops = RowStopsSlot()
-    bturn = prepare_batch_turn(state.adapter, past, config, rows, backend, stops)
+    run_config = config.for_model(state.adapter.gdn_glue is not None)
+    bturn = prepare_batch_turn(state.adapter, past, run_config, rows, backend, stops)
     if static_new is not None:
         device = bturn.turns[0].positions.device
-        past.reserve_static(static_capacity(bturn, past, static_new, config), device)
+        past.reserve_static(static_capacity(bturn, past, static_new, run_config), device)
         bturn.static_step = static_batch_step(model, state, gen_config, device)
         if bturn.static_step is not None and state.adapter.gdn_glue is not None:
             # GDN states keep one shape ([S | P_tail] always) from the prefill on, as a compiled batch-1 call's

@@ -152,7 +152,9 @@ def _generate(model, *args, raincheck_config: RaincheckConfig | None = config_so
 def _generate_locked(model, state: RaincheckState, past: DeferredPrefillCache, raincheck_config: RaincheckConfig,
                      input_ids: torch.Tensor, args: tuple, kwargs: dict, gen_config):
     """The call on `past` once its lock is held: prepare the turn, run transformers' generate through the
-    patched forward, then complete as the config says."""
+    patched forward, then complete as the config says. The cache keeps `raincheck_config` as given; the turn runs
+    with its ``"auto"`` values resolved for the model (`RaincheckConfig.for_model`)."""
+    given, raincheck_config = raincheck_config, raincheck_config.for_model(state.adapter.gdn_glue is not None)
     schedule = raincheck_config.schedule or FixedChunkSchedule(raincheck_config.chunk_size, raincheck_config.guard_tokens)
     backend = state.backend(raincheck_config)
     turn = prepare_turn(state.adapter, past, raincheck_config, input_ids, kwargs, schedule, backend)
@@ -173,7 +175,7 @@ def _generate_locked(model, state: RaincheckState, past: DeferredPrefillCache, r
     kwargs.pop("compile_config", None)
     kwargs["disable_compile"] = True
     kwargs["attention_mask"] = torch.ones_like(input_ids)
-    past.config = raincheck_config
+    past.config = given
     past.tidy()  # (what an interrupted clean-up left: a finished plan's store, GDN checkpoints)
     hf.forget_rope_deltas(model)  # (deltas of a call with another batch size break transformers' position ids)
     past.begin_turn(turn)

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from ..config import RaincheckConfig
+from ..config import RaincheckConfig, parse_chunk_size
 from .app import DEFAULT_CACHE_BUDGET_MB
 from .images import DEFAULT_CACHE_MB as DEFAULT_IMAGE_CACHE_MB
 from .scheduler import DEFAULT_BATCH_WINDOW_S, DEFAULT_MAX_BATCH_SIZE
@@ -25,7 +25,9 @@ def build_parser(prog: str = "hf-raincheck serve") -> argparse.ArgumentParser:
     rc.add_argument("--policy", default="raincheck", choices=["raincheck", "hard", "full"])
     rc.add_argument("--retention", type=float, default=0.3, help="visual tokens prefilled first, per image (0.3)")
     rc.add_argument("--pruning", default="mmtok", help="selector: mmtok, hiprune, divprune, visionzip, uniform, random")
-    rc.add_argument("--chunk-size", type=int, default=31, help="deferred tokens per fused decode step (31)")
+    rc.add_argument("--chunk-size", type=parse_chunk_size, default="auto",
+                    help="deferred tokens per fused decode step, or 'auto' (31; 63 for models with Gated DeltaNet "
+                         "layers)")
     rc.add_argument("--guard-tokens", type=int, default=16, help="plain decode steps before fusing (16)")
     rc.add_argument("--completion-chunk-size", type=int, default=256,
                     help="deferred tokens per restoration forward between requests; also the most a new request "
