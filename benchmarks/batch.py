@@ -16,8 +16,8 @@ pixels and text drawn from its own seed (different images). Answers of ``--new-t
 * ``full``, ``hard``: ``RaincheckConfig(policy="full")`` / ``policy="hard"`` (Hard: ``--retention``, ``--pruning``);
 * ``raincheck``: the package's defaults (retention 0.3, ``chunk_size="auto"``: 31, or 63 for Qwen3.5; guard 16,
   the ``mmtok`` selector, ``step_deferred_budget="auto"``: 128, or 512 for Qwen3.5; each overridable) except
-  ``completion="blocking"``, so that a call's end includes every row's deferred tokens restored (as ``latency.py``). Full and Hard are blocking
-  too (nothing to complete).
+  ``completion="blocking"``, so that a call's end includes every row's deferred tokens restored (as ``latency.py``).
+  Full and Hard are blocking too (nothing to complete).
 
 Cache kinds (``--cache``): ``dynamic`` (default; eager decode): batches run in the shared engine (every row in each
 forward; Qwen3.5 too); ``static`` (``cache_implementation="static"``, compiled steps): batches run the shared engine
