@@ -133,7 +133,16 @@ def build_methods(args) -> list[Method]:
         "hard": RaincheckConfig(policy="hard", retention=args.retention, pruning=args.pruning, **common),
         "plain": None,
     }
-    return [Method(name, configs[name]) for name in args.methods]
+    methods = [Method(name, configs[name]) for name in args.methods]
+    # --step-budget-sweep: Raincheck again at other step budgets, in the same rounds (paired with the others)
+    methods += [Method(f"raincheck-b{budget}", dataclasses.replace(configs["raincheck"], step_deferred_budget=budget))
+                for budget in args.step_budget_sweep]
+    return methods
+
+
+def sweep_name(name: str) -> bool:
+    """A --step-budget-sweep method (``raincheck-b<N>``)."""
+    return name.startswith("raincheck-b")
 
 
 # ---------------------------------------------------------------------------------------------------- inputs
@@ -392,7 +401,8 @@ def pair_ratios(records: list[dict]) -> list[dict]:
     round is few pairs), ``ttft_paired`` the rounds' paired median."""
     by_method = {r["method"]: r for r in records}
     out = []
-    for top, bottom in PAIRS:
+    sweeps = [(name, other) for name in by_method if sweep_name(name) for other in ("full", "raincheck")]
+    for top, bottom in PAIRS + tuple(sweeps):
         a, b = by_method.get(top), by_method.get(bottom)
         if a is None or b is None:
             continue
@@ -665,7 +675,8 @@ def fmt(value, digits=1) -> str:
 
 def markdown_tables(report: dict) -> str:
     order = {name: i for i, name in enumerate(TABLE_ORDER)}
-    records = sorted(report["records"], key=lambda r: (r["model"], r["cache"], r["batch_size"], order[r["method"]]))
+    records = sorted(report["records"], key=lambda r: (r["model"], r["cache"], r["batch_size"],
+                                                       order.get(r["method"], len(order)), r["method"]))
     lines = ["| model | cache | B | method | rows | TTFT ms | TPOT ms | step p50 ms | tokens/s | E2E s | peak GiB | "
              "restored at |", "| " + " | ".join(["---"] * 12) + " |"]
     for r in records:
@@ -739,6 +750,9 @@ def parse_args(argv=None):
     parser.add_argument("--step-budget", default="auto",
                         help="RaincheckConfig.step_deferred_budget of raincheck (the default 'auto': the model's, "
                              "128 or 512 for Qwen3.5; 'none': no cap)")
+    parser.add_argument("--step-budget-sweep", type=int, nargs="*", default=[], metavar="N",
+                        help="also run raincheck with each of these step budgets, in the same rounds (methods "
+                             "raincheck-b<N>, paired with full and raincheck)")
     parser.add_argument("--attn-backend", default="auto", choices=("auto", "sdpa", "eager", "flash"))
     parser.add_argument("--gdn-backend", default="auto", choices=("auto", "torch", "fla"))
     parser.add_argument("--budget-s", type=float, default=450.0,
@@ -792,6 +806,8 @@ def parse_args(argv=None):
         parser.error(f"--rounds: at least 1, got {args.rounds}")
     if args.ttft_repeats < 0:
         parser.error(f"--ttft-repeats: at least 0, got {args.ttft_repeats}")
+    if any(b < 1 for b in args.step_budget_sweep) or len(set(args.step_budget_sweep)) != len(args.step_budget_sweep):
+        parser.error(f"--step-budget-sweep: distinct budgets >= 1, got {args.step_budget_sweep}")
     if args.step_budget.lower() == "none":
         args.step_budget = None
     elif args.step_budget.lower() == "auto":

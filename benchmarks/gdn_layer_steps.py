@@ -13,7 +13,7 @@ minutes: a layer of the shape (`shapes.py`, random weights, bf16 on CUDA), its s
 (``[S | P_tail]`` fp32, conv windows, prefix checkpoints), and per batch size B
 
 * ``fused``: ``[B, window + 1]`` rows, window = `fused_window(chunk_size, step_deferred_budget, B)` (the package
-  defaults for a model with GDN layers: 31, 512), every row carrying its whole window and decoding (the common
+  defaults for a model with GDN layers: 63, 512), every row carrying its whole window and decoding (the common
   fused step);
 * ``decode``: ``[B, 1]``, every row decoding (a decode-only step, Full's and Raincheck's alike).
 
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
                              "(gdn_rows_forward_graph, batch size 1 only)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
                         help="default 1 4 8 16 (--path batch), 1 (--path batch1)")
-    parser.add_argument("--chunk-size", type=int, default=31)
+    parser.add_argument("--chunk-size", type=int, default=RaincheckConfig.CHUNK_GDN)
     parser.add_argument("--step-budget", type=int, default=RaincheckConfig.STEP_BUDGET_GDN,
                         help="step_deferred_budget (default: the package's for GDN models, "
                              f"{RaincheckConfig.STEP_BUDGET_GDN}; 0: no cap)")

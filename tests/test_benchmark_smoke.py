@@ -394,6 +394,25 @@ def test_batch_quick_qwen3_5_static_rows_shared(tmp_path):
     assert [r["pair"] for r in report["ratios"]] == []  # no Full or Hard in this run
 
 
+def test_batch_step_budget_sweep_runs_raincheck_at_each_budget(tmp_path):
+    """``--step-budget-sweep``: Raincheck again at each budget, in the same rounds, paired with Full and with the
+    default Raincheck; a smaller budget carries fewer deferred rows per fused step, so restoration ends later."""
+    out_file = tmp_path / "sweep.json"
+    run_script([os.path.join(ROOT, "benchmarks", "batch.py"), "--quick", "--batch-sizes", "3", "--methods",
+                "raincheck,full", "--rounds", "1", "--step-budget", "none", "--step-budget-sweep", "2", "--out",
+                str(out_file)], tmp_path)
+    report = json.loads(out_file.read_text())
+    records = {r["method"]: r for r in report["records"]}
+    assert set(records) == {"raincheck", "full", "raincheck-b2"}
+    assert records["raincheck-b2"]["step_budget"] == 2 and records["raincheck"]["step_budget"] is None
+    assert report["meta"]["configs"]["raincheck-b2"]["step_deferred_budget"] == 2
+    small, whole = records["raincheck-b2"], records["raincheck"]
+    assert whole["restored_at_token"] is not None and whole["pending_at_answer_end"] == 0
+    assert small["restored_at_token"] is None or small["restored_at_token"] > whole["restored_at_token"]
+    assert small["restored_during_decode"] < whole["restored_during_decode"]
+    assert {r["pair"] for r in report["ratios"]} == {"raincheck/full", "raincheck-b2/full", "raincheck-b2/raincheck"}
+
+
 def test_batch_quick_profiles_the_fused_and_late_steps(tmp_path):
     """``--profile-steps``: after the rounds, one more answer of Raincheck and of Full, with torch.profiler tables of
     decode step guard + 2 (Raincheck's first fused step) and of the step two after Raincheck's restoration ended
@@ -425,7 +444,9 @@ def test_batch_bad_arguments_name_the_option(capsys):
                          (["--cache", "static", "--warmup-tokens", "8"], "--warmup-tokens"),
                          (["--rounds", "0"], "--rounds"), (["--profile-steps"], "--profile-steps"),
                          (["--profile-ttft"], "--profile-ttft"),
-                         (["--save", "--profile-rows", "0"], "--profile-rows")]:
+                         (["--save", "--profile-rows", "0"], "--profile-rows"),
+                         (["--step-budget-sweep", "8", "8"], "--step-budget-sweep"),
+                         (["--step-budget-sweep", "0"], "--step-budget-sweep")]:
         with pytest.raises(SystemExit):
             batch.parse_args(["--quick", *argv])
         assert f"error: {option}" in capsys.readouterr().err, argv

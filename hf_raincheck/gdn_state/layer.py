@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .ops import advance, advance_, join_, zero_like
+from .ops import advance, advance_, join_prefix_, zero_like
 from .state import GDNLayerState
 
 
@@ -749,8 +749,7 @@ def gdn_rows_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, layer: G
         g = torch.where(valid, g, torch.zeros_like(g))
         beta = torch.where(valid, beta, torch.zeros_like(beta))
         out, new_prefix = advance(step.backend, q, k, v, g, beta, prefix.recurrent, opaque=True)
-        join_(layer.state, new_prefix - prefix.recurrent)  # S_live += P_tail (new - old), in the buffer
-        prefix.recurrent.copy_(new_prefix)
+        join_prefix_(layer.state, prefix.recurrent, new_prefix)  # S_live += P_tail (new - old); prefix <- new
         prefix.conv.copy_(new_window)
         outs.append(out)
     if step.live:
@@ -820,8 +819,7 @@ def gdn_batch_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, buffers
         out, new_prefix = advance(step.backend, q, k, v, g, beta, prefix, opaque=True)
         # a row that carried nothing ran identity rows only: its new prefix is its old one exactly and its join adds
         # P_tail 0 = 0 (the buffers hold finite values: zeros or states), so no row needs a select here
-        join_(state, new_prefix - prefix)  # S_live += P_tail (new - old), in the buffer
-        prefix.copy_(new_prefix)
+        join_prefix_(state, prefix, new_prefix)  # S_live += P_tail (new - old); prefix <- new, in the buffers
         prefix_conv.copy_(new_window)
         outs.append(out)
     live = step.live[:, None, None]

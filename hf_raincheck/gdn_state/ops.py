@@ -19,14 +19,32 @@ first V columns (`torch.baddbmm_` on the view: cuBLAS reads and writes the strid
 another new tensor and copies that into the buffer in a third (each a pass over the fp32 states). Eager joins (`state.GDNLayerState.join`, the eager batch forwards) use the same
 ``baddbmm``, out of place.
 
+``join_prefix_(state, old, new)`` is the compiled fused steps' whole join: ``S_live += P_tail (new - old)``, then
+the checkpoint ``old <- new``. Where Triton runs (CUDA; decided at import, as the attention's softmax kernel:
+``HF_RAINCHECK_TRITON=0`` keeps torch) it is one kernel (`join_triton`); elsewhere `join_` on the difference and a
+copy.
+
 ``advance(...)`` runs rows from a state and can carry a transition map ``P`` along in the same call: a gated
 delta rule run with ``v = 0`` from state ``P`` returns ``A_T ... A_1 P``, and the rule acts on ``(v, S)`` column
 by column, so a state ``[S | P]`` with values ``[v | 0]`` gives the new state and the new map at once.
 """
 
+import os
+
 import torch
 
+from ..triton_support import interpreted, triton_importable
 from . import kernels
+
+# The fused join's Triton kernel, decided at import (compiled steps trace the call: an import or a cached probe
+# inside it would break the graph)
+_join_prefix_kernel = None
+if os.environ.get("HF_RAINCHECK_TRITON", "1") != "0" and triton_importable():
+    try:
+        from .join_triton import join_prefix_ as _join_prefix_kernel
+    except Exception:  # a Triton too old for `torch.library.triton_op`'s needs, or a broken install: torch join
+        _join_prefix_kernel = None
+_JOIN_KERNEL_ON_CPU = interpreted()  # Triton's interpreter (tests): the kernel runs on CPU tensors too
 
 
 @torch.library.custom_op("hf_raincheck::gated_delta", mutates_args=())
@@ -94,6 +112,18 @@ def join_(state: torch.Tensor, delta: torch.Tensor) -> None:
     """``S_live += P_tail delta`` on the ``[S | P_tail]`` buffer `state` (``[..., K, V + K]`` float32) in place,
     through the ``hf_raincheck::join_`` custom op (one opaque node in a traced graph; see the module docstring)."""
     torch.ops.hf_raincheck.join_(state, delta)
+
+
+def join_prefix_(state: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> None:
+    """A fused step's join and checkpoint update, in place: ``state[..., :V] += state[..., V:] @ (new - old)`` on
+    the ``[S | P_tail]`` buffer `state` ``[B, H_v, K, V + K]``, then ``old <- new`` (`old` / `new` ``[B, H_v, K, V]``,
+    the prefix checkpoint before and after the step's deferred rows), all fp32."""
+    device = state.device
+    if _join_prefix_kernel is not None and (device.type == "cuda" or (device.type == "cpu" and _JOIN_KERNEL_ON_CPU)):
+        _join_prefix_kernel(state, old, new)  # one Triton kernel: see `join_triton`
+    else:
+        join_(state, new - old)
+        old.copy_(new)
 
 
 _ZERO: dict = {}  # (device, dtype) -> a 0-d zero, expanded (no copy) into P's value columns by eager calls

@@ -1,0 +1,87 @@
+"""A compiled fused step's GDN join as one Triton kernel (`join_prefix_`).
+
+After a fused step's deferred rows moved a prefix checkpoint from ``old`` to ``new``, the live state takes the
+join and the checkpoint takes the new state (docs/design.md rule 3):
+
+    S_live += P_tail (new - old);  old <- new
+
+on the live ``[S | P_tail]`` buffer ``[B, H_v, K, V + K]`` and the checkpoint ``[B, H_v, K, V]`` (fp32). In torch
+that is three passes over fp32 states (the difference, written out; an fp32 batched GEMM, which cuBLAS runs on SIMT
+cores; the checkpoint's copy). At a Qwen3.5-9B B = 16 fused step they cost 74 + 32 + 8 us per GDN layer (2.7 of
+the step's 19.2 GPU ms). Here one program per (row, head, block of V columns) reads ``P_tail`` and the two
+checkpoints' columns once, forms the difference in registers, writes the new checkpoint columns, and accumulates
+the product into S on tensor cores in three TF32 products (``input_precision="tf32x3"``: the low parts' products
+restore fp32 accuracy, unlike plain TF32's 10-bit mantissa).
+
+The reference is `naive.naive_join` (float64), and the torch path it replaces (`ops.join_` and a copy), which
+runs where Triton does not (`hf_raincheck.triton_support.triton_enabled`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+BLOCK_V = 64  # S columns per program (a 128 x 64 fp32 accumulator in registers)
+BLOCK_K = 32  # P_tail columns / checkpoint rows per step of the product
+
+
+@triton.jit
+def _join_prefix_kernel(state_ptr, old_ptr, new_ptr, heads, key_dim, value_dim,
+                        s_b, s_h, s_k, s_c, o_b, o_h, o_k, o_c, n_b, n_h, n_k, n_c,
+                        ROWS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PRECISION: tl.constexpr):
+    bh = tl.program_id(0).to(tl.int64)
+    b = bh // heads
+    h = bh % heads
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)  # this program's S / checkpoint columns
+    rows = tl.arange(0, ROWS)  # every key row of S and P_tail
+    in_cols = cols < value_dim
+    in_rows = rows < key_dim
+    state = state_ptr + b * s_b + h * s_h
+    old = old_ptr + b * o_b + h * o_h
+    new = new_ptr + b * n_b + h * n_h
+    s_at = state + rows[:, None] * s_k + cols[None, :] * s_c
+    s_mask = in_rows[:, None] & in_cols[None, :]
+    acc = tl.load(s_at, mask=s_mask, other=0.0)
+    for start in range(0, key_dim, BLOCK_K):
+        inner = start + tl.arange(0, BLOCK_K)  # P_tail columns = checkpoint rows of this step
+        in_inner = inner < key_dim
+        p = tl.load(state + rows[:, None] * s_k + (value_dim + inner)[None, :] * s_c,
+                    mask=in_rows[:, None] & in_inner[None, :], other=0.0)
+        d_mask = in_inner[:, None] & in_cols[None, :]
+        before = tl.load(old + inner[:, None] * o_k + cols[None, :] * o_c, mask=d_mask, other=0.0)
+        after = tl.load(new + inner[:, None] * n_k + cols[None, :] * n_c, mask=d_mask, other=0.0)
+        tl.store(old + inner[:, None] * o_k + cols[None, :] * o_c, after, mask=d_mask)
+        acc = tl.dot(p, after - before, acc, input_precision=PRECISION)
+    tl.store(s_at, acc, mask=s_mask)
+
+
+def launch_join_prefix(state: torch.Tensor, old: torch.Tensor, new: torch.Tensor,
+                       precision: str = "tf32x3") -> None:
+    """`join_prefix_`'s kernel launch. `precision` is Triton's ``input_precision`` of the product (tests compare
+    ``"ieee"``, plain fp32, with the default)."""
+    batch, heads, key_dim, value_dim = old.shape
+    if state.shape != (batch, heads, key_dim, value_dim + key_dim) or new.shape != old.shape:
+        raise ValueError(f"join_prefix_: state must be [B, H_v, K, V + K] and old / new [B, H_v, K, V]; got state "
+                         f"{tuple(state.shape)}, old {tuple(old.shape)}, new {tuple(new.shape)}")
+    if not (state.dtype == old.dtype == new.dtype == torch.float32):
+        raise ValueError(f"join_prefix_: fp32 states only, got {state.dtype}, {old.dtype}, {new.dtype}")
+    if not batch * heads * key_dim * value_dim:
+        return
+    rows = max(16, triton.next_power_of_2(key_dim))
+    block_v = min(BLOCK_V, max(16, triton.next_power_of_2(value_dim)))
+    block_k = min(BLOCK_K, rows)
+    grid = (batch * heads, triton.cdiv(value_dim, block_v))
+    wrap_triton(_join_prefix_kernel)[grid](
+        state, old, new, heads, key_dim, value_dim, *state.stride(), *old.stride(), *new.stride(),
+        ROWS=rows, BLOCK_V=block_v, BLOCK_K=block_k, PRECISION=precision, num_warps=4 if rows <= 64 else 8)
+
+
+@triton_op("hf_raincheck::join_prefix_", mutates_args=("state", "old"))
+def join_prefix_(state: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> None:
+    """``state[..., :V] += state[..., V:] @ (new - old)``, then ``old <- new``, in place: `state` ``[B, H_v, K, V +
+    K]`` (``[S | P_tail]``), `old` / `new` ``[B, H_v, K, V]`` (the prefix checkpoint before and after), fp32."""
+    launch_join_prefix(state, old, new)
