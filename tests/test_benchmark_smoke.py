@@ -250,13 +250,14 @@ def test_gdn_layer_steps_quick_times_both_step_kinds(tmp_path, path, batch_sizes
     report = json.loads(out_file.read_text())
     assert report["meta"]["gdn_layers"] == 3 and report["meta"]["gdn_backend"] == "torch"
     records = report["records"]
-    assert [r["batch_size"] for r in records] == batch_sizes and all(r["window"] == 31 for r in records)
+    # the package's chunk for models with GDN layers (63; at B = 3 the 512 budget leaves every row its whole chunk)
+    assert [r["batch_size"] for r in records] == batch_sizes and all(r["window"] == 63 for r in records)
     assert all(r["path"] == path for r in records)
     for r in records:
         assert r["fused_us"] > 0 and r["decode_us"] > 0
         assert r["fused_over_decode"] == pytest.approx(r["fused_us"] / r["decode_us"], rel=1e-2)
         assert r["extra_ms_all_layers"] == pytest.approx((r["fused_us"] - r["decode_us"]) * 3 / 1e3, abs=2e-3)
-    assert f"{path} B={batch_sizes[-1]}   window 31: fused" in out
+    assert f"{path} B={batch_sizes[-1]}   window 63: fused" in out
 
 
 def test_serve_memory_logs_every_batched_call(tmp_path):
@@ -449,6 +450,28 @@ def test_batch_bad_arguments_name_the_option(capsys):
                          (["--step-budget-sweep", "0"], "--step-budget-sweep")]:
         with pytest.raises(SystemExit):
             batch.parse_args(["--quick", *argv])
+        assert f"error: {option}" in capsys.readouterr().err, argv
+
+
+def test_gdn_join_quick_times_the_torch_join(tmp_path):
+    """benchmarks/gdn_join.py --quick: the torch join on the CPU at B = 1 and 2, each record's error against the
+    float64 reference at fp32 level (the Triton paths run only on CUDA)."""
+    out_file = tmp_path / "join.json"
+    out = run_script(["benchmarks/gdn_join.py", "--quick", "--out", str(out_file)], tmp_path)
+    records = json.loads(out_file.read_text())["records"]
+    assert [(r["batch_size"], r["path"]) for r in records] == [(1, "torch"), (2, "torch")]
+    assert all(r["us"] > 0 and r["vs_torch"] == 1.0 and r["max_error"] < 1e-4 for r in records)
+    assert f"wrote {out_file}" in out
+
+
+def test_gdn_join_bad_arguments_name_the_option(capsys):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gdn_join
+
+    for argv, option in [(["--configs", "64:32"], "--configs"), (["--reps", "0"], "--reps"),
+                         (["--batch-sizes", "0"], "--batch-sizes")]:
+        with pytest.raises(SystemExit):
+            gdn_join.main(["--device", "cpu", *argv])
         assert f"error: {option}" in capsys.readouterr().err, argv
 
 

@@ -59,25 +59,36 @@ def _join_prefix_kernel(state_ptr, old_ptr, new_ptr, heads, key_dim, value_dim,
     tl.store(s_at, acc, mask=s_mask)
 
 
-def launch_join_prefix(state: torch.Tensor, old: torch.Tensor, new: torch.Tensor,
-                       precision: str = "tf32x3") -> None:
-    """`join_prefix_`'s kernel launch. `precision` is Triton's ``input_precision`` of the product (tests compare
-    ``"ieee"``, plain fp32, with the default)."""
+def launch_join_prefix(state: torch.Tensor, old: torch.Tensor, new: torch.Tensor, precision: str = "tf32x3",
+                       block_v: int = 0, block_k: int = 0, warps: int = 0, stages: int = 0) -> None:
+    """`join_prefix_`'s kernel launch, with its tiling: `block_v` S columns per program (0: `BLOCK_V`), `block_k`
+    P_tail columns per step of the product (0: `BLOCK_K`), `warps` per program (0: by the key rows), `stages` of
+    software pipelining (0: Triton's default). `precision` is Triton's ``input_precision`` of the product (tests
+    compare plain ``"tf32"`` with the default). Benchmarks call it with other tilings
+    (``benchmarks/gdn_join.py``); the package always takes the defaults (through `join_prefix_`)."""
     batch, heads, key_dim, value_dim = old.shape
     if state.shape != (batch, heads, key_dim, value_dim + key_dim) or new.shape != old.shape:
         raise ValueError(f"join_prefix_: state must be [B, H_v, K, V + K] and old / new [B, H_v, K, V]; got state "
                          f"{tuple(state.shape)}, old {tuple(old.shape)}, new {tuple(new.shape)}")
     if not (state.dtype == old.dtype == new.dtype == torch.float32):
         raise ValueError(f"join_prefix_: fp32 states only, got {state.dtype}, {old.dtype}, {new.dtype}")
+    for name, value in (("block_v", block_v), ("block_k", block_k)):
+        if value and (value < 16 or value & (value - 1)):
+            raise ValueError(f"{name} must be 0 (the default) or a power of two >= 16, got {value}")
+    if warps and warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"warps must be 0 (the default) or one of 1, 2, 4, 8, 16, got {warps}")
     if not batch * heads * key_dim * value_dim:
         return
     rows = max(16, triton.next_power_of_2(key_dim))
-    block_v = min(BLOCK_V, max(16, triton.next_power_of_2(value_dim)))
-    block_k = min(BLOCK_K, rows)
+    block_v = min(block_v or BLOCK_V, max(16, triton.next_power_of_2(value_dim)))
+    block_k = min(block_k or BLOCK_K, rows)
     grid = (batch * heads, triton.cdiv(value_dim, block_v))
+    options = dict(num_warps=warps or (4 if rows <= 64 else 8))
+    if stages:
+        options["num_stages"] = stages
     wrap_triton(_join_prefix_kernel)[grid](
         state, old, new, heads, key_dim, value_dim, *state.stride(), *old.stride(), *new.stride(),
-        ROWS=rows, BLOCK_V=block_v, BLOCK_K=block_k, PRECISION=precision, num_warps=4 if rows <= 64 else 8)
+        ROWS=rows, BLOCK_V=block_v, BLOCK_K=block_k, PRECISION=precision, **options)
 
 
 @triton_op("hf_raincheck::join_prefix_", mutates_args=("state", "old"))
