@@ -76,6 +76,32 @@ def decode_step(adapter, cache: DeferredPrefillCache, turn, token: torch.Tensor)
 
 
 # ---------------------------------------------------------------------------------------------------- compiled
+class CompiledByStepKind:
+    """One traced step body compiled as two functions: `decode` for decode-only steps (no chunk), `fused` for steps
+    that carry deferred rows. Each has its own code object, so its own dynamo cache: a step checks the guards of
+    its own kind's graphs only. With one compiled function for both kinds, every decode-only step after the first
+    fused step checked the fused graph's guards first (dynamo tries the newest entry first) and failed them before
+    it found its own: host time on every step of the answer that Full's steps never pay."""
+
+    def __init__(self, decode, fused, compile_options: dict, chunk_arg: int):
+        self.decode = torch.compile(decode, **compile_options)
+        self.fused = torch.compile(fused, **compile_options)
+        self.chunk_arg = chunk_arg  # the position of the body's `chunk` argument (None: a decode-only step)
+
+    def __call__(self, *args):
+        return (self.decode if args[self.chunk_arg] is None else self.fused)(*args)
+
+
+def _decode_step_graph(*args):
+    """`_step_graph` for decode-only steps (`CompiledByStepKind`: a code object of its own)."""
+    return _step_graph(*args)
+
+
+def _fused_step_graph(*args):
+    """`_step_graph` for steps that carry a chunk (`CompiledByStepKind`: a code object of its own)."""
+    return _step_graph(*args)
+
+
 def _step_graph(adapter, cache, token, slot, rope_delta, chunk, backend: str, visibility: str, chunk_size: int):
     """The traced body of a static step. `chunk` is None (a plain decode step) or a tuple of tensors: the plan's
     whole padded store ``(embeds [W, H], positions [3, W], slots [W], valid [W], deepstack [W, H] per layer or None,
@@ -152,7 +178,7 @@ class StaticStep:
     def __init__(self, adapter, compile_options: dict):
         self.adapter = adapter
         self.options = dict(compile_options)  # (a static batch's steps compile with the same options)
-        self.compiled = torch.compile(_step_graph, **compile_options)
+        self.compiled = CompiledByStepKind(_decode_step_graph, _fused_step_graph, compile_options, chunk_arg=5)
 
     @staticmethod
     def prepare(cache: DeferredPrefillCache, plan: DeferralPlan | None, chunk_size: int) -> None:

@@ -36,7 +36,7 @@ from ..cache import ForwardContext
 from ..cache.batched import BatchedDeferredPrefillCache
 from ..gdn_state import GDNBatchGraphStep
 from ..gdn_state.kernels import functions as gdn_functions
-from .decode import compiled_gdn_backend
+from .decode import CompiledByStepKind, compiled_gdn_backend
 from .rows import count_restored
 from .shared_batch import fused_window
 from .shared_step import host_to_device
@@ -102,13 +102,24 @@ def _batch_step_graph(adapter, group, tokens, meta, rope_deltas, chunk, backend:
     return adapter.lm_head(hidden[:, -1:])
 
 
+def _batch_decode_step_graph(*args):
+    """`_batch_step_graph` for decode-only steps (`decode.CompiledByStepKind`: a code object of its own)."""
+    return _batch_step_graph(*args)
+
+
+def _batch_fused_step_graph(*args):
+    """`_batch_step_graph` for fused steps (`decode.CompiledByStepKind`: a code object of its own)."""
+    return _batch_step_graph(*args)
+
+
 class StaticBatchStep:
     """Compiled decode / fused steps on a static `BatchedDeferredPrefillCache` (module docstring). Built once per
     model and compile config (`compile_options`: ``torch.compile`` keyword arguments); one graph per batch size,
     capacity and step kind."""
 
     def __init__(self, compile_options: dict):
-        self.compiled = torch.compile(_batch_step_graph, **compile_options)
+        self.compiled = CompiledByStepKind(_batch_decode_step_graph, _batch_fused_step_graph, compile_options,
+                                           chunk_arg=5)
 
     @staticmethod
     def prepare(group: BatchedDeferredPrefillCache, chunk_size: int) -> None:
