@@ -166,6 +166,13 @@ def test_compiled_static_batch_equals_batch1_and_the_shared_engine(family, steps
         assert_same_row(row, eager2.past_key_values.rows[i])
     assert any(any(s[1]) for s in steps[len(fused):])
     assert graphs() == before + 2  # the same two graphs: other plans, another turn
+    # one graph per step kind's function (`decode.CompiledByStepKind`: a decode step checks only its own guards)
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from hf_raincheck.generation import shared_static
+
+    for body in (shared_static._batch_decode_step_graph, shared_static._batch_fused_step_graph):
+        assert len(_debug_get_cache_entry_list(body.__code__)) == 1, body.__name__
 
     # ... and every row's turn 2 equals its batch-1 compiled conversation's turn 2 (graphs at B = 1 of their own)
     for i, (alone, ref) in enumerate(alone_runs):

@@ -85,6 +85,22 @@ def test_two_graphs_and_no_recompilation_across_steps_and_conversations(model):
     assert graphs() == 2
 
 
+def test_decode_and_fused_steps_each_check_only_their_own_graph(model):
+    """Decode-only and fused steps compile as two functions (`decode.CompiledByStepKind`), each with one dynamo
+    cache entry: a decode-only step after a fused step no longer tries (and fails) the fused graph's guards first.
+    The batch steps (`shared_static`) are built the same way (`test_batch_compiled`)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from hf_raincheck.generation import decode
+
+    cfg = RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=2, pruning="uniform", completion="blocking")
+    out = run(model, two_images(seed=0), 12, cfg)
+    assert out.past_key_values.stats.during_decode > 0  # fused steps ran (decode-only steps before them)
+    for body in (decode._decode_step_graph, decode._fused_step_graph):
+        assert len(_debug_get_cache_entry_list(body.__code__)) == 1, body.__name__
+    assert _debug_get_cache_entry_list(decode._step_graph.__code__) == []  # traced inside them, never on its own
+
+
 def test_later_turns_reuse_the_graphs_while_capacity_lasts(model):
     """Static capacity grows geometrically in multiples of 256, so short follow-up turns keep the same graphs."""
     cfg = RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=2, pruning="uniform", completion="next_turn")
