@@ -15,7 +15,7 @@ pixels and text drawn from its own seed (different images). Answers of ``--new-t
 * ``plain``: transformers' own batched ``generate`` (no ``raincheck_config``);
 * ``full``, ``hard``: ``RaincheckConfig(policy="full")`` / ``policy="hard"`` (Hard: ``--retention``, ``--pruning``);
 * ``raincheck``: the package's defaults (retention 0.3, ``chunk_size="auto"``: 31, or 63 for Qwen3.5; guard 16,
-  the ``mmtok`` selector, ``step_deferred_budget="auto"``: 128, or 512 for Qwen3.5; each overridable) except
+  the ``mmtok`` selector, ``step_deferred_budget="auto"``: 128, or 1024 for Qwen3.5; each overridable) except
   ``completion="blocking"``, so that a call's end includes every row's deferred tokens restored (as ``latency.py``).
   Full and Hard are blocking too (nothing to complete).
 

@@ -97,11 +97,13 @@ class RaincheckConfig:
             a decode step of an 8B-class model stays memory-bound up to roughly 200 rows on an H200 (its bf16
             compute over memory bandwidth), so 128 deferred rows plus the decode rows of a batch of 16 keep a fused
             step close to a plain decode step's time. For models with Gated DeltaNet layers (Qwen3.5) it is
-            `STEP_BUDGET_GDN` (512): there a fused step costs a fixed amount of GPU work over a decode step
+            `STEP_BUDGET_GDN` (1024): there a fused step costs a fixed amount of GPU work over a decode step
             whatever its rows carry (every GDN layer continues each row's prefix state, joins it into the live
             state and passes the states once more), so fewer, wider fused steps cost less in all; at B = 16 the
-            Qwen3.5-9B shape's compiled TPOT / Full went 1.25 (128) -> 1.18 (256) -> 1.10 (512) (benchmarks page,
-            "Batches"). A batch-1 call ignores it.
+            Qwen3.5-9B shape's compiled TPOT / Full went 1.25 (128) -> 1.18 (256) -> 1.10 (512) in one sweep, and
+            1.149 (512) -> 1.094 (1024) in a later paired run (benchmarks page, "Batches"). With 1024 and the
+            63-token chunk, B = 2-16 rows carry their whole chunk and a fused step is ``[B, 64]``: a multiple of 64
+            rows, which the GEMMs tile without a ragged edge. A batch-1 call ignores it.
 
     ``to_dict()`` / ``RaincheckConfig.from_dict(d)`` give and take a JSON-serialisable dict (what
     ``generation_config.json`` holds when ``model.generation_config.raincheck_config`` is set).
@@ -130,7 +132,7 @@ class RaincheckConfig:
     #: ``step_deferred_budget="auto"`` for models whose layers are all attention layers
     STEP_BUDGET_ATTENTION: ClassVar[int] = 128
     #: ``step_deferred_budget="auto"`` for models with Gated DeltaNet layers
-    STEP_BUDGET_GDN: ClassVar[int] = 512
+    STEP_BUDGET_GDN: ClassVar[int] = 1024
 
     def __post_init__(self) -> None:
         _check_choice("policy", self.policy, POLICIES)

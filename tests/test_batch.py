@@ -325,7 +325,7 @@ def test_the_default_step_budget_is_the_models(family, monkeypatch):
     out = _gen(model, batch, cfg)
     gdn = model._raincheck_state.adapter.gdn_glue is not None
     assert gdn == (model.config.model_type == "qwen3_5")
-    assert budgets and set(budgets) == {512 if gdn else 128}
+    assert budgets and set(budgets) == {1024 if gdn else 128}
     assert out.past_key_values.rows[0].config.step_deferred_budget == "auto"
     budgets.clear()
     _gen(model, batch, RaincheckConfig(retention=0.3, chunk_size=4, guard_tokens=1, completion="blocking",

@@ -250,7 +250,7 @@ def test_gdn_layer_steps_quick_times_both_step_kinds(tmp_path, path, batch_sizes
     report = json.loads(out_file.read_text())
     assert report["meta"]["gdn_layers"] == 3 and report["meta"]["gdn_backend"] == "torch"
     records = report["records"]
-    # the package's chunk for models with GDN layers (63; at B = 3 the 512 budget leaves every row its whole chunk)
+    # the package's chunk for models with GDN layers (63; at B = 3 the 1024 budget leaves every row its whole chunk)
     assert [r["batch_size"] for r in records] == batch_sizes and all(r["window"] == 63 for r in records)
     assert all(r["path"] == path for r in records)
     for r in records:

@@ -34,7 +34,7 @@ PREPARE_ARGS = {"cover_ptr": "*fp32", "scales_ptr": "*fp32", "cover_t_ptr": "*fp
 SOFTMAX_ARGS = {"scores_ptr": "*bf16", "visible_ptr": "*i1", "out_ptr": "*bf16"}
 JOIN_ARGS = {"state_ptr": "*fp32", "old_ptr": "*fp32", "new_ptr": "*fp32"}
 #: a Qwen3.5-9B GDN layer's join (K = V = 128; `join_triton.launch_join_prefix`'s tiling)
-JOIN_128 = dict(ROWS=128, BLOCK_V=64, BLOCK_K=32, PRECISION="tf32x3")
+JOIN_128 = dict(ROWS=128, BLOCK_V=32, BLOCK_K=32, PRECISION="tf32x3")
 DIVPRUNE_ARGS = {"sim_ptr": "*fp32", "nearest_ptr": "*fp32", "order_ptr": "*i64"}
 #: MMTok at 4096 tokens (`coverage_plan`: 64 programs of 64 columns, 8 warps; 24 question rows -> 32)
 MMTOK_4096 = dict(SPLITS=64, SPLITS_P2=64, BLOCK_C=64, BLOCK_M=32, BLOCK_N=4096, TILE_R=64, SPIN=1 << 22,

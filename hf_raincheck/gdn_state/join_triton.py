@@ -7,11 +7,19 @@ join and the checkpoint takes the new state (docs/design.md rule 3):
 
 on the live ``[S | P_tail]`` buffer ``[B, H_v, K, V + K]`` and the checkpoint ``[B, H_v, K, V]`` (fp32). In torch
 that is three passes over fp32 states (the difference, written out; an fp32 batched GEMM, which cuBLAS runs on SIMT
-cores; the checkpoint's copy). At a Qwen3.5-9B B = 16 fused step they cost 74 + 32 + 8 us per GDN layer (2.7 of
-the step's 19.2 GPU ms). Here one program per (row, head, block of V columns) reads ``P_tail`` and the two
-checkpoints' columns once, forms the difference in registers, writes the new checkpoint columns, and accumulates
+cores; the checkpoint's copy). At a Qwen3.5-9B B = 16 fused step they cost 74 + 32 us per GDN layer (2.5 of the
+step's 19.2 GPU ms). Here one program per (row, head, block of V columns) reads ``P_tail`` and the two checkpoints'
+columns once, forms the difference in registers, writes the new checkpoint columns, and accumulates
 the product into S on tensor cores in three TF32 products (``input_precision="tf32x3"``: the low parts' products
-restore fp32 accuracy, unlike plain TF32's 10-bit mantissa).
+restore fp32 accuracy, unlike plain TF32's 10-bit mantissa). CUDA-graph replays of 24 calls
+(`benchmarks/gdn_join.py`), torch path -> kernel: 112.8 -> 94.7 us at B = 16, 60.5 -> 46.0 at B = 8, 13.6 -> 10.8
+at B = 1.
+
+The op is a `torch.library.custom_op` (opaque to the compiler, its Triton launch made at run time and captured by
+CUDA graphs), as the package's other in-place GDN ops (`ops.join_`, `ops.advance_`): their mutation of the step's
+state buffers is known to stay in place in compiled steps. (As a `triton_op` the first version let Inductor see
+the kernel; in that B = 16 fused step two pointwise kernels next to it grew by ~22 us per layer, about one copy of
+the checkpoint, unexplained, so the opaque op was taken instead.)
 
 The reference is `naive.naive_join` (float64), and the torch path it replaces (`ops.join_` and a copy), which
 runs where Triton does not (`hf_raincheck.triton_support.triton_enabled`).
@@ -22,10 +30,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
-BLOCK_V = 64  # S columns per program (a 128 x 64 fp32 accumulator in registers)
-BLOCK_K = 32  # P_tail columns / checkpoint rows per step of the product
+# The tiling: S columns per program (a K x 32 fp32 accumulator in registers), P_tail columns / checkpoint rows per
+# step of the product, software-pipelining stages. A sweep on the H200 at Qwen3.5-9B's heads (benchmarks page,
+# "Batches": `benchmarks/gdn_join.py --configs ...`) had 32 / 32 / 2 stages (8 warps) best at B = 1 and 8 and within
+# 1.1% of the best at B = 16.
+BLOCK_V = 32
+BLOCK_K = 32
+STAGES = 2
 
 
 @triton.jit
@@ -63,7 +76,7 @@ def launch_join_prefix(state: torch.Tensor, old: torch.Tensor, new: torch.Tensor
                        block_v: int = 0, block_k: int = 0, warps: int = 0, stages: int = 0) -> None:
     """`join_prefix_`'s kernel launch, with its tiling: `block_v` S columns per program (0: `BLOCK_V`), `block_k`
     P_tail columns per step of the product (0: `BLOCK_K`), `warps` per program (0: by the key rows), `stages` of
-    software pipelining (0: Triton's default). `precision` is Triton's ``input_precision`` of the product (tests
+    software pipelining (0: `STAGES`). `precision` is Triton's ``input_precision`` of the product (tests
     compare plain ``"tf32"`` with the default). Benchmarks call it with other tilings
     (``benchmarks/gdn_join.py``); the package always takes the defaults (through `join_prefix_`)."""
     batch, heads, key_dim, value_dim = old.shape
@@ -83,16 +96,19 @@ def launch_join_prefix(state: torch.Tensor, old: torch.Tensor, new: torch.Tensor
     block_v = min(block_v or BLOCK_V, max(16, triton.next_power_of_2(value_dim)))
     block_k = min(block_k or BLOCK_K, rows)
     grid = (batch * heads, triton.cdiv(value_dim, block_v))
-    options = dict(num_warps=warps or (4 if rows <= 64 else 8))
-    if stages:
-        options["num_stages"] = stages
+    options = dict(num_warps=warps or (4 if rows <= 64 else 8), num_stages=stages or STAGES)
     wrap_triton(_join_prefix_kernel)[grid](
         state, old, new, heads, key_dim, value_dim, *state.stride(), *old.stride(), *new.stride(),
         ROWS=rows, BLOCK_V=block_v, BLOCK_K=block_k, PRECISION=precision, **options)
 
 
-@triton_op("hf_raincheck::join_prefix_", mutates_args=("state", "old"))
+@torch.library.custom_op("hf_raincheck::join_prefix_", mutates_args=("state", "old"))
 def join_prefix_(state: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> None:
     """``state[..., :V] += state[..., V:] @ (new - old)``, then ``old <- new``, in place: `state` ``[B, H_v, K, V +
     K]`` (``[S | P_tail]``), `old` / `new` ``[B, H_v, K, V]`` (the prefix checkpoint before and after), fp32."""
     launch_join_prefix(state, old, new)
+
+
+@join_prefix_.register_fake
+def _(state, old, new):
+    return None
