@@ -279,6 +279,11 @@ def test_carry_counts_share_the_budget():
     # a compiled batch's fused window: chunk_size unless the budget's row cap is smaller
     assert [fused_window(31, 128, b) for b in (1, 4, 5, 8, 16)] == [31, 31, 26, 16, 8]
     assert fused_window(31, None, 16) == 31 and row_carry_cap(None, 16) is None
+    # the defaults of models with Gated DeltaNet layers (chunk 63, budget 1024): every row carries its whole chunk
+    # up to B = 16, so a fused step is [B, 64], a multiple of 64 rows (GEMMs without a ragged tile)
+    chunk, budget = RaincheckConfig.CHUNK_GDN, RaincheckConfig.STEP_BUDGET_GDN
+    assert all(fused_window(chunk, budget, b) == 63 for b in range(2, 17))
+    assert fused_window(chunk, budget, 32) == 32  # past 16 rows the budget caps the window
 
 
 def test_a_binding_step_budget_equals_batch1_fed_the_same_counts(family, monkeypatch):

@@ -19,10 +19,11 @@ The op is a `torch.library.custom_op` (opaque to the compiler, its Triton launch
 CUDA graphs), as the package's other in-place GDN ops (`ops.join_`, `ops.advance_`): their mutation of the step's
 state buffers is known to stay in place in compiled steps. (As a `triton_op` the first version let Inductor see
 the kernel; in that B = 16 fused step two pointwise kernels next to it grew by ~22 us per layer, about one copy of
-the checkpoint, unexplained, so the opaque op was taken instead.)
+the checkpoint, unexplained, so the opaque op was taken instead; its compiled code on the CPU copies neither
+buffer, `tests/test_gdn_join_triton.py`; not yet profiled inside a GPU step.)
 
 The reference is `naive.naive_join` (float64), and the torch path it replaces (`ops.join_` and a copy), which
-runs where Triton does not (`hf_raincheck.triton_support.triton_enabled`).
+runs where Triton does not (`ops.join_prefix_` decides, at import).
 """
 
 from __future__ import annotations

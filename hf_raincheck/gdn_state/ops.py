@@ -12,7 +12,8 @@ backend's kernels on first use, outside any trace.
 compiled steps: the state buffer is updated in place by fla's recurrent kernel (`kernels.gated_delta_`), not
 returned as a new tensor and copied back.
 
-``join_(state, delta)`` (the ``hf_raincheck::join_`` op, which mutates its state) is the compiled steps' join,
+``join_(state, delta)`` (the ``hf_raincheck::join_`` op, which mutates its state) is the compiled steps' join where
+Triton does not run (see `join_prefix_` below),
 ``S_live += P_tail delta`` on the ``[S | P_tail]`` buffer: one batched GEMM that accumulates into the buffer's
 first V columns (`torch.baddbmm_` on the view: cuBLAS reads and writes the strided columns where they are). Traced as
 ``matmul`` and ``+=`` instead, Inductor writes the product to a new tensor, adds it to S in a second pass into
@@ -42,7 +43,7 @@ _join_prefix_kernel = None
 if os.environ.get("HF_RAINCHECK_TRITON", "1") != "0" and triton_importable():
     try:
         from .join_triton import join_prefix_ as _join_prefix_kernel
-    except Exception:  # a Triton too old for `torch.library.triton_op`'s needs, or a broken install: torch join
+    except Exception:  # a broken Triton install: the torch join
         _join_prefix_kernel = None
 _JOIN_KERNEL_ON_CPU = interpreted()  # Triton's interpreter (tests): the kernel runs on CPU tensors too
 
