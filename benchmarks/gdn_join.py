@@ -77,7 +77,6 @@ def max_error(fn, batch, heads, key_dim, value_dim, device) -> float:
 def time_gpu(fn, batch, heads, key_dim, value_dim, device, reps, iters) -> float:
     """GPU us per call: `reps` calls on `reps` layers' buffers in one CUDA graph, replayed `iters` times."""
     layers = [buffers(batch, heads, key_dim, value_dim, device, seed=i) for i in range(reps)]
-    news = [layer[2] for layer in layers]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -86,7 +85,7 @@ def time_gpu(fn, batch, heads, key_dim, value_dim, device, reps, iters) -> float
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for (state, old, _), new in zip(layers, news):
+        for state, old, new in layers:
             fn(state, old, new)
     for _ in range(3):
         graph.replay()

