@@ -200,11 +200,12 @@ def run(shape: str, policy: str, image_tokens: int, new_tokens: int, count: bool
             ops = None
             t0 = time.perf_counter()
             if count:
+                # (stacks of decode steps only: torch 2.13's profiler now and then fails to decode a prefill's)
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                            with_stack=where) as prof:
+                                            with_stack=where and is_step(kind_of, before)) as prof:
                     out = fn(*args, **kwargs)
                 events = prof.events()
-                places = collections.Counter(_where(e) for e in _kernel_events(events)) if where else None
+                places = collections.Counter(_where(e) for e in _kernel_events(events)) if prof.with_stack else None
                 ops = (_leaves(events), _top(events), places)
             else:
                 out = fn(*args, **kwargs)
@@ -235,6 +236,11 @@ def run(shape: str, policy: str, image_tokens: int, new_tokens: int, count: bool
         return policy if policy != "raincheck" else ("raincheck, pending" if before else "raincheck, restored")
 
     plain_calls = []
+
+    def is_step(kind_of, before) -> bool:  # a decode step (not a prefill), from what `kind_of` saw before it
+        if kind_of is turn_kind:
+            return before[0]
+        return bool(plain_calls) if kind_of is plain_kind else True
 
     def plain_kind(before, args, kwargs):
         if before is None:

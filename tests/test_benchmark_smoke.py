@@ -240,6 +240,16 @@ def test_step_ops_counts_operators_per_step_kind(tmp_path, batch_size):
     assert "| tiny | raincheck, fused |" in out
 
 
+
+def test_step_ops_lists_a_fused_steps_operators_by_caller(tmp_path):
+    """``--ops fused`` on tiny Qwen3.5: the fused step's operators by name and by the package function that called
+    them, the GDN join among them."""
+    out = run_script(["benchmarks/step_ops.py", "--models", "tiny-qwen3.5", "--image-tokens", "64", "--new-tokens",
+                      "24", "--ops", "fused"], tmp_path)
+    assert "tiny-qwen3.5 raincheck, fused: kernel operators of one step" in out, out
+    assert "gdn_state/state.py" in out and "join" in out, out
+    assert "| tiny-qwen3.5 | raincheck, fused |" in out
+
 @pytest.mark.parametrize("path, batch_sizes", [("batch", [1, 3]), ("batch1", [1])])
 def test_gdn_layer_steps_quick_times_both_step_kinds(tmp_path, path, batch_sizes):
     """benchmarks/gdn_layer_steps.py --quick: one tiny GDN layer's fused and decode-only steps, a batch's for B = 1
