@@ -2,10 +2,9 @@
 
 Before every call of a compiled function, dynamo checks the guards of its cached graphs: that everything the trace
 read is as it was. For a step, most of that is the model's modules, reached through attribute chains (types,
-``_modules`` dicts, hooks, every parameter's metadata, module attributes), ~1200 objects at Qwen3.5-9B's shape: in
-the H200
-profiles 0.76-0.97 ms of host time per decode step, on a ~7 ms step that waits for it (transformers' loop
-synchronises on every token). Compiled steps therefore drop the guards on the decoder's modules
+``_modules`` dicts, hooks, every parameter's metadata, module attributes), ~1200 objects at Qwen3.5-9B's shape: a
+large share of a decode step's host time, which the accelerator waits for (transformers' loop synchronises on every
+token; the benchmarks page has the profiles). Compiled steps therefore drop the guards on the decoder's modules
 (`drop_decoder_guards`) and check the modules once per turn instead (`module_fingerprint`: every module's identity,
 type, ``training`` flag and forward hooks, every parameter's and buffer's identity, dtype, device and shape): a
 change found there builds new compiled steps (`static_step.static_step`,
@@ -87,7 +86,7 @@ def module_fingerprint(*roots: torch.nn.Module) -> tuple:
     """What the compiled steps assume of the modules under `roots` in place of dynamo's guards on them: each
     module's identity, type, ``training`` flag and forward (pre-)hooks; each parameter's and buffer's identity,
     dtype, device and shape (None for an empty slot). Equal fingerprints: the steps' graphs hold for the modules.
-    ~1 ms per turn at Qwen3.5-9B's language model (~1200 entries)."""
+    One pass over the language model and LM head per turn (~1200 entries at Qwen3.5-9B's shape)."""
     items = []
     for root in roots:
         for module in root.modules():
