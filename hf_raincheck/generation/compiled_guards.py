@@ -30,7 +30,7 @@ _MODELESS_BACKENDS = ("eager", "aot_eager")
 
 # how dynamo names (in a guard filter's entries) what a step reads of the decoder modules
 # (`ModelAdapter.decoder_modules`): the step bodies take the adapter as their first argument and reach the text
-# decoder as ``adapter.text``, the LM head as ``adapter.model.lm_head`` (a child module is read through ``_modules``)
+# decoder as its ``text``, the LM head as its ``model.lm_head`` (dynamo reads a child module through ``_modules``)
 DECODER_SOURCES = ("args[0].text", "args[0].model._modules['lm_head']")
 KEPT_SOURCES = ("args[0].text.config",)  # the decoder's config keeps its guards (a few dozen)
 
