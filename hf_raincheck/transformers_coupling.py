@@ -256,28 +256,30 @@ def gdn_causal_conv(module, full):
     )
 
 
-def gdn_causal_conv_tail(module, full, n: int):
-    """The last `n` outputs of `gdn_causal_conv` over ``full [B, C, L]`` (``L >= n + kernel - 1``, so no position
-    reads the zero padding) as ``kernel`` shifted products and one activation -> ``[B, C, n]``: elementwise work
-    that a compiled graph fuses into one kernel (transformers' fallback is a depthwise ``conv1d`` call, a cuDNN
-    kernel per layer that costs more than the products at a compiled step's few rows). The conv's dtype rules:
-    inputs in the weight's dtype, products summed in float32, output rounded to the weight's dtype before the
-    activation."""
+def gdn_causal_conv_tail(module, rows, n: int):
+    """The last `n` outputs of `gdn_causal_conv` over ``rows [B, L, C]`` (positions on dim 1: the layout of
+    ``in_proj_qkv``'s output; ``L >= n + kernel - 1``, so no position reads the zero padding) as ``kernel`` shifted
+    products and one activation -> ``[B, n, C]``: elementwise work that a compiled graph fuses into one kernel
+    (transformers' fallback is a depthwise ``conv1d`` call, a cuDNN kernel per layer that costs more than the
+    products at a compiled step's few rows). Channels last, so that every read and write of that kernel runs along
+    the channels (in ``[B, C, L]`` the kernel's loop ran along the positions and its ``[B, n, C]`` writes were
+    strided). The conv's dtype rules: inputs in the weight's dtype, products summed in float32, output rounded to
+    the weight's dtype before the activation."""
     weight = module.conv1d.weight.squeeze(1)  # [C, kernel]
-    kernel, length = weight.shape[-1], full.shape[-1]
-    x = full.to(weight.dtype).float()
-    w = weight.float()
-    acc = x[..., length - n - kernel + 1 : length - kernel + 1] * w[:, :1]
+    kernel, length = weight.shape[-1], rows.shape[1]
+    x = rows.to(weight.dtype).float()
+    w = weight.float().t()  # [kernel, C]
+    acc = x[:, length - n - kernel + 1 : length - kernel + 1] * w[0]
     for j in range(1, kernel):
-        acc = acc + x[..., length - n - kernel + 1 + j : length - kernel + 1 + j] * w[:, j : j + 1]
+        acc = acc + x[:, length - n - kernel + 1 + j : length - kernel + 1 + j] * w[j]
     if module.conv1d.bias is not None:
-        acc = acc + module.conv1d.bias.float()[:, None]
+        acc = acc + module.conv1d.bias.float()
     out = acc.to(weight.dtype)
     if module.activation is not None:
         from transformers.activations import ACT2FN
 
         out = ACT2FN[module.activation](out)
-    return out.to(full.dtype)
+    return out.to(rows.dtype)
 
 
 def gdn_factors(module, conv_out, a, b):

@@ -166,7 +166,7 @@ def test_conv_tail_equals_transformers_conv(dtype, n, extra):
     _, _, _, channels, kernel = glue.dims(module)
     full = torch.randn(3, channels, extra + kernel + n, generator=torch.Generator().manual_seed(n)).to(dtype)
     with torch.no_grad():
-        got = glue.conv_tail(module, full, n)
+        got = glue.conv_tail(module, full.transpose(1, 2), n)  # channels last
         want = glue.conv_full(module, full)[:, -n:]
     assert got.shape == want.shape == (3, n, channels) and got.dtype == want.dtype
     if dtype == torch.float32:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch

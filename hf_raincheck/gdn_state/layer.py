@@ -58,9 +58,10 @@ class GDNGlue:
     def conv_full(self, module, full):  # causal conv over ``full`` [1, C, L] (zero left padding) -> [1, L, C]
         raise NotImplementedError
 
-    # the last `n` outputs of `conv_full` (``full`` [B, C, L], L >= n + kernel - 1: no padding read) -> [B, n, C],
-    # as elementwise products (compiled steps: fused into one kernel instead of a conv kernel per layer)
-    def conv_tail(self, module, full, n):
+    # the last `n` outputs of `conv_full` over ``rows`` [B, L, C] (positions on dim 1; L >= n + kernel - 1: no
+    # padding read) -> [B, n, C], as elementwise products (compiled steps: fused into one kernel instead of a conv
+    # kernel per layer; channels last, the layout of the projection and of the outputs)
+    def conv_tail(self, module, rows, n):
         raise NotImplementedError
 
     # -> q, k, v, g, beta; row-wise: q, k, v have conv_out's rows, g and beta a's / b's (they may differ in number)
@@ -737,10 +738,11 @@ def gdn_rows_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, layer: G
         n = step.valid.shape[0]
         prefix = layer.prefix
         window = prefix.conv
-        full = torch.cat([window, qkv[..., :n]], dim=-1)
+        # channels last (`conv_tail`): [window | the chunk's rows] as [1, kernel + n, C]
+        full = torch.cat([window.transpose(1, 2), qkv.transpose(1, 2)[:, :n]], dim=1)
         conv_out = glue.conv_tail(module, full, n)
         where = step.count + torch.arange(window.shape[-1], device=full.device)
-        new_window = full.index_select(-1, where)
+        new_window = full.index_select(1, where).transpose(1, 2)
         q, k, v, g, beta = glue.factors(module, conv_out, a[:, :n], b[:, :n])
         # the kernels want contiguous rows (fla copies views, three eager copies per layer inside the opaque call);
         # made here, Inductor writes them in the kernel that computes them
@@ -753,9 +755,9 @@ def gdn_rows_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, layer: G
         prefix.conv.copy_(new_window)
         outs.append(out)
     if step.live:
-        full = torch.cat([layer.conv, qkv[..., -1:]], dim=-1)
+        full = torch.cat([layer.conv.transpose(1, 2), qkv.transpose(1, 2)[:, -1:]], dim=1)
         conv_out = glue.conv_tail(module, full, 1)
-        layer.conv.copy_(full[..., 1:])
+        layer.conv.copy_(full[:, 1:].transpose(1, 2))
         q, k, v, g, beta = glue.factors(module, conv_out, a[:, -1:], b[:, -1:])
         outs.append(advance_(step.backend, q, k, v, g, beta, layer.state, layer.carry))  # the state in place
     core = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
@@ -806,11 +808,12 @@ def gdn_batch_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, buffers
         n = step.valid.shape[1]
         prefix, prefix_conv = buffers["prefix"], buffers["prefix_conv"]
         kernel = prefix_conv.shape[-1]
-        full = torch.cat([prefix_conv, qkv[..., :n]], dim=-1)  # [B, C, kernel + n]
+        # channels last (`conv_tail`): [B, kernel + n, C]
+        full = torch.cat([prefix_conv.transpose(1, 2), qkv.transpose(1, 2)[:, :n]], dim=1)
         conv_out = glue.conv_tail(module, full, n)
         # [B, kernel]: ends at the last real row (a row that carried nothing: its old window, unchanged)
         where = step.count[:, None] + torch.arange(kernel, device=full.device)
-        new_window = full.gather(-1, where[:, None, :].expand(-1, full.shape[1], -1))
+        new_window = full.gather(1, where[:, :, None].expand(-1, -1, full.shape[2])).transpose(1, 2)
         q, k, v, g, beta = glue.factors(module, conv_out, a[:, :n], b[:, :n])
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         valid = step.valid[:, :, None]
@@ -823,9 +826,9 @@ def gdn_batch_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, buffers
         prefix_conv.copy_(new_window)
         outs.append(out)
     live = step.live[:, None, None]
-    full = torch.cat([conv, qkv[..., -1:]], dim=-1)
+    full = torch.cat([conv.transpose(1, 2), qkv.transpose(1, 2)[:, -1:]], dim=1)  # [B, kernel + 1, C]
     conv_out = glue.conv_tail(module, full, 1)
-    conv.copy_(torch.where(live, full[..., 1:], conv))
+    conv.copy_(torch.where(live, full[:, 1:].transpose(1, 2), conv))
     q, k, v, g, beta = glue.factors(module, conv_out, a[:, -1:], b[:, -1:])
     # a stopped row's decode position is the identity on its state (g = beta = 0), so the kernel's final state is
     # every row's new state: no select over the [B, H_v, K, V + K] states, which the kernel updates in place

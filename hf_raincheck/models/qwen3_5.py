@@ -35,8 +35,8 @@ class Qwen3_5GDNGlue(GDNGlue):
     def conv_full(self, module, full):
         return hf.gdn_causal_conv(module, full).transpose(1, 2)
 
-    def conv_tail(self, module, full, n):
-        return hf.gdn_causal_conv_tail(module, full, n).transpose(1, 2)
+    def conv_tail(self, module, rows, n):
+        return hf.gdn_causal_conv_tail(module, rows, n)
 
     def factors(self, module, conv_out, a, b):
         return hf.gdn_factors(module, conv_out, a, b)
