@@ -38,6 +38,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import hf_raincheck  # noqa: E402
+from graph_timing import graph_us_per_call  # noqa: E402
 from hf_raincheck.gdn_state import ops  # noqa: E402
 from hf_raincheck.gdn_state.naive import naive_join  # noqa: E402
 
@@ -77,27 +78,7 @@ def max_error(fn, batch, heads, key_dim, value_dim, device) -> float:
 def time_gpu(fn, batch, heads, key_dim, value_dim, device, reps, iters) -> float:
     """GPU us per call: `reps` calls on `reps` layers' buffers in one CUDA graph, replayed `iters` times."""
     layers = [buffers(batch, heads, key_dim, value_dim, device, seed=i) for i in range(reps)]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for state, old, new in layers:  # compiles / warms the kernels outside the capture
-            fn(state, old, new)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for state, old, new in layers:
-            fn(state, old, new)
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(1e3 * start.elapsed_time(end) / reps)
-    return statistics.median(times)
+    return graph_us_per_call([lambda layer=layer: fn(*layer) for layer in layers], iters)
 
 
 def time_host(fn, batch, heads, key_dim, value_dim, device, reps, iters) -> float:

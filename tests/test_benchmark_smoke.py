@@ -66,9 +66,9 @@ def test_latency_quick_writes_the_issue_records(tmp_path):
     assert "fused step" in profile and "decode-only after restoration step" in profile and "Full decode (late)" in profile
 
 
-def run_script(args, tmp_path, timeout=300):
+def run_script(args, tmp_path, timeout=300, **env_vars):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
-               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **env_vars)
     done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
@@ -472,6 +472,30 @@ def test_gdn_join_quick_times_the_torch_join(tmp_path):
     assert [(r["batch_size"], r["path"]) for r in records] == [(1, "torch"), (2, "torch")]
     assert all(r["us"] > 0 and r["vs_torch"] == 1.0 and r["max_error"] < 1e-4 for r in records)
     assert f"wrote {out_file}" in out
+
+
+def test_gdn_chunk_quick_runs_the_kernel_under_the_interpreter(tmp_path):
+    """benchmarks/gdn_chunk.py --quick under Triton's interpreter: the torch chunked path and the one-chunk kernel
+    at B = 1 and 2, each record's error against the float64 recurrence at fp32 level."""
+    pytest.importorskip("triton")
+    out_file = tmp_path / "chunk.json"
+    out = run_script(["benchmarks/gdn_chunk.py", "--quick", "--out", str(out_file)], tmp_path, TRITON_INTERPRET="1")
+    records = json.loads(out_file.read_text())["records"]
+    assert [(r["batch_size"], r["path"]) for r in records] == [(1, "torch"), (1, "triton"), (2, "torch"),
+                                                                (2, "triton")]
+    assert all(r["us"] > 0 and r["max_error"] < 1e-5 for r in records)
+    assert f"wrote {out_file}" in out
+
+
+def test_gdn_chunk_bad_arguments_name_the_option(capsys):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import gdn_chunk
+
+    for argv, option in [(["--rows", "65"], "--rows"), (["--reps", "0"], "--reps"),
+                         (["--batch-sizes", "0"], "--batch-sizes")]:
+        with pytest.raises(SystemExit):
+            gdn_chunk.main(["--device", "cpu", *argv])
+        assert f"error: {option}" in capsys.readouterr().err, argv
 
 
 def test_gdn_join_bad_arguments_name_the_option(capsys):

@@ -1,0 +1,138 @@
+"""One chunk of at most 64 Gated DeltaNet rows from a state, in one Triton kernel (`chunk_gated_delta`).
+
+A compiled fused step's deferred window (63 rows by default) continues the prefix checkpoint through fla-core's
+chunked kernels: seven launches per GDN layer (the gates' cumulative sum, two l2 norms, ``kkt_solve``,
+``recompute_w_u``, the state pass, the output), about 0.9 ms of a Qwen3.5-9B fused step's 2 ms of GPU time over a
+decode-only step at batch 1 (benchmarks page). For one chunk the whole WY form fits in one program per (row, value
+head, block of V columns); per value head, with ``k``, ``q`` l2-normalised, ``q`` scaled by ``K^-1/2``,
+``c_t = g_1 + ... + g_t`` and ``D[i, j] = exp(c_i - c_j)`` (``i >= j``):
+
+    L = strict_lower(beta_i (k_i . k_j) D[i, j])          (the rows' interactions, T x T)
+    R = (I + L)^-1                                          (by block doubling: six levels of two products)
+    U = R (beta v) - R (beta exp(c) k) S_0                 (the rows' new values)
+    O = exp(c) (q S_0) + lower(q k^T . D) U
+    S_T = exp(c_T) S_0 + (exp(c_T - c) k)^T U
+
+(the recurrence ``S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``, ``o_t = S_t^T q_t``, of
+`naive.naive_gated_delta`, which the tests compare it with). Products on TF32 tensor cores (10-bit mantissa; fla's
+chunked kernels round k, v and the state to bf16 for theirs, so this is the closer of the two to the float64
+recurrence: `tests/test_gdn_chunk_triton.py` checks it against fla on a GPU); ``"tf32x3"`` (fp32-accurate, as
+`join_triton`) makes ptxas spill ~4.5 KB of registers per thread at K = 128 against ~0.6 KB
+(`tests/test_triton_compile.py` prints the report). Rows past the chunk's end (padding) read as ``g = beta = 0``,
+k = q = 0: the identity.
+
+Not yet used by the package: it replaces fla's chunked call in compiled fused steps only once
+``benchmarks/gdn_chunk.py`` shows it faster on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+#: the most rows one call takes (one chunk; the inverse takes log2(CHUNK) doubling levels). The inverse is exact
+#: block by block (``inv([[A, 0], [C, B]]) = [[A^-1, 0], [-B^-1 C A^-1, B^-1]]``): the Neumann product
+#: ``(I - L)(I + L^2)(I + L^4)...`` is not, its powers of L grow to ~1e9 for aligned keys with beta near 1 (tested)
+CHUNK = 64
+#: V columns per program
+BLOCK_V = 32
+_EPS = 1e-6  # the l2 norm's, as fla's and transformers' (``x / sqrt(sum(x^2) + eps)``)
+
+
+@triton.jit
+def _chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_ptr, ht_ptr,
+                  rows, key_heads, value_heads, value_dim, scale,
+                  h0_b, h0_h, h0_k, h0_v, ht_b, ht_h, ht_k, ht_v,
+                  KEY_DIM: tl.constexpr, BT: tl.constexpr, BLOCK_V: tl.constexpr, LEVELS: tl.constexpr,
+                  EPS: tl.constexpr, PRECISION: tl.constexpr):
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // value_heads
+    h = bh % value_heads
+    hk = h // (value_heads // key_heads)
+    t = tl.arange(0, BT)
+    in_t = t < rows
+    kd = tl.arange(0, KEY_DIM)
+    cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
+    in_c = cols < value_dim
+
+    qk_at = ((b * rows + t[:, None]) * key_heads + hk) * KEY_DIM + kd[None, :]
+    q = tl.load(q_ptr + qk_at, mask=in_t[:, None], other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + qk_at, mask=in_t[:, None], other=0.0).to(tl.float32)
+    q = q * (tl.rsqrt(tl.sum(q * q, 1) + EPS) * scale)[:, None]
+    k = k * tl.rsqrt(tl.sum(k * k, 1) + EPS)[:, None]
+    gate_at = (b * rows + t) * value_heads + h
+    g = tl.load(g_ptr + gate_at, mask=in_t, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + gate_at, mask=in_t, other=0.0).to(tl.float32)
+    c = tl.cumsum(g, 0)
+    lower_eq = t[:, None] >= t[None, :]
+    decay = tl.exp(tl.where(lower_eq, c[:, None] - c[None, :], float("-inf")))  # 0 above the diagonal
+
+    # R = (I + L)^-1 by doubling: R holds the inverses of the diagonal blocks of size 2^s; the next level's
+    # off-diagonal blocks are -B^-1 C A^-1 (inv([[A, 0], [C, B]])), for all blocks at once
+    kk = tl.dot(k, tl.trans(k), input_precision=PRECISION)
+    lower = tl.where(t[:, None] > t[None, :], beta[:, None] * kk * decay, 0.0)
+    r = tl.where(t[:, None] == t[None, :], 1.0, 0.0)
+    for level in tl.static_range(LEVELS):
+        size = 1 << level
+        pair = (t[:, None] // (2 * size) == t[None, :] // (2 * size)) & (t[:, None] // size > t[None, :] // size)
+        r = r - tl.dot(tl.dot(r, tl.where(pair, lower, 0.0), input_precision=PRECISION), r,
+                       input_precision=PRECISION)
+
+    grow = tl.exp(c)
+    w = tl.dot(r, k * (beta * grow)[:, None], input_precision=PRECISION)  # [BT, K]
+    v_at = ((b * rows + t[:, None]) * value_heads + h) * value_dim + cols[None, :]
+    tv_mask = in_t[:, None] & in_c[None, :]
+    v = tl.load(v_ptr + v_at, mask=tv_mask, other=0.0).to(tl.float32)
+    s0 = tl.load(h0_ptr + b * h0_b + h * h0_h + kd[:, None] * h0_k + cols[None, :] * h0_v, mask=in_c[None, :],
+                 other=0.0)
+    u = tl.dot(r, v * beta[:, None], input_precision=PRECISION) - tl.dot(w, s0, input_precision=PRECISION)
+
+    a = tl.where(lower_eq, tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay, 0.0)
+    o = grow[:, None] * tl.dot(q, s0, input_precision=PRECISION) + tl.dot(a, u, input_precision=PRECISION)
+    tl.store(o_ptr + v_at, o.to(o_ptr.dtype.element_ty), mask=tv_mask)
+
+    last = tl.sum(tl.where(t == BT - 1, c, 0.0), 0)  # padding rows add nothing to c: c at the last real row
+    k_end = k * tl.exp(last - c)[:, None]
+    s = tl.exp(last) * s0 + tl.dot(tl.trans(k_end), u, input_precision=PRECISION)
+    tl.store(ht_ptr + b * ht_b + h * ht_h + kd[:, None] * ht_k + cols[None, :] * ht_v, s, mask=in_c[None, :])
+
+
+def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      state: torch.Tensor, precision: str = "tf32", block_v: int = 0, warps: int = 8,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``q, k [B, T, H_k, K]``, ``v [B, T, H_v, V]``, ``g`` (log decay, fp32), ``beta`` ``[B, T, H_v]`` from
+    `state` ``[B, H_v, K, V]`` fp32 (q and k l2-normalised in the kernel, q scaled by ``K^-1/2``, as fla's
+    ``use_qk_l2norm_in_kernel=True``), ``T <= CHUNK``. Returns ``(o [B, T, H_v, V]`` in v's dtype, the final state
+    ``[B, H_v, K, V]`` fp32). `precision`: Triton's ``input_precision`` of the products; `block_v`: V columns per
+    program (0: `BLOCK_V`); `warps` per program."""
+    batch, rows, key_heads, key_dim = k.shape
+    value_heads, value_dim = v.shape[2], v.shape[3]
+    if q.shape != k.shape or v.shape[:2] != (batch, rows) or g.shape != (batch, rows, value_heads) \
+            or beta.shape != g.shape:
+        raise ValueError(f"chunk_gated_delta: q, k [B, T, H_k, K], v [B, T, H_v, V], g and beta [B, T, H_v]; got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, beta "
+                         f"{tuple(beta.shape)}")
+    if not 1 <= rows <= CHUNK:
+        raise ValueError(f"chunk_gated_delta: 1 to {CHUNK} rows, got {rows}")
+    if key_dim < 16 or key_dim & (key_dim - 1) or value_heads % key_heads:
+        raise ValueError(f"chunk_gated_delta: K must be a power of two >= 16 and H_v a multiple of H_k; got K "
+                         f"{key_dim}, H_k {key_heads}, H_v {value_heads}")
+    if state.shape != (batch, value_heads, key_dim, value_dim) or state.dtype != torch.float32:
+        raise ValueError(f"chunk_gated_delta: state must be [B, H_v, K, V] = {(batch, value_heads, key_dim, value_dim)}"
+                         f" float32, got {tuple(state.shape)} {state.dtype}")
+    block_v = block_v or BLOCK_V
+    if block_v < 16 or block_v & (block_v - 1):
+        raise ValueError(f"block_v must be 0 (the default) or a power of two >= 16, got {block_v}")
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    out = torch.empty_like(v)
+    final = torch.empty(batch, value_heads, key_dim, value_dim, dtype=torch.float32, device=v.device)
+    if not out.numel():
+        return out, final.copy_(state)
+    block_v = min(block_v, max(16, triton.next_power_of_2(value_dim)))
+    grid = (triton.cdiv(value_dim, block_v), batch * value_heads)
+    _chunk_kernel[grid](q, k, v, g, beta, state, out, final, rows, key_heads, value_heads, value_dim,
+                        key_dim ** -0.5, *state.stride(), *final.stride(), KEY_DIM=key_dim, BT=CHUNK,
+                        BLOCK_V=block_v, LEVELS=CHUNK.bit_length() - 1, EPS=_EPS, PRECISION=precision,
+                        num_warps=warps)
+    return out, final

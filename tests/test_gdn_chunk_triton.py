@@ -1,0 +1,135 @@
+"""The one-chunk Gated DeltaNet kernel (`hf_raincheck.gdn_state.chunk_triton`) against the per-token float64
+reference (`naive.naive_gated_delta`) and, on a GPU with fla-core, against fla's chunked function it would replace.
+
+GPU tests (CI deselects them); they also run on the CPU under Triton's interpreter:
+``TRITON_INTERPRET=1 python -m pytest -m triton tests/test_gdn_chunk_triton.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from helpers import TRITON_MARKS  # noqa: E402
+
+from hf_raincheck.gdn_state.naive import naive_gated_delta  # noqa: E402
+
+pytestmark = TRITON_MARKS
+
+
+@pytest.fixture(scope="module")
+def device(triton_device) -> torch.device:
+    return triton_device
+
+
+def _rows(batch, rows, key_heads, value_heads, key_dim, value_dim, seed, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, rows, key_heads, key_dim, generator=gen)
+    k = torch.randn(batch, rows, key_heads, key_dim, generator=gen)
+    v = torch.randn(batch, rows, value_heads, value_dim, generator=gen)
+    g = -0.5 * torch.rand(batch, rows, value_heads, generator=gen)
+    beta = torch.rand(batch, rows, value_heads, generator=gen)
+    state = 0.1 * torch.randn(batch, value_heads, key_dim, value_dim, generator=gen)
+    return q.to(dtype), k.to(dtype), v.to(dtype), g, beta.to(dtype), state
+
+
+@pytest.mark.parametrize("shape", [(1, 63, 2, 4, 32, 32), (2, 5, 1, 2, 16, 48), (1, 64, 2, 2, 64, 64),
+                                   (2, 1, 2, 2, 16, 16), (1, 33, 1, 1, 128, 40)])
+def test_one_chunk_equals_the_per_token_reference(device, shape):
+    """Outputs and final state within fp32 accuracy of the float64 recurrence: any row count up to 64 (one row, a
+    ragged count), grouped key heads, a V that the column blocks do not divide."""
+    from hf_raincheck.gdn_state.chunk_triton import chunk_gated_delta
+
+    q, k, v, g, beta, state = _rows(*shape, seed=sum(shape))
+    out, final = chunk_gated_delta(*(x.to(device) for x in (q, k, v, g, beta, state)))
+    want_out, want_state = naive_gated_delta(q, k, v, g, beta, state)
+    assert out.shape == v.shape and out.dtype == v.dtype and final.dtype == torch.float32
+    torch.testing.assert_close(out.cpu().double(), want_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(final.cpu().double(), want_state, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("beta, spread, gate", [(0.99, 0.0, 0.0), (0.9, 0.3, -0.01)])
+def test_aligned_keys(device, beta, spread, gate):
+    """Keys nearly one direction, beta near 1, little decay (neighbouring image tokens can look like this): the
+    rows' interaction matrix has powers of ~1e9 (a Neumann-series inverse loses everything in fp32), its inverse
+    entries stay of order 1; outputs and state within fp32 accuracy of the float64 recurrence."""
+    from hf_raincheck.gdn_state.chunk_triton import chunk_gated_delta
+
+    q, k, v, _, _, state = _rows(1, 64, 1, 2, 32, 32, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    k = torch.randn(1, 1, 1, 32, generator=gen) + spread * torch.randn(1, 64, 1, 32, generator=gen)
+    g = torch.full((1, 64, 2), gate)
+    beta = torch.full((1, 64, 2), beta)
+    out, final = chunk_gated_delta(*(x.to(device) for x in (q, k, v, g, beta, state)))
+    want_out, want_state = naive_gated_delta(q, k, v, g, beta, state)
+    torch.testing.assert_close(out.cpu().double(), want_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(final.cpu().double(), want_state, atol=1e-4, rtol=1e-4)
+
+
+def test_padding_rows_leave_the_state_alone(device):
+    """Rows after the real ones with ``g = beta = 0`` (a compiled fused step's padding, whatever their q / k / v)
+    leave the final state of the real rows, and the real rows' outputs, as they are."""
+    from hf_raincheck.gdn_state.chunk_triton import chunk_gated_delta
+
+    q, k, v, g, beta, state = _rows(1, 40, 2, 4, 32, 32, seed=3)
+    real = 29
+    g[:, real:] = 0.0
+    beta[:, real:] = 0.0
+    out, final = chunk_gated_delta(*(x.to(device) for x in (q, k, v, g, beta, state)))
+    want_out, want_state = naive_gated_delta(q[:, :real], k[:, :real], v[:, :real], g[:, :real], beta[:, :real],
+                                             state)
+    torch.testing.assert_close(out[:, :real].cpu().double(), want_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(final.cpu().double(), want_state, atol=2e-5, rtol=1e-4)
+
+
+def test_bfloat16_rows(device):
+    """bf16 q / k / v / beta (a compiled step's dtypes; g fp32): outputs in bf16, within bf16 rounding of the
+    float64 recurrence on the same (rounded) inputs."""
+    from hf_raincheck.gdn_state.chunk_triton import chunk_gated_delta
+
+    q, k, v, g, beta, state = _rows(1, 63, 2, 4, 32, 32, seed=5, dtype=torch.bfloat16)
+    out, final = chunk_gated_delta(*(x.to(device) for x in (q, k, v, g, beta, state)))
+    want_out, want_state = naive_gated_delta(q, k, v, g, beta, state)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.cpu().double(), want_out, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(final.cpu().double(), want_state, atol=2e-5, rtol=1e-4)
+
+
+def test_bad_inputs_name_what_is_allowed(device):
+    from hf_raincheck.gdn_state.chunk_triton import chunk_gated_delta
+
+    q, k, v, g, beta, state = (x.to(device) for x in _rows(1, 8, 1, 2, 16, 16, seed=1))
+    with pytest.raises(ValueError, match="1 to 64 rows"):
+        chunk_gated_delta(*(torch.cat([x] * 9, dim=1) for x in (q, k, v, g, beta)), state)
+    with pytest.raises(ValueError, match="float32"):
+        chunk_gated_delta(q, k, v, g, beta, state.double())
+    with pytest.raises(ValueError, match="H_v a multiple of H_k"):
+        chunk_gated_delta(torch.cat([q] * 3, 2), torch.cat([k] * 3, 2), v, g, beta, state)
+    with pytest.raises(ValueError, match="block_v"):
+        chunk_gated_delta(q, k, v, g, beta, state, block_v=24)
+
+
+def test_equals_fla_chunked_function_at_the_9b_heads():
+    """On a GPU with fla-core: a fused step's window at Qwen3.5-9B's GDN heads (16 key / 32 value heads of 128), bf16,
+    against fla's ``chunk_gated_delta_rule`` (what compiled fused steps call today), both against the float64
+    recurrence: the kernel is at least as close to it as fla is."""
+    from hf_raincheck.gdn_state import kernels
+
+    if not (torch.cuda.is_available() and kernels.fla_available()):
+        pytest.skip("needs a CUDA GPU and fla-core")
+    from hf_raincheck.gdn_state.chunk_triton import chunk_gated_delta
+
+    q, k, v, g, beta, state = _rows(1, 63, 16, 32, 128, 128, seed=9, dtype=torch.bfloat16)
+    cuda = [x.cuda() for x in (q, k, v, g, beta, state)]
+    out, final = chunk_gated_delta(*cuda)
+    fla_out, fla_final = kernels.gated_delta("fla", *cuda)
+    want_out, want_state = naive_gated_delta(q, k, v, g, beta, state)
+    ours = (out.cpu().double() - want_out).abs().max().item(), (final.cpu().double() - want_state).abs().max().item()
+    theirs = ((fla_out.cpu().double() - want_out).abs().max().item(),
+              (fla_final.cpu().double() - want_state).abs().max().item())
+    assert ours[0] <= max(theirs[0], 1e-2) and ours[1] <= max(theirs[1], 1e-4), (ours, theirs)
