@@ -32,7 +32,7 @@ from ..cache.batched import BatchedDeferredPrefillCache
 from .row_stops import RowStopsSlot
 from .shared_batch import finish_batch, prepare_batch_turn
 from .shared_static import StaticBatchStep, scratch_rows
-from .static_step import cached_step, compile_options
+from .static_step import static_step
 
 #: generate arguments that a batched Raincheck call refuses, and why
 _UNSUPPORTED_ALWAYS = {
@@ -307,11 +307,15 @@ def static_capacity(bturn, group: BatchedDeferredPrefillCache, max_new: int, con
 
 def static_batch_step(model, state, gen_config, device: torch.device) -> StaticBatchStep | None:
     """The compiled steps of a static batch, where transformers' rules compile a static cache's steps (as for
-    one row: `static_step.compile_options`), with the same compile options; None: the steps run eagerly."""
-    options = compile_options(model, state, gen_config, device)
-    if options is None:
+    one row: `static_step.static_step`), with the same compile options; None: the steps run eagerly."""
+    single = static_step(model, state, gen_config, device)
+    if single is None:
         return None
-    return cached_step(state, ("batch", repr(sorted(options.items()))), lambda: StaticBatchStep(options))
+    key = ("batch", repr(sorted(single.options.items())))
+    step = state.static_steps.get(key)
+    if step is None:
+        step = state.static_steps[key] = StaticBatchStep(single.options)
+    return step
 
 
 def _generate_one_by_one(model, raincheck_config, kwargs: dict, gen_config, input_ids, rows: list[dict], past):

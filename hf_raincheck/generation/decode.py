@@ -25,7 +25,6 @@ from ..cache import DeferralPlan, DeferredPrefillCache, ForwardContext
 from ..gdn_state import GDNGraphStep
 from ..gdn_state import resolve as resolve_gdn_backend
 from ..gdn_state.kernels import functions as gdn_functions
-from .compiled_guards import compile_kwargs, own_code
 from .rows import Rows, concat_rows, count_restored, deferred_rows, run_rows
 from .schedule import carried_tokens
 from .visibility import visible
@@ -85,11 +84,8 @@ class CompiledByStepKind:
     it found its own: host time on every step of the answer that Full's steps never pay."""
 
     def __init__(self, decode, fused, compile_options: dict, chunk_arg: int):
-        # copies of the two functions, so these steps' graphs are theirs alone; dynamo's guards on the model's
-        # modules are dropped, checked once per turn instead (`compiled_guards`)
-        self.bodies = (own_code(decode), own_code(fused))  # (what dynamo keeps the graphs on)
-        # (a fresh dict for each: torch.compile pops the filter out of its options)
-        self.decode, self.fused = (torch.compile(body, **compile_kwargs(compile_options)) for body in self.bodies)
+        self.decode = torch.compile(decode, **compile_options)
+        self.fused = torch.compile(fused, **compile_options)
         self.chunk_arg = chunk_arg  # the position of the body's `chunk` argument (None: a decode-only step)
 
     def __call__(self, *args):
@@ -179,10 +175,9 @@ class StaticStep:
     store buffers, so every fused step passes the same tensors and gathers its window inside the graph.
     """
 
-    fingerprint: tuple = ()  # the decoder modules these steps were built for (`static_step.cached_step`)
-
     def __init__(self, adapter, compile_options: dict):
         self.adapter = adapter
+        self.options = dict(compile_options)  # (a static batch's steps compile with the same options)
         self.compiled = CompiledByStepKind(_decode_step_graph, _fused_step_graph, compile_options, chunk_arg=5)
 
     @staticmethod

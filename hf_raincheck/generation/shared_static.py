@@ -117,8 +117,6 @@ class StaticBatchStep:
     model and compile config (`compile_options`: ``torch.compile`` keyword arguments); one graph per batch size,
     capacity and step kind."""
 
-    fingerprint: tuple = ()  # the decoder modules these steps were built for (`static_step.cached_step`)
-
     def __init__(self, compile_options: dict):
         self.compiled = CompiledByStepKind(_batch_decode_step_graph, _batch_fused_step_graph, compile_options,
                                            chunk_arg=5)

@@ -7,22 +7,13 @@ import warnings
 import torch
 
 from .. import transformers_coupling as hf
-from .compiled_guards import module_fingerprint
 from .decode import StaticStep
 from .state import RaincheckState
 
 
 def static_step(model, state: RaincheckState, gen_config, device: torch.device) -> StaticStep | None:
-    """The compiled step for a static cache (None: its steps run eagerly), with `compile_options`."""
-    options = compile_options(model, state, gen_config, device)
-    if options is None:
-        return None
-    return cached_step(state, repr(sorted(options.items())), lambda: StaticStep(state.adapter, options))
-
-
-def compile_options(model, state: RaincheckState, gen_config, device: torch.device) -> dict | None:
-    """``torch.compile`` options of a static cache's steps (None: not compiled), as transformers decides for its
-    own static caches: unless ``disable_compile``, on accelerators (or any device when the compile config says so,
+    """The compiled step for a static cache, as transformers decides for its own static caches: unless
+    ``disable_compile``, on accelerators (or any device when the compile config says so,
     `hf_raincheck.transformers_coupling.compiles_on_all_devices`), with ``compile_config`` (default: transformers'
     `CompileConfig`), for Qwen3-VL and Qwen3.5 alike."""
     if gen_config.disable_compile:
@@ -43,16 +34,9 @@ def compile_options(model, state: RaincheckState, gen_config, device: torch.devi
                 "compiled steps need one device, so this static cache's steps run eagerly (same results). "
                 "Pass disable_compile=True to silence this.", stacklevel=4)
         return None
-    return compile_config.to_dict()
-
-
-def cached_step(state: RaincheckState, key, build):
-    """The compiled steps under `key` in `state`, built anew (`build()`) when there are none or when the model's
-    decoder modules changed since they were built: their graphs skip dynamo's guards on those modules, and this
-    check, once per turn, stands in for them (`compiled_guards`)."""
-    fingerprint = module_fingerprint(*state.adapter.decoder_modules())
+    options = compile_config.to_dict()
+    key = repr(sorted(options.items()))
     step = state.static_steps.get(key)
-    if step is None or step.fingerprint != fingerprint:
-        step = state.static_steps[key] = build()
-        step.fingerprint = fingerprint
+    if step is None:
+        step = state.static_steps[key] = StaticStep(state.adapter, options)
     return step

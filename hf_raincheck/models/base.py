@@ -197,8 +197,3 @@ class ModelAdapter:
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[1, q, V]`` of final hidden states ``[1, q, H]``."""
         raise NotImplementedError(f"{type(self).__name__} must define lm_head")
-
-    def decoder_modules(self) -> tuple[torch.nn.Module, ...]:
-        """The modules a compiled step runs (the text decoder, the LM head): checked once per turn in place of
-        dynamo's guards on them (`generation.compiled_guards`)."""
-        raise NotImplementedError(f"{type(self).__name__} must define decoder_modules")

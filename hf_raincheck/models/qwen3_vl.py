@@ -175,6 +175,3 @@ class Qwen3VLAdapter(ModelAdapter):
 
     def lm_head(self, hidden):
         return self.model.lm_head(hidden)
-
-    def decoder_modules(self) -> tuple[torch.nn.Module, ...]:
-        return (self.text, self.model.lm_head)
