@@ -1,5 +1,6 @@
 """A compiled fused step's Gated DeltaNet window, per call: the one-chunk Triton kernel
-(`hf_raincheck.gdn_state.chunk_triton`) against fla-core's chunked function that compiled fused steps call today.
+(`hf_raincheck.gdn_state.chunk_triton`) against fla-core's chunked function (`kernels.gated_delta` picks between
+them: `kernels.one_chunk_kernel_takes`).
 
     python benchmarks/gdn_chunk.py --device cuda --save          # Qwen3.5-9B's GDN heads, B = 1, 8, 16, 63 rows
     python benchmarks/gdn_chunk.py --quick                       # tiny shapes on the CPU (smoke run)
@@ -7,8 +8,9 @@
 For each batch size B, a window of `--rows` rows (the default chunk of models with GDN layers, 63) from a state
 ``[B, 32, 128, 128]`` fp32 (Qwen3.5-9B: 16 key / 32 value heads of 128; bf16 rows, fp32 gates):
 
-* ``fla``: `kernels.gated_delta("fla", ...)`, fla-core's ``chunk_gated_delta_rule`` (seven kernels);
-* ``triton``: `chunk_triton.chunk_gated_delta` (one kernel);
+* ``fla``: fla-core's ``chunk_gated_delta_rule`` (seven kernels), called as `kernels.gated_delta` calls it;
+* ``triton``: `chunk_triton.chunk_gated_delta` (one kernel); ``--triton-configs 16:4,64:8``: also with other
+  launch configurations (V columns per program : warps);
 * ``torch`` (``--quick`` only): transformers' torch chunked function, the CPU's path.
 
 Each is captured `--reps` times in one CUDA graph (the 24 GDN layers of a step), replayed `--iters` times after a
@@ -25,6 +27,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -54,12 +57,23 @@ def window(batch, rows, key_heads, value_heads, dim, device, dtype, seed=0):
 
 
 def path_fn(name: str):
-    if name == "triton":
+    if name.startswith("triton"):
+        import functools
+
         from hf_raincheck.gdn_state.chunk_triton import chunk_gated_delta
 
-        return chunk_gated_delta
-    backend = "fla" if name == "fla" else "torch"
-    return lambda q, k, v, g, beta, state: kernels.gated_delta(backend, q, k, v, g, beta, state)
+        if name == "triton":
+            return chunk_gated_delta
+        block_v, warps = (int(x) for x in name.split(" ")[1].split(":"))
+        return functools.partial(chunk_gated_delta, block_v=block_v, warps=warps)
+    chunk = kernels.functions("fla" if name == "fla" else "torch")[0]
+
+    def call(q, k, v, g, beta, state):
+        out, final = chunk(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
+                           use_qk_l2norm_in_kernel=True)
+        return out, final.float()
+
+    return call
 
 
 def max_error(fn, inputs) -> float:
@@ -94,6 +108,8 @@ def main(argv=None) -> int:
                         help="rows of the window (default: the chunk of models with GDN layers)")
     parser.add_argument("--reps", type=int, default=24, help="calls per captured CUDA graph (a step's GDN layers)")
     parser.add_argument("--iters", type=int, default=50, help="graph replays timed")
+    parser.add_argument("--triton-configs", default="",
+                        help="more launch configurations of the kernel, BLOCK_V:warps comma-separated (e.g. 16:4,64:8)")
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -103,13 +119,17 @@ def main(argv=None) -> int:
         parser.error(f"--rows must be 1 to {CHUNK} (one chunk), got {args.rows}")
     if args.reps < 1 or args.iters < 1:
         parser.error("--reps and --iters must be >= 1")
+    configs = [c for c in args.triton_configs.split(",") if c]
+    for c in configs:
+        if not re.fullmatch(r"\d+:\d+", c):
+            parser.error(f"--triton-configs: BLOCK_V:warps pairs comma-separated, got {c!r}")
     sizes = args.batch_sizes or ([1, 2] if args.quick else [1, 8, 16])
     if min(sizes) < 1:
         parser.error(f"--batch-sizes must be >= 1, got {sizes}")
     device = torch.device("cpu" if args.quick else args.device)
     cuda = device.type == "cuda"
     if cuda:
-        paths = ["fla", "triton"] if kernels.fla_available() else ["triton"]
+        paths = (["fla"] if kernels.fla_available() else []) + ["triton"] + [f"triton {c}" for c in configs]
         shape, dtype = (16, 32, 128), torch.bfloat16
     else:
         paths = ["torch"] + (["triton"] if interpreted() and triton_importable() else [])
@@ -127,7 +147,7 @@ def main(argv=None) -> int:
             base = base or us
             error = max_error(fn, window(batch, rows, key_heads, value_heads, dim, device, dtype, seed=99))
             records.append(dict(batch_size=batch, rows=rows, path=name, us=us, vs_first=us / base, max_error=error))
-            print(f"B={batch:<3} {rows} rows  {name:7s} {us:9.1f} us  x{us / base:.3f} of {paths[0]}  "
+            print(f"B={batch:<3} {rows} rows  {name:13s} {us:9.1f} us  x{us / base:.3f} of {paths[0]}  "
                   f"max err {error:.2e}", flush=True)
     print("\n| B | rows | path | us per call | / " + paths[0] + " | max err |\n| --- | --- | --- | --- | --- | --- |")
     for r in records:

@@ -202,3 +202,16 @@ def test_compiled_steps_hold_the_op_not_the_traced_kernels(hybrid):
     assert sorted(ops) == [layers, 2 * layers]
     assert sorted(joins) == [0, layers]
     assert kernel_ops == [[] for _ in graphs]
+
+
+def test_one_chunk_kernel_takes_one_wave_of_a_chunk():
+    """fla backend, rows from a state: the one-chunk Triton kernel takes 2-64 rows whose programs (batch row x value
+    head x 32 V columns) fit the GPU's SMs; one row (the recurrent kernel's), longer windows and batches past one wave
+    stay with fla."""
+    takes = kernels.one_chunk_kernel_takes
+    assert takes(63, 1, 32, 128, 132)  # Qwen3.5-9B's heads at batch 1 on an H200: 128 programs
+    assert takes(2, 1, 32, 128, 132) and takes(64, 1, 32, 128, 132)
+    assert not takes(1, 1, 32, 128, 132) and not takes(65, 1, 32, 128, 132)
+    assert not takes(63, 2, 32, 128, 132)  # 256 programs: two waves
+    assert not takes(63, 1, 32, 128, 100)  # a smaller GPU
+    assert takes(5, 4, 4, 16, 132)  # the tests' tiny Qwen3.5: 16 programs at B = 4

@@ -94,7 +94,7 @@ def kernels():
         "grouped-softmax-long": (softmax_triton._masked_softmax_kernel, SOFTMAX_ARGS,
                                  dict(BLOCK_K=2048, ONE_PASS=False), 4),
         "gdn-join-128": (join_triton._join_prefix_kernel, JOIN_ARGS, JOIN_128, 8),
-        "gdn-chunk-128": (chunk_triton._chunk_kernel, CHUNK_ARGS, CHUNK_128, 8),
+        "gdn-chunk-128": (chunk_triton._chunk_kernel, CHUNK_ARGS, CHUNK_128, chunk_triton.WARPS),
     }
     for kind in ("lse", "received"):
         block_m, block_n, warps, stages = attention_triton.CONFIGS[(kind, "16bit")]

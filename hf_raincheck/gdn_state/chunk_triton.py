@@ -17,12 +17,16 @@ head, block of V columns); per value head, with ``k``, ``q`` l2-normalised, ``q`
 `naive.naive_gated_delta`, which the tests compare it with). Products on TF32 tensor cores (10-bit mantissa; fla's
 chunked kernels round k, v and the state to bf16 for theirs, so this is the closer of the two to the float64
 recurrence: `tests/test_gdn_chunk_triton.py` checks it against fla on a GPU); ``"tf32x3"`` (fp32-accurate, as
-`join_triton`) makes ptxas spill ~4.5 KB of registers per thread at K = 128 against ~0.6 KB
-(`tests/test_triton_compile.py` prints the report). Rows past the chunk's end (padding) read as ``g = beta = 0``,
+`join_triton`) made ptxas spill ~4.5 KB of registers per thread at K = 128 (8 warps) against ~0.6 KB; with the
+default 4 warps TF32 spills ~0.95 KB and is still the fastest launch measured (`tests/test_triton_compile.py` prints
+the report). Rows past the chunk's end (padding) read as ``g = beta = 0``,
 k = q = 0: the identity.
 
-Not yet used by the package: it replaces fla's chunked call in compiled fused steps only once
-``benchmarks/gdn_chunk.py`` shows it faster on the GPU.
+`kernels.gated_delta` calls it in place of fla's chunked function for 2-64 rows from a state when its programs fit
+one wave of the GPU (`kernels.one_chunk_kernel_takes`): a compiled fused step's window at batch 1. There, at
+Qwen3.5-9B's heads on an H200 (``benchmarks/gdn_chunk.py``, 24 calls in a CUDA graph), 20.7 us per call against
+fla's 36.8; at B = 8 and 16 (eight and sixteen waves) fla's seven kernels were faster (90 / 166 us against 115 /
+224), so batches keep fla.
 """
 
 from __future__ import annotations
@@ -35,8 +39,11 @@ import triton.language as tl
 #: block by block (``inv([[A, 0], [C, B]]) = [[A^-1, 0], [-B^-1 C A^-1, B^-1]]``): the Neumann product
 #: ``(I - L)(I + L^2)(I + L^4)...`` is not, its powers of L grow to ~1e9 for aligned keys with beta near 1 (tested)
 CHUNK = 64
-#: V columns per program
+#: V columns per program, and warps per program: on the H200 at Qwen3.5-9B's heads (63 rows, bf16;
+#: ``benchmarks/gdn_chunk.py --triton-configs``) 32 columns with 4 warps took 20.7 us per call at B = 1 against 25.6
+#: with 8 warps, 28.1 with 16 columns / 4 warps and 29.9 with 64 / 8 (fla's chunked function: 36.8)
 BLOCK_V = 32
+WARPS = 4
 _EPS = 1e-6  # the l2 norm's, as fla's and transformers' (``x / sqrt(sum(x^2) + eps)``)
 
 
@@ -99,7 +106,7 @@ def _chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_ptr, ht_ptr,
 
 
 def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                      state: torch.Tensor, precision: str = "tf32", block_v: int = 0, warps: int = 8,
+                      state: torch.Tensor, precision: str = "tf32", block_v: int = 0, warps: int = WARPS,
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``q, k [B, T, H_k, K]``, ``v [B, T, H_v, V]``, ``g`` (log decay, fp32), ``beta`` ``[B, T, H_v]`` from
     `state` ``[B, H_v, K, V]`` fp32 (q and k l2-normalised in the kernel, q scaled by ``K^-1/2``, as fla's
@@ -129,6 +136,8 @@ def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     final = torch.empty(batch, value_heads, key_dim, value_dim, dtype=torch.float32, device=v.device)
     if not out.numel():
         return out, final.copy_(state)
+    if warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"warps must be one of 1, 2, 4, 8, 16, got {warps}")
     block_v = min(block_v, max(16, triton.next_power_of_2(value_dim)))
     grid = (triton.cdiv(value_dim, block_v), batch * value_heads)
     _chunk_kernel[grid](q, k, v, g, beta, state, out, final, rows, key_heads, value_heads, value_dim,

@@ -8,8 +8,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import os
 
 import torch
+
+from ..triton_support import triton_importable
 
 BACKENDS = ("auto", "torch", "fla")
 
@@ -139,18 +142,54 @@ def _launch_recurrent(kernel, q, k, v, g, beta, initial: torch.Tensor, final: to
     return out
 
 
+# The one-chunk kernel (`chunk_triton`), decided at import as the package's other Triton kernels
+# (``HF_RAINCHECK_TRITON=0`` keeps fla's chunked function)
+_chunk_kernel = None
+if os.environ.get("HF_RAINCHECK_TRITON", "1") != "0" and triton_importable():
+    try:
+        from . import chunk_triton as _chunk_kernel
+    except Exception:  # a broken Triton install: fla's chunked function
+        _chunk_kernel = None
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def one_chunk_kernel_takes(rows: int, batch: int, value_heads: int, value_dim: int, sm_count: int) -> bool:
+    """fla backend, `rows` from a state: whether `chunk_triton.chunk_gated_delta` takes the call instead of fla's
+    chunked function. It does for 2 to `chunk_triton.CHUNK` rows when its programs (one per batch row, value head and
+    block of V columns) fill at most one wave of the GPU's `sm_count` SMs: a compiled fused step's window at batch 1
+    (Qwen3.5-9B, 63 rows: 128 programs on an H200's 132 SMs took 20.7 us per call against fla's 36.8). With more
+    programs each SM runs several in turn, and fla's seven kernels, which spread a chunk's work over more programs,
+    were faster (B = 8: 115 against 90 us; benchmarks page, "The one-chunk GDN kernel")."""
+    from .chunk_triton import BLOCK_V, CHUNK
+
+    return 2 <= rows <= CHUNK and batch * value_heads * -(-value_dim // BLOCK_V) <= sm_count
+
+
+def _one_chunk_kernel_fits(q, v, state) -> bool:
+    if _chunk_kernel is None or state is None or state.dtype != torch.float32 or q.device.type != "cuda":
+        return False
+    return one_chunk_kernel_takes(q.shape[1], v.shape[0], v.shape[2], v.shape[3], _sm_count(q.device))
+
+
 def gated_delta(backend: str, q, k, v, g, beta, state, recurrent_rows: int | None = None):
     """Rows ``[1, T, ...]`` from `state` (``None``: zeros). Returns ``(o [1, T, H_v, V], final state fp32)``.
 
     Single rows with a state use the recurrent kernel, everything else the chunked one, as transformers does (fla:
-    up to `recurrent_rows` rows from a state take the recurrent one; default `FLA_RECURRENT_MAX_ROWS`). fla's
-    recurrent kernel is launched here (`_launch_recurrent`, into a new final state) where the state is a contiguous
+    up to `recurrent_rows` rows from a state take the recurrent one, default `FLA_RECURRENT_MAX_ROWS`; one chunk of
+    rows from a state that `one_chunk_kernel_takes` accepts runs `chunk_triton`'s single kernel instead of fla's
+    chunked function: a compiled fused step's window at batch 1). fla's recurrent kernel is launched here (`_launch_recurrent`, into a new final state) where the state is a contiguous
     float32 buffer: its public function's host work (autograd function, input checks) is what eager steps, host-bound
     on a GPU, pay per GDN layer and call.
     """
     chunk, recurrent = functions(backend)
     most = (FLA_RECURRENT_MAX_ROWS if recurrent_rows is None else recurrent_rows) if backend == "fla" else 1
     fn = recurrent if (state is not None and q.shape[1] <= most) else chunk
+    if fn is chunk and backend == "fla" and _one_chunk_kernel_fits(q, v, state):
+        return _chunk_kernel.chunk_gated_delta(q, k, v, g, beta, state)
     if fn is recurrent and backend == "fla" and _kernel_state(state):
         kernel = _fla_recurrent_kernel()
         if kernel is not None:  # fla's recurrent kernel without its public function's host work (eager steps)
