@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from helpers import TRITON_MARKS  # noqa: E402
 
-from hf_raincheck.gdn_state.naive import naive_gated_delta  # noqa: E402
+from hf_raincheck.gdn_state.naive import naive_gated_delta, naive_join  # noqa: E402
 
 pytestmark = TRITON_MARKS
 
@@ -178,3 +178,53 @@ def test_fla_backend_routes_one_wave_to_the_kernel():
                                                      output_final_state=True, use_qk_l2norm_in_kernel=True)
     out, final = kernels.gated_delta("fla", *wide)
     assert torch.equal(out, fla_out) and torch.equal(final, fla_final.float())
+
+
+@pytest.mark.parametrize("shape", [(1, 63, 2, 4, 32, 32), (2, 5, 1, 2, 16, 48), (1, 64, 1, 1, 128, 40)])
+def test_window_with_the_join_in_place(device, shape):
+    """`chunk_gated_delta_join_`: the window from the prefix checkpoint, then ``S_live += P_tail (new - old)`` on
+    the live ``[S | P_tail]`` buffer and ``old <- new``, in place: the outputs, the new checkpoint and the joined
+    live state within fp32 accuracy of the float64 recurrence and join (`naive_join`); P_tail's columns untouched."""
+    from hf_raincheck.gdn_state.chunk_triton import chunk_gated_delta_join_
+
+    batch, _, _, value_heads, key_dim, value_dim = shape
+    q, k, v, g, beta, prefix = _rows(*shape, seed=sum(shape) + 1)
+    gen = torch.Generator().manual_seed(7)
+    live = torch.cat([0.1 * torch.randn(batch, value_heads, key_dim, value_dim, generator=gen),
+                      torch.randn(batch, value_heads, key_dim, key_dim, generator=gen) / key_dim ** 0.5], dim=-1)
+    want_out, want_prefix = naive_gated_delta(q, k, v, g, beta, prefix)
+    want_live = naive_join(live[..., :value_dim].double(), live[..., value_dim:].double(), prefix.double(),
+                           want_prefix)
+    prefix_d, live_d = prefix.to(device), live.to(device)
+    out = chunk_gated_delta_join_(*(x.to(device) for x in (q, k, v, g, beta)), prefix_d, live_d, precision="ieee")
+    torch.testing.assert_close(out.cpu().double(), want_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(prefix_d.cpu().double(), want_prefix, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(live_d[..., :value_dim].cpu().double(), want_live, atol=2e-5, rtol=1e-4)
+    assert torch.equal(live_d[..., value_dim:].cpu(), live[..., value_dim:])
+
+
+def test_window_with_the_join_equals_the_two_calls(device):
+    """The fused kernel against what compiled fused steps run today at batch 1 (`chunk_gated_delta`, then the join
+    kernel `join_triton.join_prefix_`): the same outputs, checkpoint and live state up to rounding."""
+    from hf_raincheck.gdn_state.chunk_triton import chunk_gated_delta, chunk_gated_delta_join_
+    from hf_raincheck.gdn_state.join_triton import launch_join_prefix
+
+    q, k, v, g, beta, prefix = (x.to(device) for x in _rows(1, 40, 2, 4, 32, 32, seed=21))
+    gen = torch.Generator().manual_seed(8)
+    live = torch.cat([0.1 * torch.randn(1, 4, 32, 32, generator=gen), torch.randn(1, 4, 32, 32, generator=gen) / 6],
+                     dim=-1).to(device)
+    out, new = chunk_gated_delta(q, k, v, g, beta, prefix)
+    two_live, two_prefix = live.clone(), prefix.clone()
+    launch_join_prefix(two_live, two_prefix, new)
+    fused_out = chunk_gated_delta_join_(q, k, v, g, beta, prefix, live)
+    torch.testing.assert_close(fused_out, out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(prefix, two_prefix, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(live, two_live, atol=1e-5, rtol=1e-5)
+
+
+def test_join_bad_live_buffer(device):
+    from hf_raincheck.gdn_state.chunk_triton import chunk_gated_delta_join_
+
+    q, k, v, g, beta, prefix = (x.to(device) for x in _rows(1, 8, 1, 2, 16, 16, seed=1))
+    with pytest.raises(ValueError, match=r"live must be \[B, H_v, K, V \+ K\]"):
+        chunk_gated_delta_join_(q, k, v, g, beta, prefix, torch.zeros(1, 2, 16, 16, device=device))

@@ -27,6 +27,12 @@ one wave of the GPU (`kernels.one_chunk_kernel_takes`): a compiled fused step's 
 Qwen3.5-9B's heads on an H200 (``benchmarks/gdn_chunk.py``, 24 calls in a CUDA graph), 20.7 us per call against
 fla's 36.8; at B = 8 and 16 (eight and sixteen waves) fla's seven kernels were faster (90 / 166 us against 115 /
 224), so batches keep fla.
+
+`chunk_gated_delta_join_` runs the same window with the fused step's join in the kernel's epilogue (``S_live +=
+P_tail (new - old)``, ``old <- new``: what `join_triton` does in a kernel of its own after the window, 8.7 us per
+GDN layer at batch 1). Tested, compiled for sm_90a (ptxas spills ~1.7 KB per thread against ~0.95 KB without the
+join), not used by the package: it replaces the two kernels only once ``benchmarks/gdn_chunk.py --join`` shows it
+faster on the GPU.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ import triton.language as tl
 #: block by block (``inv([[A, 0], [C, B]]) = [[A^-1, 0], [-B^-1 C A^-1, B^-1]]``): the Neumann product
 #: ``(I - L)(I + L^2)(I + L^4)...`` is not, its powers of L grow to ~1e9 for aligned keys with beta near 1 (tested)
 CHUNK = 64
+#: P_tail columns per step of `chunk_gated_delta_join_`'s product (as `join_triton.BLOCK_K`)
+JOIN_BLOCK_K = 32
 #: V columns per program, and warps per program: on the H200 at Qwen3.5-9B's heads (63 rows, bf16;
 #: ``benchmarks/gdn_chunk.py --triton-configs``) 32 columns with 4 warps took 20.7 us per call at B = 1 against 25.6
 #: with 8 warps, 28.1 with 16 columns / 4 warps and 29.9 with 64 / 8 (fla's chunked function: 36.8)
@@ -51,8 +59,9 @@ _EPS = 1e-6  # the l2 norm's, as fla's and transformers' (``x / sqrt(sum(x^2) + 
 def _chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_ptr, ht_ptr,
                   rows, key_heads, value_heads, value_dim, scale,
                   h0_b, h0_h, h0_k, h0_v, ht_b, ht_h, ht_k, ht_v,
+                  live_ptr, lv_b, lv_h, lv_k, lv_c,
                   KEY_DIM: tl.constexpr, BT: tl.constexpr, BLOCK_V: tl.constexpr, LEVELS: tl.constexpr,
-                  EPS: tl.constexpr, PRECISION: tl.constexpr):
+                  EPS: tl.constexpr, PRECISION: tl.constexpr, JOIN: tl.constexpr, BLOCK_K: tl.constexpr):
     bh = tl.program_id(1).to(tl.int64)
     b = bh // value_heads
     h = bh % value_heads
@@ -102,17 +111,29 @@ def _chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_ptr, ht_ptr,
     last = tl.sum(tl.where(t == BT - 1, c, 0.0), 0)  # padding rows add nothing to c: c at the last real row
     k_end = k * tl.exp(last - c)[:, None]
     s = tl.exp(last) * s0 + tl.dot(tl.trans(k_end), u, input_precision=PRECISION)
-    tl.store(ht_ptr + b * ht_b + h * ht_h + kd[:, None] * ht_k + cols[None, :] * ht_v, s, mask=in_c[None, :])
+    s_at = ht_ptr + b * ht_b + h * ht_h + kd[:, None] * ht_k + cols[None, :] * ht_v
+    if JOIN:
+        # the join, S_live[:, cols] += P_tail (s - s0), then the checkpoint's columns <- s (`ht_ptr` is the
+        # checkpoint `h0_ptr` itself). The difference goes through the checkpoint's own columns, which only this
+        # program reads and writes: stored, made visible to the program's threads (a barrier), read back in
+        # BLOCK_K-row slices for the product (a register tensor cannot be sliced), then overwritten with s.
+        tl.store(s_at, s - s0, mask=in_c[None, :])
+        tl.debug_barrier()
+        live = live_ptr + b * lv_b + h * lv_h
+        acc = tl.load(live + kd[:, None] * lv_k + cols[None, :] * lv_c, mask=in_c[None, :], other=0.0)
+        for start in tl.static_range(0, KEY_DIM, BLOCK_K):
+            inner = start + tl.arange(0, BLOCK_K)
+            p = tl.load(live + kd[:, None] * lv_k + (value_dim + inner)[None, :] * lv_c)
+            delta = tl.load(ht_ptr + b * ht_b + h * ht_h + inner[:, None] * ht_k + cols[None, :] * ht_v,
+                            mask=in_c[None, :], other=0.0)
+            acc = tl.dot(p, delta, acc, input_precision="tf32x3")  # fp32-accurate, as `join_triton`
+        tl.store(live + kd[:, None] * lv_k + cols[None, :] * lv_c, acc, mask=in_c[None, :])
+        tl.debug_barrier()  # every thread has read its slices of the difference
+    tl.store(s_at, s, mask=in_c[None, :])
 
 
-def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                      state: torch.Tensor, precision: str = "tf32", block_v: int = 0, warps: int = WARPS,
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows ``q, k [B, T, H_k, K]``, ``v [B, T, H_v, V]``, ``g`` (log decay, fp32), ``beta`` ``[B, T, H_v]`` from
-    `state` ``[B, H_v, K, V]`` fp32 (q and k l2-normalised in the kernel, q scaled by ``K^-1/2``, as fla's
-    ``use_qk_l2norm_in_kernel=True``), ``T <= CHUNK``. Returns ``(o [B, T, H_v, V]`` in v's dtype, the final state
-    ``[B, H_v, K, V]`` fp32). `precision`: Triton's ``input_precision`` of the products; `block_v`: V columns per
-    program (0: `BLOCK_V`); `warps` per program."""
+def _check(q, k, v, g, beta, state, block_v: int, warps: int) -> None:
+    """The shapes, dtypes and launch options `chunk_gated_delta` and `chunk_gated_delta_join_` take."""
     batch, rows, key_heads, key_dim = k.shape
     value_heads, value_dim = v.shape[2], v.shape[3]
     if q.shape != k.shape or v.shape[:2] != (batch, rows) or g.shape != (batch, rows, value_heads) \
@@ -128,20 +149,60 @@ def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     if state.shape != (batch, value_heads, key_dim, value_dim) or state.dtype != torch.float32:
         raise ValueError(f"chunk_gated_delta: state must be [B, H_v, K, V] = {(batch, value_heads, key_dim, value_dim)}"
                          f" float32, got {tuple(state.shape)} {state.dtype}")
-    block_v = block_v or BLOCK_V
-    if block_v < 16 or block_v & (block_v - 1):
+    if block_v and (block_v < 16 or block_v & (block_v - 1)):
         raise ValueError(f"block_v must be 0 (the default) or a power of two >= 16, got {block_v}")
+    if warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"warps must be one of 1, 2, 4, 8, 16, got {warps}")
+
+
+def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      state: torch.Tensor, precision: str = "tf32", block_v: int = 0, warps: int = WARPS,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``q, k [B, T, H_k, K]``, ``v [B, T, H_v, V]``, ``g`` (log decay, fp32), ``beta`` ``[B, T, H_v]`` from
+    `state` ``[B, H_v, K, V]`` fp32 (q and k l2-normalised in the kernel, q scaled by ``K^-1/2``, as fla's
+    ``use_qk_l2norm_in_kernel=True``), ``T <= CHUNK``. Returns ``(o [B, T, H_v, V]`` in v's dtype, the final state
+    ``[B, H_v, K, V]`` fp32). `precision`: Triton's ``input_precision`` of the products; `block_v`: V columns per
+    program (0: `BLOCK_V`); `warps` per program."""
+    _check(q, k, v, g, beta, state, block_v, warps)
+    batch, rows, key_heads, key_dim = k.shape
+    value_heads, value_dim = v.shape[2], v.shape[3]
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     out = torch.empty_like(v)
     final = torch.empty(batch, value_heads, key_dim, value_dim, dtype=torch.float32, device=v.device)
     if not out.numel():
         return out, final.copy_(state)
-    if warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"warps must be one of 1, 2, 4, 8, 16, got {warps}")
-    block_v = min(block_v, max(16, triton.next_power_of_2(value_dim)))
+    block_v = min(block_v or BLOCK_V, max(16, triton.next_power_of_2(value_dim)))
     grid = (triton.cdiv(value_dim, block_v), batch * value_heads)
     _chunk_kernel[grid](q, k, v, g, beta, state, out, final, rows, key_heads, value_heads, value_dim,
-                        key_dim ** -0.5, *state.stride(), *final.stride(), KEY_DIM=key_dim, BT=CHUNK,
-                        BLOCK_V=block_v, LEVELS=CHUNK.bit_length() - 1, EPS=_EPS, PRECISION=precision,
-                        num_warps=warps)
+                        key_dim ** -0.5, *state.stride(), *final.stride(), final, 0, 0, 0, 0, KEY_DIM=key_dim,
+                        BT=CHUNK, BLOCK_V=block_v, LEVELS=CHUNK.bit_length() - 1, EPS=_EPS, PRECISION=precision,
+                        JOIN=False, BLOCK_K=JOIN_BLOCK_K, num_warps=warps)
     return out, final
+
+
+def chunk_gated_delta_join_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                            prefix: torch.Tensor, live: torch.Tensor, precision: str = "tf32", block_v: int = 0,
+                            warps: int = WARPS) -> torch.Tensor:
+    """A compiled fused step's whole GDN window in one kernel: `chunk_gated_delta` of the rows from the prefix
+    checkpoint `prefix` ``[B, H_v, K, V]`` fp32, then the join ``live[..., :V] += live[..., V:] @ (new - prefix)``
+    on the live ``[S | P_tail]`` buffer `live` ``[B, H_v, K, V + K]`` fp32 (its product fp32-accurate, TF32x3, as
+    `join_triton`) and ``prefix <- new``, both in place (what `ops.join_prefix_` does after the chunked call).
+    Returns the rows' outputs ``[B, T, H_v, V]`` in v's dtype. Not used by the package (see the module docstring)."""
+    batch, _, value_heads, value_dim = v.shape
+    key_dim = k.shape[-1]
+    if live.shape != (batch, value_heads, key_dim, value_dim + key_dim) or live.dtype != torch.float32:
+        raise ValueError(f"chunk_gated_delta_join_: live must be [B, H_v, K, V + K] = "
+                         f"{(batch, value_heads, key_dim, value_dim + key_dim)} float32, got {tuple(live.shape)} "
+                         f"{live.dtype}")
+    _check(q, k, v, g, beta, prefix, block_v, warps)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    out = torch.empty_like(v)
+    if not out.numel():
+        return out
+    block_v = min(block_v or BLOCK_V, max(16, triton.next_power_of_2(value_dim)))
+    grid = (triton.cdiv(value_dim, block_v), batch * value_heads)
+    _chunk_kernel[grid](q, k, v, g, beta, prefix, out, prefix, q.shape[1], k.shape[2], value_heads, value_dim,
+                        key_dim ** -0.5, *prefix.stride(), *prefix.stride(), live, *live.stride(), KEY_DIM=key_dim,
+                        BT=CHUNK, BLOCK_V=block_v, LEVELS=CHUNK.bit_length() - 1, EPS=_EPS, PRECISION=precision,
+                        JOIN=True, BLOCK_K=min(JOIN_BLOCK_K, key_dim), num_warps=warps)
+    return out
