@@ -215,3 +215,4 @@ def test_one_chunk_kernel_takes_one_wave_of_a_chunk():
     assert not takes(63, 2, 32, 128, 132)  # 256 programs: two waves
     assert not takes(63, 1, 32, 128, 100)  # a smaller GPU
     assert takes(5, 4, 4, 16, 132)  # the tests' tiny Qwen3.5: 16 programs at B = 4
+    assert not takes(5, 1, 2, 48, 132)  # ragged column blocks (V = 48) stay with fla

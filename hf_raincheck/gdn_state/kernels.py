@@ -163,10 +163,14 @@ def one_chunk_kernel_takes(rows: int, batch: int, value_heads: int, value_dim: i
     block of V columns) fill at most one wave of the GPU's `sm_count` SMs: a compiled fused step's window at batch 1
     (Qwen3.5-9B, 63 rows: 128 programs on an H200's 132 SMs took 20.7 us per call against fla's 36.8). With more
     programs each SM runs several in turn, and fla's seven kernels, which spread a chunk's work over more programs,
-    were faster (B = 8: 115 against 90 us; benchmarks page, "The one-chunk GDN kernel")."""
+    were faster (B = 8: 115 against 90 us; benchmarks page, "The one-chunk GDN kernel"). Only for a V that its
+    column blocks divide (every Qwen3.5 has V = 128): the kernel's first GPU test run hit a CUDA illegal memory
+    access at V = 48 (with 8 warps; not explained), so ragged column blocks stay with fla."""
     from .chunk_triton import BLOCK_V, CHUNK
 
-    return 2 <= rows <= CHUNK and batch * value_heads * -(-value_dim // BLOCK_V) <= sm_count
+    block = min(BLOCK_V, max(16, 1 << (value_dim - 1).bit_length()))
+    return (2 <= rows <= CHUNK and value_dim % block == 0
+            and batch * value_heads * (value_dim // block) <= sm_count)
 
 
 def _one_chunk_kernel_fits(q, v, state) -> bool:
