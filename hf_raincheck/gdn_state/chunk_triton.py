@@ -155,6 +155,26 @@ def _check(q, k, v, g, beta, state, block_v: int, warps: int) -> None:
         raise ValueError(f"warps must be one of 1, 2, 4, 8, 16, got {warps}")
 
 
+def block_columns(value_dim: int, block_v: int = 0) -> int:
+    """V columns per program for a V of `value_dim`: `block_v` (0: `BLOCK_V`), at most V rounded up to a power of
+    two >= 16."""
+    return min(block_v or BLOCK_V, max(16, 1 << (value_dim - 1).bit_length()))
+
+
+def _launch(q, k, v, g, beta, h0, out, ht, live, precision: str, block_v: int, warps: int) -> None:
+    """`_chunk_kernel` over (column blocks, B x H_v) from state `h0` into `ht` (the same buffer when joining), with
+    the join into `live` (``[B, H_v, K, V + K]``) when `live` is given."""
+    batch, rows, key_heads, key_dim = k.shape
+    value_heads, value_dim = v.shape[2], v.shape[3]
+    block_v = block_columns(value_dim, block_v)
+    grid = (triton.cdiv(value_dim, block_v), batch * value_heads)
+    join = live is not None
+    _chunk_kernel[grid](q, k, v, g, beta, h0, out, ht, rows, key_heads, value_heads, value_dim, key_dim ** -0.5,
+                        *h0.stride(), *ht.stride(), live if join else ht, *(live.stride() if join else (0,) * 4),
+                        KEY_DIM=key_dim, BT=CHUNK, BLOCK_V=block_v, LEVELS=CHUNK.bit_length() - 1, EPS=_EPS,
+                        PRECISION=precision, JOIN=join, BLOCK_K=min(JOIN_BLOCK_K, key_dim), num_warps=warps)
+
+
 def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       state: torch.Tensor, precision: str = "tf32", block_v: int = 0, warps: int = WARPS,
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,19 +184,12 @@ def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     ``[B, H_v, K, V]`` fp32). `precision`: Triton's ``input_precision`` of the products; `block_v`: V columns per
     program (0: `BLOCK_V`); `warps` per program."""
     _check(q, k, v, g, beta, state, block_v, warps)
-    batch, rows, key_heads, key_dim = k.shape
-    value_heads, value_dim = v.shape[2], v.shape[3]
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     out = torch.empty_like(v)
-    final = torch.empty(batch, value_heads, key_dim, value_dim, dtype=torch.float32, device=v.device)
+    final = torch.empty(state.shape, dtype=torch.float32, device=v.device)
     if not out.numel():
         return out, final.copy_(state)
-    block_v = min(block_v or BLOCK_V, max(16, triton.next_power_of_2(value_dim)))
-    grid = (triton.cdiv(value_dim, block_v), batch * value_heads)
-    _chunk_kernel[grid](q, k, v, g, beta, state, out, final, rows, key_heads, value_heads, value_dim,
-                        key_dim ** -0.5, *state.stride(), *final.stride(), final, 0, 0, 0, 0, KEY_DIM=key_dim,
-                        BT=CHUNK, BLOCK_V=block_v, LEVELS=CHUNK.bit_length() - 1, EPS=_EPS, PRECISION=precision,
-                        JOIN=False, BLOCK_K=JOIN_BLOCK_K, num_warps=warps)
+    _launch(q, k, v, g, beta, state, out, final, None, precision, block_v, warps)
     return out, final
 
 
@@ -188,21 +201,15 @@ def chunk_gated_delta_join_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     on the live ``[S | P_tail]`` buffer `live` ``[B, H_v, K, V + K]`` fp32 (its product fp32-accurate, TF32x3, as
     `join_triton`) and ``prefix <- new``, both in place (what `ops.join_prefix_` does after the chunked call).
     Returns the rows' outputs ``[B, T, H_v, V]`` in v's dtype. Not used by the package (see the module docstring)."""
+    _check(q, k, v, g, beta, prefix, block_v, warps)
     batch, _, value_heads, value_dim = v.shape
     key_dim = k.shape[-1]
     if live.shape != (batch, value_heads, key_dim, value_dim + key_dim) or live.dtype != torch.float32:
         raise ValueError(f"chunk_gated_delta_join_: live must be [B, H_v, K, V + K] = "
                          f"{(batch, value_heads, key_dim, value_dim + key_dim)} float32, got {tuple(live.shape)} "
                          f"{live.dtype}")
-    _check(q, k, v, g, beta, prefix, block_v, warps)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     out = torch.empty_like(v)
-    if not out.numel():
-        return out
-    block_v = min(block_v or BLOCK_V, max(16, triton.next_power_of_2(value_dim)))
-    grid = (triton.cdiv(value_dim, block_v), batch * value_heads)
-    _chunk_kernel[grid](q, k, v, g, beta, prefix, out, prefix, q.shape[1], k.shape[2], value_heads, value_dim,
-                        key_dim ** -0.5, *prefix.stride(), *prefix.stride(), live, *live.stride(), KEY_DIM=key_dim,
-                        BT=CHUNK, BLOCK_V=block_v, LEVELS=CHUNK.bit_length() - 1, EPS=_EPS, PRECISION=precision,
-                        JOIN=True, BLOCK_K=min(JOIN_BLOCK_K, key_dim), num_warps=warps)
+    if out.numel():
+        _launch(q, k, v, g, beta, prefix, out, prefix, live, precision, block_v, warps)
     return out

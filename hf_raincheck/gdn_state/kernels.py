@@ -166,9 +166,9 @@ def one_chunk_kernel_takes(rows: int, batch: int, value_heads: int, value_dim: i
     were faster (B = 8: 115 against 90 us; benchmarks page, "The one-chunk GDN kernel"). Only for a V that its
     column blocks divide (every Qwen3.5 has V = 128): the kernel's first GPU test run hit a CUDA illegal memory
     access at V = 48 (with 8 warps; not explained), so ragged column blocks stay with fla."""
-    from .chunk_triton import BLOCK_V, CHUNK
+    from .chunk_triton import CHUNK, block_columns
 
-    block = min(BLOCK_V, max(16, 1 << (value_dim - 1).bit_length()))
+    block = block_columns(value_dim)
     return (2 <= rows <= CHUNK and value_dim % block == 0
             and batch * value_heads * (value_dim // block) <= sm_count)
 
@@ -185,9 +185,10 @@ def gated_delta(backend: str, q, k, v, g, beta, state, recurrent_rows: int | Non
     Single rows with a state use the recurrent kernel, everything else the chunked one, as transformers does (fla:
     up to `recurrent_rows` rows from a state take the recurrent one, default `FLA_RECURRENT_MAX_ROWS`; one chunk of
     rows from a state that `one_chunk_kernel_takes` accepts runs `chunk_triton`'s single kernel instead of fla's
-    chunked function: a compiled fused step's window at batch 1). fla's recurrent kernel is launched here (`_launch_recurrent`, into a new final state) where the state is a contiguous
-    float32 buffer: its public function's host work (autograd function, input checks) is what eager steps, host-bound
-    on a GPU, pay per GDN layer and call.
+    chunked function: a compiled fused step's window at batch 1). fla's recurrent kernel is launched here
+    (`_launch_recurrent`, into a new final state) where the state is a contiguous float32 buffer: its public
+    function's host work (autograd function, input checks) is what eager steps, host-bound on a GPU, pay per GDN
+    layer and call.
     """
     chunk, recurrent = functions(backend)
     most = (FLA_RECURRENT_MAX_ROWS if recurrent_rows is None else recurrent_rows) if backend == "fla" else 1
