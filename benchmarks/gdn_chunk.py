@@ -4,7 +4,6 @@ them: `kernels.one_chunk_kernel_takes`).
 
     python benchmarks/gdn_chunk.py --device cuda --save          # Qwen3.5-9B's GDN heads, B = 1, 8, 16, 63 rows
     python benchmarks/gdn_chunk.py --quick                       # tiny shapes on the CPU (smoke run)
-    python benchmarks/gdn_chunk.py --device cuda --join          # each window with the join after it
 
 For each batch size B, a window of `--rows` rows (the default chunk of models with GDN layers, 63) from a state
 ``[B, 32, 128, 128]`` fp32 (Qwen3.5-9B: 16 key / 32 value heads of 128; bf16 rows, fp32 gates):
@@ -12,9 +11,6 @@ For each batch size B, a window of `--rows` rows (the default chunk of models wi
 * ``fla``: fla-core's ``chunk_gated_delta_rule`` (seven kernels), called as `kernels.gated_delta` calls it;
 * ``triton``: `chunk_triton.chunk_gated_delta` (one kernel); ``--triton-configs 16:4,64:8``: also with other
   launch configurations (V columns per program : warps);
-* with ``--join``, each of them followed by the fused step's join on a live ``[S | P_tail]`` buffer and the
-  checkpoint's update (the join kernel, `ops.join_prefix_`: what a compiled fused step runs), and
-  ``triton join-fused``, `chunk_triton.chunk_gated_delta_join_` (the join in the kernel's epilogue);
 * ``torch`` (``--quick`` only): transformers' torch chunked function, the CPU's path.
 
 Each is captured `--reps` times in one CUDA graph (the 24 GDN layers of a step), replayed `--iters` times after a
@@ -43,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hf_raincheck  # noqa: E402
 from graph_timing import graph_us_per_call  # noqa: E402
 from hf_raincheck.gdn_state import kernels  # noqa: E402
-from hf_raincheck.gdn_state.naive import naive_gated_delta, naive_join  # noqa: E402
+from hf_raincheck.gdn_state.naive import naive_gated_delta  # noqa: E402
 from hf_raincheck.triton_support import interpreted, triton_importable  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gdn_chunk.json")
@@ -80,48 +76,6 @@ def path_fn(name: str):
     return call
 
 
-def live_buffer(batch, value_heads, dim, device, seed=0):
-    """A live ``[S | P_tail]`` buffer ``[B, H_v, K, V + K]`` fp32 for the join paths."""
-    gen = torch.Generator().manual_seed(1000 + seed)
-    return torch.cat([0.1 * torch.randn(batch, value_heads, dim, dim, generator=gen),
-                      torch.randn(batch, value_heads, dim, dim, generator=gen) / dim ** 0.5], dim=-1).to(device)
-
-
-def joined(name: str):
-    """`--join`: path `name`'s window, then the fused step's join and checkpoint update on the live buffer (the
-    join kernel, `ops.join_prefix_`), or (``triton join-fused``) both in one kernel (`chunk_gated_delta_join_`).
-    Each returns the outputs; the checkpoint ends holding the new state."""
-    if name == "triton join-fused":
-        from hf_raincheck.gdn_state.chunk_triton import chunk_gated_delta_join_
-
-        return chunk_gated_delta_join_
-    from hf_raincheck.gdn_state.ops import join_prefix_
-
-    fn = path_fn(name)
-
-    def call(q, k, v, g, beta, state, live):
-        out, new = fn(q, k, v, g, beta, state)
-        join_prefix_(live, state, new)
-        return out
-
-    return call
-
-
-def max_error_joined(fn, inputs) -> float:
-    """The largest difference of the outputs, the new checkpoint and the joined live state (row 0) from the float64
-    recurrence and join."""
-    *window_inputs, state, live = inputs
-    one = [x[:1].cpu() for x in window_inputs]
-    want_out, want_state = naive_gated_delta(*one, state[:1].cpu())
-    value_dim = state.shape[-1]
-    before = live[:1].cpu().double()
-    want_live = naive_join(before[..., :value_dim], before[..., value_dim:], state[:1].cpu().double(), want_state)
-    out = fn(*inputs)
-    return max((out[:1].cpu().double() - want_out).abs().max().item(),
-               (state[:1].cpu().double() - want_state).abs().max().item(),
-               (live[:1, ..., :value_dim].cpu().double() - want_live).abs().max().item())
-
-
 def max_error(fn, inputs) -> float:
     out, final = fn(*inputs)
     one = [x[:1].cpu() for x in inputs]
@@ -156,9 +110,6 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=50, help="graph replays timed")
     parser.add_argument("--triton-configs", default="",
                         help="more launch configurations of the kernel, BLOCK_V:warps comma-separated (e.g. 16:4,64:8)")
-    parser.add_argument("--join", action="store_true",
-                        help="each path also joins into a live [S | P_tail] buffer (the join kernel), and the kernel "
-                             "with the join in its epilogue runs as `triton join-fused`")
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -185,22 +136,19 @@ def main(argv=None) -> int:
         shape, dtype = (1, 2, 16), torch.float32
     key_heads, value_heads, dim = shape
     rows = min(args.rows, 8) if args.quick else args.rows
-    if args.join and "triton" in paths:
-        paths.append("triton join-fused")
 
     def inputs(batch, seed):
-        tensors = window(batch, rows, key_heads, value_heads, dim, device, dtype, seed=seed)
-        return tensors + (live_buffer(batch, value_heads, dim, device, seed),) if args.join else tensors
+        return window(batch, rows, key_heads, value_heads, dim, device, dtype, seed=seed)
 
     records = []
     for batch in sizes:
         layers = [inputs(batch, i) for i in range(args.reps if cuda else 1)]
         base = None
         for name in paths:
-            fn = joined(name) if args.join else path_fn(name)
+            fn = path_fn(name)
             us = time_gpu(fn, layers, args.iters) if cuda else time_host(fn, layers[0], min(args.iters, 5))
             base = base or us
-            error = (max_error_joined if args.join else max_error)(fn, inputs(batch, 99))
+            error = max_error(fn, inputs(batch, 99))
             records.append(dict(batch_size=batch, rows=rows, path=name, us=us, vs_first=us / base, max_error=error))
             print(f"B={batch:<3} {rows} rows  {name:13s} {us:9.1f} us  x{us / base:.3f} of {paths[0]}  "
                   f"max err {error:.2e}", flush=True)
@@ -210,8 +158,8 @@ def main(argv=None) -> int:
               f"{r['max_error']:.2e} |")
     out = args.out or (RESULTS if args.save else None)
     if out:
-        meta = dict(date=datetime.date.today().isoformat(), join=args.join, device=torch.cuda.get_device_name(device) if cuda
-                    else platform.processor() or "cpu", torch=torch.__version__, heads=shape, dtype=str(dtype),
+        meta = dict(date=datetime.date.today().isoformat(),
+                    device=torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu", torch=torch.__version__, heads=shape, dtype=str(dtype),
                     reps=args.reps, iters=args.iters, quick=args.quick)
         with open(out, "w") as f:
             json.dump(dict(meta=meta, records=records), f, indent=1)

@@ -487,19 +487,6 @@ def test_gdn_chunk_quick_runs_the_kernel_under_the_interpreter(tmp_path):
     assert f"wrote {out_file}" in out
 
 
-def test_gdn_chunk_quick_join_runs_the_fused_kernel(tmp_path):
-    """benchmarks/gdn_chunk.py --quick --join: each path followed by the join, and the kernel with the join in its
-    epilogue, each record's error (outputs, new checkpoint, joined live state) at fp32 level."""
-    pytest.importorskip("triton")
-    out_file = tmp_path / "chunk_join.json"
-    run_script(["benchmarks/gdn_chunk.py", "--quick", "--join", "--batch-sizes", "1", "--out", str(out_file)],
-               tmp_path, TRITON_INTERPRET="1")
-    data = json.loads(out_file.read_text())
-    assert data["meta"]["join"] is True
-    assert [r["path"] for r in data["records"]] == ["torch", "triton", "triton join-fused"]
-    assert all(r["us"] > 0 and r["max_error"] < 1e-5 for r in data["records"])
-
-
 def test_gdn_chunk_bad_arguments_name_the_option(capsys):
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import gdn_chunk

@@ -19,8 +19,9 @@ chunked kernels round k, v and the state to bf16 for theirs, so this is the clos
 recurrence: `tests/test_gdn_chunk_triton.py` checks it against fla on a GPU); ``"tf32x3"`` (fp32-accurate, as
 `join_triton`) made ptxas spill ~4.5 KB of registers per thread at K = 128 (8 warps) against ~0.6 KB; with the
 default 4 warps TF32 spills ~0.95 KB and is still the fastest launch measured (`tests/test_triton_compile.py` prints
-the report). Rows past the chunk's end (padding) read as ``g = beta = 0``,
-k = q = 0: the identity.
+the report); full-fp32 ``"ieee"`` products (FMA loops) took ptxas 114 s at K = 32 and 293 s at K = 128 to compile
+for sm_90a, so the products are TF32 only (Triton's interpreter computes them in fp32: the tests check the algorithm
+there at fp32 accuracy). Rows past the chunk's end (padding) read as ``g = beta = 0``, k = q = 0: the identity.
 
 `kernels.gated_delta` calls it in place of fla's chunked function for 2-64 rows from a state when its programs fit
 one wave of the GPU (`kernels.one_chunk_kernel_takes`): a compiled fused step's window at batch 1. There, at
@@ -28,11 +29,10 @@ Qwen3.5-9B's heads on an H200 (``benchmarks/gdn_chunk.py``, 24 calls in a CUDA g
 fla's 36.8; at B = 8 and 16 (eight and sixteen waves) fla's seven kernels were faster (90 / 166 us against 115 /
 224), so batches keep fla.
 
-`chunk_gated_delta_join_` runs the same window with the fused step's join in the kernel's epilogue (``S_live +=
-P_tail (new - old)``, ``old <- new``: what `join_triton` does in a kernel of its own after the window, 8.7 us per
-GDN layer at batch 1). Tested, compiled for sm_90a (ptxas spills ~1.7 KB per thread against ~0.95 KB without the
-join), not used by the package: it replaces the two kernels only once ``benchmarks/gdn_chunk.py --join`` shows it
-faster on the GPU.
+The fused step's join (``S_live += P_tail (new - old)``, `join_triton`, 8.7 us per GDN layer at batch 1) stays a
+kernel of its own: the window with the join in its epilogue was measured on the H200 (2026-12-04, 63 rows at
+Qwen3.5-9B's heads, B = 1, ``benchmarks/gdn_chunk.py``) at 31.1 us against 30.8 for this kernel followed by the join
+kernel, with ptxas spilling ~1.7 KB per thread against ~0.95, and was removed.
 """
 
 from __future__ import annotations
@@ -45,8 +45,6 @@ import triton.language as tl
 #: block by block (``inv([[A, 0], [C, B]]) = [[A^-1, 0], [-B^-1 C A^-1, B^-1]]``): the Neumann product
 #: ``(I - L)(I + L^2)(I + L^4)...`` is not, its powers of L grow to ~1e9 for aligned keys with beta near 1 (tested)
 CHUNK = 64
-#: P_tail columns per step of `chunk_gated_delta_join_`'s product (as `join_triton.BLOCK_K`)
-JOIN_BLOCK_K = 32
 #: V columns per program, and warps per program: on the H200 at Qwen3.5-9B's heads (63 rows, bf16;
 #: ``benchmarks/gdn_chunk.py --triton-configs``) 32 columns with 4 warps took 20.7 us per call at B = 1 against 25.6
 #: with 8 warps, 28.1 with 16 columns / 4 warps and 29.9 with 64 / 8 (fla's chunked function: 36.8)
@@ -59,9 +57,8 @@ _EPS = 1e-6  # the l2 norm's, as fla's and transformers' (``x / sqrt(sum(x^2) + 
 def _chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_ptr, ht_ptr,
                   rows, key_heads, value_heads, value_dim, scale,
                   h0_b, h0_h, h0_k, h0_v, ht_b, ht_h, ht_k, ht_v,
-                  live_ptr, lv_b, lv_h, lv_k, lv_c,
                   KEY_DIM: tl.constexpr, BT: tl.constexpr, BLOCK_V: tl.constexpr, LEVELS: tl.constexpr,
-                  EPS: tl.constexpr, PRECISION: tl.constexpr, JOIN: tl.constexpr, BLOCK_K: tl.constexpr):
+                  EPS: tl.constexpr):
     bh = tl.program_id(1).to(tl.int64)
     b = bh // value_heads
     h = bh % value_heads
@@ -86,54 +83,36 @@ def _chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_ptr, ht_ptr,
 
     # R = (I + L)^-1 by doubling: R holds the inverses of the diagonal blocks of size 2^s; the next level's
     # off-diagonal blocks are -B^-1 C A^-1 (inv([[A, 0], [C, B]])), for all blocks at once
-    kk = tl.dot(k, tl.trans(k), input_precision=PRECISION)
+    kk = tl.dot(k, tl.trans(k), input_precision="tf32")
     lower = tl.where(t[:, None] > t[None, :], beta[:, None] * kk * decay, 0.0)
     r = tl.where(t[:, None] == t[None, :], 1.0, 0.0)
     for level in tl.static_range(LEVELS):
         size = 1 << level
         pair = (t[:, None] // (2 * size) == t[None, :] // (2 * size)) & (t[:, None] // size > t[None, :] // size)
-        r = r - tl.dot(tl.dot(r, tl.where(pair, lower, 0.0), input_precision=PRECISION), r,
-                       input_precision=PRECISION)
+        r = r - tl.dot(tl.dot(r, tl.where(pair, lower, 0.0), input_precision="tf32"), r,
+                       input_precision="tf32")
 
     grow = tl.exp(c)
-    w = tl.dot(r, k * (beta * grow)[:, None], input_precision=PRECISION)  # [BT, K]
+    w = tl.dot(r, k * (beta * grow)[:, None], input_precision="tf32")  # [BT, K]
     v_at = ((b * rows + t[:, None]) * value_heads + h) * value_dim + cols[None, :]
     tv_mask = in_t[:, None] & in_c[None, :]
     v = tl.load(v_ptr + v_at, mask=tv_mask, other=0.0).to(tl.float32)
     s0 = tl.load(h0_ptr + b * h0_b + h * h0_h + kd[:, None] * h0_k + cols[None, :] * h0_v, mask=in_c[None, :],
                  other=0.0)
-    u = tl.dot(r, v * beta[:, None], input_precision=PRECISION) - tl.dot(w, s0, input_precision=PRECISION)
+    u = tl.dot(r, v * beta[:, None], input_precision="tf32") - tl.dot(w, s0, input_precision="tf32")
 
-    a = tl.where(lower_eq, tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay, 0.0)
-    o = grow[:, None] * tl.dot(q, s0, input_precision=PRECISION) + tl.dot(a, u, input_precision=PRECISION)
+    a = tl.where(lower_eq, tl.dot(q, tl.trans(k), input_precision="tf32") * decay, 0.0)
+    o = grow[:, None] * tl.dot(q, s0, input_precision="tf32") + tl.dot(a, u, input_precision="tf32")
     tl.store(o_ptr + v_at, o.to(o_ptr.dtype.element_ty), mask=tv_mask)
 
     last = tl.sum(tl.where(t == BT - 1, c, 0.0), 0)  # padding rows add nothing to c: c at the last real row
     k_end = k * tl.exp(last - c)[:, None]
-    s = tl.exp(last) * s0 + tl.dot(tl.trans(k_end), u, input_precision=PRECISION)
-    s_at = ht_ptr + b * ht_b + h * ht_h + kd[:, None] * ht_k + cols[None, :] * ht_v
-    if JOIN:
-        # the join, S_live[:, cols] += P_tail (s - s0), then the checkpoint's columns <- s (`ht_ptr` is the
-        # checkpoint `h0_ptr` itself). The difference goes through the checkpoint's own columns, which only this
-        # program reads and writes: stored, made visible to the program's threads (a barrier), read back in
-        # BLOCK_K-row slices for the product (a register tensor cannot be sliced), then overwritten with s.
-        tl.store(s_at, s - s0, mask=in_c[None, :])
-        tl.debug_barrier()
-        live = live_ptr + b * lv_b + h * lv_h
-        acc = tl.load(live + kd[:, None] * lv_k + cols[None, :] * lv_c, mask=in_c[None, :], other=0.0)
-        for start in tl.static_range(0, KEY_DIM, BLOCK_K):
-            inner = start + tl.arange(0, BLOCK_K)
-            p = tl.load(live + kd[:, None] * lv_k + (value_dim + inner)[None, :] * lv_c)
-            delta = tl.load(ht_ptr + b * ht_b + h * ht_h + inner[:, None] * ht_k + cols[None, :] * ht_v,
-                            mask=in_c[None, :], other=0.0)
-            acc = tl.dot(p, delta, acc, input_precision="tf32x3")  # fp32-accurate, as `join_triton`
-        tl.store(live + kd[:, None] * lv_k + cols[None, :] * lv_c, acc, mask=in_c[None, :])
-        tl.debug_barrier()  # every thread has read its slices of the difference
-    tl.store(s_at, s, mask=in_c[None, :])
+    s = tl.exp(last) * s0 + tl.dot(tl.trans(k_end), u, input_precision="tf32")
+    tl.store(ht_ptr + b * ht_b + h * ht_h + kd[:, None] * ht_k + cols[None, :] * ht_v, s, mask=in_c[None, :])
 
 
 def _check(q, k, v, g, beta, state, block_v: int, warps: int) -> None:
-    """The shapes, dtypes and launch options `chunk_gated_delta` and `chunk_gated_delta_join_` take."""
+    """The shapes, dtypes and launch options `chunk_gated_delta` takes."""
     batch, rows, key_heads, key_dim = k.shape
     value_heads, value_dim = v.shape[2], v.shape[3]
     if q.shape != k.shape or v.shape[:2] != (batch, rows) or g.shape != (batch, rows, value_heads) \
@@ -161,55 +140,30 @@ def block_columns(value_dim: int, block_v: int = 0) -> int:
     return min(block_v or BLOCK_V, max(16, 1 << (value_dim - 1).bit_length()))
 
 
-def _launch(q, k, v, g, beta, h0, out, ht, live, precision: str, block_v: int, warps: int) -> None:
-    """`_chunk_kernel` over (column blocks, B x H_v) from state `h0` into `ht` (the same buffer when joining), with
-    the join into `live` (``[B, H_v, K, V + K]``) when `live` is given."""
+def _launch(q, k, v, g, beta, h0, out, ht, block_v: int, warps: int) -> None:
+    """`_chunk_kernel` over (column blocks, B x H_v) from state `h0` into `ht`."""
     batch, rows, key_heads, key_dim = k.shape
     value_heads, value_dim = v.shape[2], v.shape[3]
     block_v = block_columns(value_dim, block_v)
     grid = (triton.cdiv(value_dim, block_v), batch * value_heads)
-    join = live is not None
     _chunk_kernel[grid](q, k, v, g, beta, h0, out, ht, rows, key_heads, value_heads, value_dim, key_dim ** -0.5,
-                        *h0.stride(), *ht.stride(), live if join else ht, *(live.stride() if join else (0,) * 4),
-                        KEY_DIM=key_dim, BT=CHUNK, BLOCK_V=block_v, LEVELS=CHUNK.bit_length() - 1, EPS=_EPS,
-                        PRECISION=precision, JOIN=join, BLOCK_K=min(JOIN_BLOCK_K, key_dim), num_warps=warps)
+                        *h0.stride(), *ht.stride(), KEY_DIM=key_dim, BT=CHUNK, BLOCK_V=block_v,
+                        LEVELS=CHUNK.bit_length() - 1, EPS=_EPS, num_warps=warps)
 
 
 def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                      state: torch.Tensor, precision: str = "tf32", block_v: int = 0, warps: int = WARPS,
+                      state: torch.Tensor, block_v: int = 0, warps: int = WARPS,
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``q, k [B, T, H_k, K]``, ``v [B, T, H_v, V]``, ``g`` (log decay, fp32), ``beta`` ``[B, T, H_v]`` from
     `state` ``[B, H_v, K, V]`` fp32 (q and k l2-normalised in the kernel, q scaled by ``K^-1/2``, as fla's
     ``use_qk_l2norm_in_kernel=True``), ``T <= CHUNK``. Returns ``(o [B, T, H_v, V]`` in v's dtype, the final state
-    ``[B, H_v, K, V]`` fp32). `precision`: Triton's ``input_precision`` of the products; `block_v`: V columns per
-    program (0: `BLOCK_V`); `warps` per program."""
+    ``[B, H_v, K, V]`` fp32). `block_v`: V columns per program (0: `BLOCK_V`); `warps` per program."""
     _check(q, k, v, g, beta, state, block_v, warps)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     out = torch.empty_like(v)
     final = torch.empty(state.shape, dtype=torch.float32, device=v.device)
     if not out.numel():
         return out, final.copy_(state)
-    _launch(q, k, v, g, beta, state, out, final, None, precision, block_v, warps)
+    _launch(q, k, v, g, beta, state, out, final, block_v, warps)
     return out, final
 
-
-def chunk_gated_delta_join_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                            prefix: torch.Tensor, live: torch.Tensor, precision: str = "tf32", block_v: int = 0,
-                            warps: int = WARPS) -> torch.Tensor:
-    """A compiled fused step's whole GDN window in one kernel: `chunk_gated_delta` of the rows from the prefix
-    checkpoint `prefix` ``[B, H_v, K, V]`` fp32, then the join ``live[..., :V] += live[..., V:] @ (new - prefix)``
-    on the live ``[S | P_tail]`` buffer `live` ``[B, H_v, K, V + K]`` fp32 (its product fp32-accurate, TF32x3, as
-    `join_triton`) and ``prefix <- new``, both in place (what `ops.join_prefix_` does after the chunked call).
-    Returns the rows' outputs ``[B, T, H_v, V]`` in v's dtype. Not used by the package (see the module docstring)."""
-    _check(q, k, v, g, beta, prefix, block_v, warps)
-    batch, _, value_heads, value_dim = v.shape
-    key_dim = k.shape[-1]
-    if live.shape != (batch, value_heads, key_dim, value_dim + key_dim) or live.dtype != torch.float32:
-        raise ValueError(f"chunk_gated_delta_join_: live must be [B, H_v, K, V + K] = "
-                         f"{(batch, value_heads, key_dim, value_dim + key_dim)} float32, got {tuple(live.shape)} "
-                         f"{live.dtype}")
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    out = torch.empty_like(v)
-    if out.numel():
-        _launch(q, k, v, g, beta, prefix, out, prefix, live, precision, block_v, warps)
-    return out
