@@ -66,8 +66,9 @@ def test_one_chunk_equals_the_per_token_reference(device, shape):
 def test_aligned_keys(device, beta, spread, gate):
     """Keys nearly one direction, beta near 1, little decay (neighbouring image tokens can look like this): the
     rows' interaction matrix has powers of ~1e9 (a Neumann-series inverse loses everything in fp32), its inverse
-    entries stay of order 1; outputs and state of the float64 recurrence within 1e-4 under the interpreter (fp32
-    products), `FP32_TOL` on a GPU."""
+    entries stay of order 1; outputs and state within 1e-4 of the float64 recurrence under the interpreter (fp32
+    products). On a GPU the TF32 products' rounding passes through that matrix: 1e-2 (the H200 measured 4.2e-3 on 1
+    state entry of 2048, the rest under 3e-3; the Neumann inverse's error here is ~5e8)."""
     from hf_raincheck.gdn_state.chunk_triton import chunk_gated_delta
 
     q, k, v, _, _, state = _rows(1, 64, 1, 2, 32, 32, seed=11)
@@ -77,7 +78,7 @@ def test_aligned_keys(device, beta, spread, gate):
     beta = torch.full((1, 64, 2), beta)
     out, final = chunk_gated_delta(*(x.to(device) for x in (q, k, v, g, beta, state)))
     want_out, want_state = naive_gated_delta(q, k, v, g, beta, state)
-    tol = dict(atol=1e-4, rtol=1e-4) if INTERPRETED else FP32_TOL
+    tol = dict(atol=1e-4, rtol=1e-4) if INTERPRETED else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out.cpu().double(), want_out, **tol)
     torch.testing.assert_close(final.cpu().double(), want_state, **tol)
 
