@@ -137,18 +137,16 @@ def main(argv=None) -> int:
     key_heads, value_heads, dim = shape
     rows = min(args.rows, 8) if args.quick else args.rows
 
-    def inputs(batch, seed):
-        return window(batch, rows, key_heads, value_heads, dim, device, dtype, seed=seed)
-
     records = []
     for batch in sizes:
-        layers = [inputs(batch, i) for i in range(args.reps if cuda else 1)]
+        layers = [window(batch, rows, key_heads, value_heads, dim, device, dtype, seed=i)
+                  for i in range(args.reps if cuda else 1)]
         base = None
         for name in paths:
             fn = path_fn(name)
             us = time_gpu(fn, layers, args.iters) if cuda else time_host(fn, layers[0], min(args.iters, 5))
             base = base or us
-            error = max_error(fn, inputs(batch, 99))
+            error = max_error(fn, window(batch, rows, key_heads, value_heads, dim, device, dtype, seed=99))
             records.append(dict(batch_size=batch, rows=rows, path=name, us=us, vs_first=us / base, max_error=error))
             print(f"B={batch:<3} {rows} rows  {name:13s} {us:9.1f} us  x{us / base:.3f} of {paths[0]}  "
                   f"max err {error:.2e}", flush=True)
@@ -159,8 +157,9 @@ def main(argv=None) -> int:
     out = args.out or (RESULTS if args.save else None)
     if out:
         meta = dict(date=datetime.date.today().isoformat(),
-                    device=torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu", torch=torch.__version__, heads=shape, dtype=str(dtype),
-                    reps=args.reps, iters=args.iters, quick=args.quick)
+                    device=torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
+                    torch=torch.__version__, heads=shape, dtype=str(dtype), reps=args.reps, iters=args.iters,
+                    quick=args.quick)
         with open(out, "w") as f:
             json.dump(dict(meta=meta, records=records), f, indent=1)
         print(f"wrote {out}")

@@ -19,13 +19,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 from helpers import TRITON_MARKS  # noqa: E402
 
 from hf_raincheck.gdn_state.naive import naive_gated_delta  # noqa: E402
+from hf_raincheck.triton_support import interpreted  # noqa: E402
 
 pytestmark = TRITON_MARKS
 
 #: how close to the float64 recurrence fp32 rows must come: under Triton's interpreter the kernel's products are
 #: fp32 (the algorithm's own accuracy); on a GPU they run on TF32 tensor cores (10-bit mantissa, ~5e-4 relative)
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-FP32_TOL = dict(atol=2e-5, rtol=1e-4) if INTERPRETED else dict(atol=3e-3, rtol=3e-3)
+FP32_TOL = dict(atol=2e-5, rtol=1e-4) if interpreted() else dict(atol=3e-3, rtol=3e-3)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_aligned_keys(device, beta, spread, gate):
     beta = torch.full((1, 64, 2), beta)
     out, final = chunk_gated_delta(*(x.to(device) for x in (q, k, v, g, beta, state)))
     want_out, want_state = naive_gated_delta(q, k, v, g, beta, state)
-    tol = dict(atol=1e-4, rtol=1e-4) if INTERPRETED else dict(atol=1e-2, rtol=1e-2)
+    tol = dict(atol=1e-4, rtol=1e-4) if interpreted() else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out.cpu().double(), want_out, **tol)
     torch.testing.assert_close(final.cpu().double(), want_state, **tol)
 
