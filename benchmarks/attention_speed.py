@@ -17,6 +17,8 @@ warm-up, CUDA events):
 * ``grouped_fp32``: the same with fp32 scores, for reference;
 * ``grouped_torch_softmax``: the grouped path with its torch softmax instead of the Triton kernel
   (`hf_raincheck.attention.softmax_triton`; the same as ``grouped`` where Triton does not run);
+* ``split_keys`` (Triton): `hf_raincheck.attention.split_keys_triton.split_keys_attention`, the keys split over
+  programs (``split_keys:<config>`` with ``--split-configs``: other launch options than the package's);
 * ``flash`` (when flash_attn is installed): the flash backend's kernel over the k keys (``attn_backend="flash"``
   calls it per row block after gathering the keys: ``flash_gathered`` adds that gather).
 
@@ -46,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hf_raincheck.attention import flash  # noqa: E402
 from hf_raincheck.attention.sdpa import grouped_attention, grouped_softmax_torch  # noqa: E402
+from hf_raincheck.triton_support import triton_importable  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "attention_speed.json")
 LAYERS = {"qwen3-vl-8b": (32, 8, 128), "qwen3.5-9b": (16, 4, 256)}
@@ -116,8 +119,33 @@ def sdpa_heads_additive(query, key, value, visible, scaling):
     return sdpa_heads(query, key, value, visible, scaling, additive[1])
 
 
+def split_keys(query, key, value, visible, scaling, tiling: dict | None = None):
+    """`hf_raincheck.attention.split_keys_triton` with the launch options `tiling` (None: the package's)."""
+    from hf_raincheck.attention.split_keys_triton import launch_split_keys, split_keys_attention
+
+    if tiling:
+        return launch_split_keys(query, key, value, visible, scaling, **tiling)
+    return split_keys_attention(query, key, value, visible, scaling)
+
+
+SPLIT_OPTIONS = ("splits", "block_m", "block_n", "warps", "stages")
+
+
+def parse_split_tiling(text: str) -> dict:
+    """``"splits=8,block_m=128"`` -> keyword arguments of `launch_split_keys`."""
+    tiling = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        if name not in SPLIT_OPTIONS or not value.isdigit():
+            raise SystemExit(f"--split-configs: expected '<name>=<int>' with names from {SPLIT_OPTIONS}, got {text!r}")
+        tiling[name] = int(value)
+    return tiling
+
+
 PATHS = {"sdpa": sdpa_masked, "sdpa_heads": sdpa_heads, "sdpa_heads_additive": sdpa_heads_additive, "grouped": grouped_attention, "grouped_fp32": grouped_fp32,
          "grouped_torch_softmax": grouped_torch_softmax}
+if triton_importable():
+    PATHS["split_keys"] = split_keys
 if flash.available():
     PATHS.update(flash=flash_contiguous, flash_gathered=flash_gathered)
 
@@ -199,6 +227,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default=None)
     parser.add_argument("--keys", default=None, help="comma list of cache lengths (4352,1280; --quick 200)")
     parser.add_argument("--rows", default=None, help="comma list of query rows (1,8,16,32,64; --quick 1,8)")
+    parser.add_argument("--batch", type=int, default=1, help="batch rows, each with its own mask (1)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per case (50; --quick 3)")
     parser.add_argument("--graphs", action="store_true",
                         help="CUDA only: time each path as a replayed CUDA graph (no launch overhead, as in a "
@@ -208,6 +237,9 @@ def main(argv=None) -> int:
     parser.add_argument("--softmax-configs", default="",
                         help="';'-separated softmax_triton tilings ('block=1024,warps=4'), each timed as the grouped "
                              "path with that softmax tiling: path softmax:<config>")
+    parser.add_argument("--split-configs", default="",
+                        help="';'-separated split_keys launch options ('splits=8,block_m=128,block_n=64,warps=4,"
+                             "stages=3'), each timed as path split_keys:<config>")
     parser.add_argument("--no-cudnn", action="store_true",
                         help="SDPA without its cuDNN backend, as eager decode and fused steps run it "
                              "(`hf_raincheck.attention.sdpa.eager_sdpa_backends`)")
@@ -222,6 +254,8 @@ def main(argv=None) -> int:
         chosen = {p: PATHS[p] for p in args.paths.split(",")}
     for text in filter(None, args.softmax_configs.split(";")):
         chosen[f"softmax:{text}"] = lambda *a, t=parse_tiling(text): grouped_with_softmax(t, *a)
+    for text in filter(None, args.split_configs.split(";")):
+        chosen[f"split_keys:{text}"] = lambda *a, t=parse_split_tiling(text): split_keys(*a, tiling=t)
     device = args.device or ("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
     cuda = device.startswith("cuda")
     if (args.graphs or args.compile) and not cuda:
@@ -237,18 +271,19 @@ def main(argv=None) -> int:
     records = []
     mode = ("compiled, " if args.compile else "") + ("CUDA graph replay" if args.graphs else "eager calls")
     mode += ", SDPA without cuDNN" if args.no_cudnn else ""
-    print(f"per-call time, {mode}")
+    print(f"per-call time, {mode}, batch {args.batch}")
     print("| layer | keys | rows | " + " | ".join(f"{p} us" for p in paths) + " | max abs diff grouped vs sdpa |"
-          " max abs diff softmax tilings vs grouped |")
-    print("| " + " | ".join(["---"] * (5 + len(paths))) + " |")
+          " max abs diff softmax tilings vs grouped | max abs diff split_keys vs sdpa |")
+    print("| " + " | ".join(["---"] * (6 + len(paths))) + " |")
     for name, (hq, hkv, d) in layers.items():
         for k in keys:
             for q in rows:
                 gen = torch.Generator(device=device).manual_seed(0)
-                query = torch.randn(1, hq, q, d, device=device, generator=gen).to(dtype)
-                key = torch.randn(1, hkv, k, d, device=device, generator=gen).to(dtype)
-                value = torch.randn(1, hkv, k, d, device=device, generator=gen).to(dtype)
-                visible = torch.rand(1, 1, q, k, device=device, generator=gen) < 0.9
+                n = args.batch
+                query = torch.randn(n, hq, q, d, device=device, generator=gen).to(dtype)
+                key = torch.randn(n, hkv, k, d, device=device, generator=gen).to(dtype)
+                value = torch.randn(n, hkv, k, d, device=device, generator=gen).to(dtype)
+                visible = torch.rand(n, 1, q, k, device=device, generator=gen) < 0.9
                 visible[..., :1] = True
                 call = (query, key, value, visible, d ** -0.5)
                 times = {}
@@ -263,11 +298,15 @@ def main(argv=None) -> int:
                 kernel_diff = max([(paths[p](*call).float() - reference).abs().max().item()
                                    for p in paths if p.startswith("softmax:") and times[p] == times[p]],
                                   default=None)
-                records.append(dict(layer=name, heads=hq, kv_heads=hkv, head_dim=d, keys=k, rows=q,
+                split_diff = max([(paths[p](*call).float() - sdpa_masked(*call).float()).abs().max().item()
+                                  for p in paths if p.startswith("split_keys") and times[p] == times[p]],
+                                 default=None)
+                records.append(dict(layer=name, batch=args.batch, heads=hq, kv_heads=hkv, head_dim=d, keys=k, rows=q,
                                     **{f"{p}_us": round(t, 2) if t == t else None for p, t in times.items()}, max_abs_diff=diff,
-                                    kernel_max_abs_diff=kernel_diff))
+                                    kernel_max_abs_diff=kernel_diff, split_keys_max_abs_diff=split_diff))
                 print(f"| {name} | {k} | {q} | " + " | ".join(f"{times[p]:.1f}" for p in paths) + f" | {diff:.2g} | "
-                      f"{'-' if kernel_diff is None else format(kernel_diff, '.2g')} |", flush=True)
+                      f"{'-' if kernel_diff is None else format(kernel_diff, '.2g')} | "
+                      f"{'-' if split_diff is None else format(split_diff, '.2g')} |", flush=True)
     if args.save:
         head = dict(torch=torch.__version__, device=device, timing=mode, dtype=str(dtype).replace("torch.", ""),
                     gpu=torch.cuda.get_device_name() if cuda else None, repeats=repeats, command=" ".join(sys.argv))

@@ -1,9 +1,10 @@
 """When the package may run its Triton kernels.
 
-The kernels (`hf_raincheck.attention.softmax_triton`, `hf_raincheck.gdn_state.join_triton`,
+The kernels (`hf_raincheck.attention.softmax_triton`, `hf_raincheck.attention.split_keys_triton`,
+`hf_raincheck.gdn_state.join_triton`, `hf_raincheck.gdn_state.chunk_triton`,
 `hf_raincheck.pruning.greedy_triton`, `hf_raincheck.pruning.attention_triton`) run on CUDA tensors when Triton
 imports (it ships with CUDA builds of torch). ``HF_RAINCHECK_TRITON=0``, the package's one environment switch, turns
-them off (the torch paths run instead: the same results; the attention's softmax and the GDN join read it at import,
+them off (the torch paths run instead: the same results; the attention's kernels and the GDN join read it at import,
 the pruning kernels at each call). For tests
 on a machine without a GPU, Triton's interpreter (``TRITON_INTERPRET=1``) runs them on CPU tensors too.
 """

@@ -39,10 +39,15 @@ def test_grouped_shared_mask_broadcasts_over_the_batch():
 @pytest.mark.parametrize("rows", [1, 2, 31, 64, 65, 130])
 @pytest.mark.parametrize("limit", [0, 64])
 def test_sdpa_routes_few_rows_to_the_grouped_path_and_agrees(monkeypatch, rows, limit):
+    """2 to GROUPED_MAX_ROWS masked rows take the grouped path (or the split-keys kernel where it runs:
+    tests/test_split_keys_triton.py), others SDPA; all equal the reference."""
     monkeypatch.setattr(sdpa, "GROUPED_MAX_ROWS", limit)
     calls = []
     original = sdpa.grouped_attention
     monkeypatch.setattr(sdpa, "grouped_attention", lambda *a: calls.append(1) or original(*a))
+    if sdpa._split_keys is not None:  # under Triton's interpreter the split-keys kernel takes these rows instead
+        kernel = sdpa._split_keys
+        monkeypatch.setattr(sdpa, "_split_keys", lambda *a: calls.append(1) or kernel(*a))
     query, key, value, visible = _inputs(rows, 200, 8, 2, seed=rows)
     visible[..., :1] = True  # every row sees a key (SDPA's fully masked rows are not part of the contract here)
     out = sdpa_attention(query, key, value, visible, 0.2)

@@ -73,8 +73,12 @@ def ptxas_report(compiled, tmp_path) -> str:
     return "\n".join(line for line in (run.stdout + run.stderr).splitlines() if "registers" in line or "spill" in line)
 
 
+SPLIT_KEYS_ARGS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "vis_ptr": "*i1", "acc_ptr": "*fp32",
+                   "max_ptr": "*fp32", "sum_ptr": "*fp32", "out_ptr": "*bf16", "scale": "fp64"}
+
+
 def kernels():
-    from hf_raincheck.attention import softmax_triton
+    from hf_raincheck.attention import softmax_triton, split_keys_triton
     from hf_raincheck.gdn_state import chunk_triton, join_triton
     from hf_raincheck.pruning import attention_triton, greedy_triton
 
@@ -93,6 +97,12 @@ def kernels():
                                  dict(BLOCK_K=8192, ONE_PASS=True), 16),
         "grouped-softmax-long": (softmax_triton._masked_softmax_kernel, SOFTMAX_ARGS,
                                  dict(BLOCK_K=2048, ONE_PASS=False), 4),
+        # a compiled Qwen3-VL-8B fused step's attention (head dim 128, 32 rows x 4 query heads per KV head; Inductor
+        # passes the scale as fp64), and the combine of its 16 key ranges
+        "split-keys-128": (split_keys_triton._partial_kernel, SPLIT_KEYS_ARGS,
+                           dict(HEAD_DIM=128, BLOCK_M=split_keys_triton.BLOCK_M, BLOCK_N=split_keys_triton.BLOCK_N),
+                           split_keys_triton.WARPS),
+        "split-keys-combine": (split_keys_triton._combine_kernel, SPLIT_KEYS_ARGS, dict(HEAD_DIM=128, SPLITS=16), 4),
         "gdn-join-128": (join_triton._join_prefix_kernel, JOIN_ARGS, JOIN_128, 8),
         "gdn-chunk-128": (chunk_triton._chunk_kernel, CHUNK_ARGS, CHUNK_128, chunk_triton.WARPS),
     }
@@ -115,7 +125,7 @@ def compile_case(case: str, tmp_path) -> str:
 @pytest.mark.parametrize("case", ["mmtok-4096", "mmtok-4096-phases", "mmtok-video", "mmtok-late-one-program",
                                   "mmtok-prepare",
                                   "divprune-4096", "grouped-softmax-4352",
-                                  "grouped-softmax-long", "gdn-join-128", "gdn-chunk-128",
+                                  "grouped-softmax-long", "split-keys-128", "split-keys-combine", "gdn-join-128", "gdn-chunk-128",
                                   "attention-lse",
                                   "attention-received"])
 def test_kernel_compiles_for_hopper(case, tmp_path):

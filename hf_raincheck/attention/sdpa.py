@@ -6,8 +6,10 @@ and do not split the keys, so a call of a few dozen rows costs several times a o
 grouped product reads the keys and values once per KV head whatever the row count. One row stays on SDPA (its
 decode kernel is as fast as the grouped path there). `GROUPED_MAX_ROWS` is the largest row count that takes the
 grouped path. Longer masked forwards (a batch's shared prefill) are split so that no SDPA call covers more than
-`MAX_SCORE_ELEMENTS` scores (`_dense_masked_sdpa`: memory, not speed). Where Triton runs, the grouped path's masked softmax is one kernel (`softmax_triton`). The timings
-behind these choices are in the benchmarks page (``benchmarks/attention_speed.py``).
+`MAX_SCORE_ELEMENTS` scores (`_dense_masked_sdpa`: memory, not speed). Where Triton runs, the grouped path's masked
+softmax is one kernel (`softmax_triton`), and compiled 16-bit forwards with head dims up to `SPLIT_KEYS_MAX_DIM` take
+`split_keys_triton` instead of the grouped path (the keys split over programs; the scores never written). The
+timings behind these choices are in the benchmarks page (``benchmarks/attention_speed.py``).
 """
 
 from __future__ import annotations
@@ -33,10 +35,34 @@ if os.environ.get("HF_RAINCHECK_TRITON", "1") != "0" and triton_importable():
         _masked_softmax = None
 _SOFTMAX_KERNEL_ON_CPU = interpreted()  # Triton's interpreter (tests): the kernels run on CPU tensors too
 
+# The split-keys kernel (`split_keys_triton`) for the grouped path's shapes, decided at import as the softmax kernel
+_split_keys = None
+if _masked_softmax is not None:
+    try:
+        from .split_keys_triton import split_keys_attention as _split_keys
+    except Exception:
+        _split_keys = None
+
+#: the largest head dim that takes the split-keys kernel: at Qwen3.5-9B's 256 a fused step's 64 rows gained 1.2 us
+#: of 31.9 per layer (benchmarks page, "The split-keys kernel")
+SPLIT_KEYS_MAX_DIM = 128
+
 
 def _eager_short() -> bool:
     """Inside an eager short forward (`eager_sdpa_backends`), not while a compiled step is traced."""
     return not torch.compiler.is_compiling() and _EAGER_SHORT.inside
+
+
+def _split_keys_runs(query: torch.Tensor) -> bool:
+    """Whether `split_keys_triton` takes these rows: a CUDA forward in 16-bit floats (its products are tensor-core
+    dots; fp32 models keep the grouped path's fp32 products) with a head dim up to `SPLIT_KEYS_MAX_DIM`, not an
+    eager short forward (host-bound: the grouped path's torch ops launch faster than two Triton kernels), or Triton's
+    interpreter (tests)."""
+    if _split_keys is None or query.shape[-1] > SPLIT_KEYS_MAX_DIM or _eager_short():
+        return False
+    if query.device.type == "cuda":
+        return query.dtype in (torch.bfloat16, torch.float16)
+    return query.device.type == "cpu" and _SOFTMAX_KERNEL_ON_CPU
 
 
 def _softmax_kernel_runs(device: torch.device) -> bool:
@@ -167,6 +193,8 @@ def sdpa_attention(
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=enable_gqa)
         return out.transpose(1, 2).contiguous()
     rows = query.shape[2]
+    if visible is not None and 1 < rows <= GROUPED_MAX_ROWS and visible.dtype == torch.bool and _split_keys_runs(query):
+        return _split_keys(query, key, value, visible, scaling)
     if visible is not None and (1 < rows <= GROUPED_MAX_ROWS or (rows == 1 and GROUPED_MAX_ROWS and _eager_short())):
         # (one masked row of an eager short forward, e.g. a decode step while deferred slots are pending: SDPA
         # without cuDNN has no masked GQA kernel and falls back to its math path, which repeats K and V per query
