@@ -157,3 +157,29 @@ def test_bad_inputs_are_refused_naming_the_argument(device):
                          (dict(splits=-1), "splits")):
         with pytest.raises(ValueError, match=f"^{name}"):
             launch_split_keys(query, key, value, visible, 0.3, **tiling)
+
+
+def test_fused_steps_through_the_kernel_equal_the_grouped_path(device, monkeypatch):
+    """End to end: a tiny Qwen3-VL's Raincheck answer whose fused steps' masked rows run the kernel (on the CPU, under
+    Triton's interpreter, eager forwards take it: no eager-short context there) equals the answer through the
+    grouped path: same tokens, logits to fp32 rounding. (On a GPU the compiled bf16 steps are compared in
+    tests/test_steps_gpu.py.)"""
+    if device.type != "cpu":
+        pytest.skip("the CPU run of the interpreter; the GPU's compiled steps: tests/test_steps_gpu.py")
+    from handmade import _conv, _tiny_model
+    from helpers import generate, new_tokens
+
+    from hf_raincheck import RaincheckConfig, enable_raincheck
+
+    model = enable_raincheck(_tiny_model("eager"))
+    inputs = _conv([(1, 8, 8), (1, 8, 8)], [3, 2, 4])
+    cfg = RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=2, pruning="uniform", completion="blocking")
+    calls = []
+    kernel = sdpa._split_keys
+    monkeypatch.setattr(sdpa, "_split_keys", lambda *a: calls.append(tuple(a[0].shape)) or kernel(*a))
+    through_kernel = generate(model, inputs, 10, cfg)
+    assert calls and {shape[2] for shape in calls} <= {6, 5, 4, 3, 2}, calls  # fused steps: chunk + decode row
+    monkeypatch.setattr(sdpa, "_split_keys", None)
+    grouped = generate(model, inputs, 10, cfg)
+    assert new_tokens(through_kernel, inputs) == new_tokens(grouped, inputs)
+    torch.testing.assert_close(torch.stack(through_kernel.logits), torch.stack(grouped.logits), atol=1e-4, rtol=1e-4)

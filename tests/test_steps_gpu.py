@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from handmade import _conv  # noqa: E402
+from handmade import _conv, _tiny_model  # noqa: E402
 from handmade_qwen3_5 import tiny_qwen3_5  # noqa: E402
 from helpers import _extend, generate, new_tokens  # noqa: E402
 from test_compiled_steps import _with_new_image  # noqa: E402
@@ -37,8 +37,6 @@ def _inputs():
 
 def _model(family):
     if family == "qwen3_vl":
-        from handmade import _tiny_model
-
         return enable_raincheck(_tiny_model("eager").cuda())
     return enable_raincheck(tiny_qwen3_5("eager").cuda())
 
@@ -118,6 +116,40 @@ def test_compiled_static_steps_equal_eager_on_cuda(family):
     torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(eager.logits), atol=2e-3, rtol=2e-3)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0, skips.messages
+
+
+def test_compiled_bf16_fused_steps_take_the_split_keys_kernel(monkeypatch):
+    """A bf16 model's compiled fused steps trace their masked rows into `split_keys_triton` (head dim 16 <= 128),
+    and give the logits the grouped path gives (the same compiled steps with the kernel taken away), up to bf16
+    rounding, on every step until the greedy tokens first differ (a near tie of a random tiny model may flip)."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    from hf_raincheck.attention import sdpa
+
+    model = enable_raincheck(_tiny_model("eager").cuda().to(torch.bfloat16))
+    inputs = _inputs()
+    inputs["pixel_values"] = inputs["pixel_values"].to(torch.bfloat16)
+    cfg = RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=2, pruning="uniform", completion="blocking")
+    kw = dict(cache_implementation="static", compile_config=CompileConfig())
+    calls = []
+    kernel = sdpa._split_keys
+    assert kernel is not None
+    monkeypatch.setattr(sdpa, "_split_keys", lambda *a: calls.append(tuple(a[0].shape)) or kernel(*a))
+    torch._dynamo.reset()
+    split = generate(model, inputs, 16, cfg, **kw)
+    assert calls and all(shape[2] == 6 for shape in calls), calls  # the fused graph's 5 + 1 rows, per layer
+    monkeypatch.setattr(sdpa, "_split_keys", None)
+    torch._dynamo.reset()
+    grouped = generate(model, inputs, 16, cfg, **kw)
+    a, b = new_tokens(split, inputs), new_tokens(grouped, inputs)
+    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+    steps = min(same + 1, len(a))
+    diff = float((torch.stack(split.logits[:steps]).float() - torch.stack(grouped.logits[:steps]).float()).abs().max())
+    print(f"\nsplit keys vs grouped path, compiled bf16: tokens equal for {same} of {len(a)}; max abs logit diff "
+          f"{diff:.2e} over {steps} steps")
+    assert same >= 4  # past the guard's 2 tokens: fused steps compared
+    torch.testing.assert_close(torch.stack(split.logits[:steps]).float(), torch.stack(grouped.logits[:steps]).float(),
+                               atol=5e-2, rtol=5e-2)
 
 
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
