@@ -8,8 +8,8 @@ head, block of V columns); per value head, with ``k``, ``q`` l2-normalised, ``q`
 ``c_t = g_1 + ... + g_t`` and ``D[i, j] = exp(c_i - c_j)`` (``i >= j``):
 
     L = strict_lower(beta_i (k_i . k_j) D[i, j])          (the rows' interactions, T x T)
-    R = (I + L)^-1                                          (by block doubling: six levels of two products)
-    U = R (beta v) - R (beta exp(c) k) S_0                 (the rows' new values)
+    R = (I + L)^-1                                          (block doubling: six levels, the first without products)
+    U = R (beta (v - exp(c) k S_0))                        (the rows' new values)
     O = exp(c) (q S_0) + lower(q k^T . D) U
     S_T = exp(c_T) S_0 + (exp(c_T - c) k)^T U
 
@@ -18,16 +18,19 @@ head, block of V columns); per value head, with ``k``, ``q`` l2-normalised, ``q`
 chunked kernels round k, v and the state to bf16 for theirs, so this is the closer of the two to the float64
 recurrence: `tests/test_gdn_chunk_triton.py` checks it against fla on a GPU); ``"tf32x3"`` (fp32-accurate, as
 `join_triton`) made ptxas spill ~4.5 KB of registers per thread at K = 128 (8 warps) against ~0.6 KB; with the
-default 4 warps TF32 spills ~0.95 KB and is still the fastest launch measured (`tests/test_triton_compile.py` prints
-the report); full-fp32 ``"ieee"`` products (FMA loops) took ptxas 114 s at K = 32 and 293 s at K = 128 to compile
-for sm_90a, so the products are TF32 only (Triton's interpreter computes them in fp32: the tests check the algorithm
-there at fp32 accuracy). Rows past the chunk's end (padding) read as ``g = beta = 0``, k = q = 0: the identity.
+default 4 warps TF32 spills ~0.5 KB (0.95 KB before the fewer products, below) and is still the fastest launch
+measured (`tests/test_triton_compile.py` prints the report); full-fp32 ``"ieee"`` products (FMA loops) took ptxas
+114 s at K = 32 and 293 s at K = 128 to compile for sm_90a, so the products are TF32 only (Triton's interpreter
+computes them in fp32: the tests check the algorithm there at fp32 accuracy). Rows past the chunk's end (padding)
+read as ``g = beta = 0``, k = q = 0: the identity.
 
 `kernels.gated_delta` calls it in place of fla's chunked function for 2-64 rows from a state when its programs fit
 one wave of the GPU (`kernels.one_chunk_kernel_takes`): a compiled fused step's window at batch 1. There, at
-Qwen3.5-9B's heads on an H200 (``benchmarks/gdn_chunk.py``, 24 calls in a CUDA graph), 20.7 us per call against
-fla's 36.8; at B = 8 and 16 (eight and sixteen waves) fla's seven kernels were faster (90 / 166 us against 115 /
-224), so batches keep fla.
+Qwen3.5-9B's heads on an H200 (``benchmarks/gdn_chunk.py``, 24 calls in a CUDA graph), 15.8 us per call against
+fla's 37.1; from B = 4 on (several waves) fla's seven kernels were faster (B = 4 / 8 / 16: 53 / 78 / 128 us against
+58 / 116 / 228), so batches keep fla. Three products fewer than the plain WY form (20.7 us per call with them):
+the inverse's first doubling level is closed-form, and U applies R to the program's ``[T, BLOCK_V]`` columns once,
+where fla's WY form applies it to ``[T, K]`` first (``W = R (beta exp(c) k)``, then ``U = R (beta v) - W S_0``).
 
 The fused step's join (``S_live += P_tail (new - old)``, `join_triton`) stays a kernel of its own: this window with
 the join in its epilogue took 31.1 us per call on the H200 at B = 1 against 30.8 for the two kernels (CHANGELOG).
@@ -45,7 +48,8 @@ import triton.language as tl
 CHUNK = 64
 #: V columns per program, and warps per program: on the H200 at Qwen3.5-9B's heads (63 rows, bf16;
 #: ``benchmarks/gdn_chunk.py --triton-configs``) 32 columns with 4 warps took 20.7 us per call at B = 1 against 25.6
-#: with 8 warps, 28.1 with 16 columns / 4 warps and 29.9 with 64 / 8 (fla's chunked function: 36.8)
+#: with 8 warps, 28.1 with 16 columns / 4 warps and 29.9 with 64 / 8 (fla's chunked function: 36.8); with the fewer
+#: products 15.6 us, still the fastest (8 warps 21.3, 64 columns 18.3)
 BLOCK_V = 32
 WARPS = 4
 _EPS = 1e-6  # the l2 norm's, as fla's and transformers' (``x / sqrt(sum(x^2) + eps)``)
@@ -83,21 +87,23 @@ def _chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_ptr, ht_ptr,
     # off-diagonal blocks are -B^-1 C A^-1 (inv([[A, 0], [C, B]])), for all blocks at once
     kk = tl.dot(k, tl.trans(k), input_precision="tf32")
     lower = tl.where(t[:, None] > t[None, :], beta[:, None] * kk * decay, 0.0)
-    r = tl.where(t[:, None] == t[None, :], 1.0, 0.0)
-    for level in tl.static_range(LEVELS):
+    # level 0 without products (R = I there): the inverse of each 2 x 2 block [[1, 0], [l, 1]] is [[1, 0], [-l, 1]]
+    pair = (t[:, None] // 2 == t[None, :] // 2) & (t[:, None] > t[None, :])
+    r = tl.where(t[:, None] == t[None, :], 1.0, 0.0) - tl.where(pair, lower, 0.0)
+    for level in tl.static_range(1, LEVELS):
         size = 1 << level
         pair = (t[:, None] // (2 * size) == t[None, :] // (2 * size)) & (t[:, None] // size > t[None, :] // size)
         r = r - tl.dot(tl.dot(r, tl.where(pair, lower, 0.0), input_precision="tf32"), r,
                        input_precision="tf32")
 
     grow = tl.exp(c)
-    w = tl.dot(r, k * (beta * grow)[:, None], input_precision="tf32")  # [BT, K]
     v_at = ((b * rows + t[:, None]) * value_heads + h) * value_dim + cols[None, :]
     tv_mask = in_t[:, None] & in_c[None, :]
     v = tl.load(v_ptr + v_at, mask=tv_mask, other=0.0).to(tl.float32)
     s0 = tl.load(h0_ptr + b * h0_b + h * h0_h + kd[:, None] * h0_k + cols[None, :] * h0_v, mask=in_c[None, :],
                  other=0.0)
-    u = tl.dot(r, v * beta[:, None], input_precision="tf32") - tl.dot(w, s0, input_precision="tf32")
+    # U = R (beta v - beta exp(c) k S_0): R applied once, to [BT, BLOCK_V] (not to [BT, K] first, fla's W)
+    u = tl.dot(r, beta[:, None] * (v - grow[:, None] * tl.dot(k, s0, input_precision="tf32")), input_precision="tf32")
 
     a = tl.where(lower_eq, tl.dot(q, tl.trans(k), input_precision="tf32") * decay, 0.0)
     o = grow[:, None] * tl.dot(q, s0, input_precision="tf32") + tl.dot(a, u, input_precision="tf32")

@@ -159,13 +159,14 @@ def _sm_count(device: torch.device) -> int:
 
 def one_chunk_kernel_takes(rows: int, batch: int, value_heads: int, value_dim: int, sm_count: int) -> bool:
     """fla backend, `rows` from a state: whether `chunk_triton.chunk_gated_delta` takes the call instead of fla's
-    chunked function. It does for 2 to `chunk_triton.CHUNK` rows when its programs (one per batch row, value head and
-    block of V columns) fill at most one wave of the GPU's `sm_count` SMs: a compiled fused step's window at batch 1
-    (Qwen3.5-9B, 63 rows: 128 programs on an H200's 132 SMs took 20.7 us per call against fla's 36.8). With more
-    programs each SM runs several in turn, and fla's seven kernels, which spread a chunk's work over more programs,
-    were faster (B = 8: 115 against 90 us; benchmarks page, "The one-chunk GDN kernel"). Only for a V that its
-    column blocks divide (every Qwen3.5 has V = 128): the kernel's first GPU test run hit a CUDA illegal memory
-    access at V = 48 (with 8 warps; not explained), so ragged column blocks stay with fla."""
+    chunked function. It does for 2 to `chunk_triton.CHUNK` rows when its programs (one per batch row, value head
+    and block of V columns) fill at most one wave of the GPU's `sm_count` SMs: a compiled fused step's window at
+    batch 1 (Qwen3.5-9B, 63 rows: 128 programs on an H200's 132 SMs took 15.8 us per call against fla's 37.1). With
+    more programs each SM runs several in turn, and fla's seven kernels, which spread a chunk's work over more
+    programs, were faster (B = 4: 58 against 53 us, B = 8: 116 against 78; benchmarks page, "The one-chunk GDN
+    kernel"). Only for a V that its column blocks divide (every Qwen3.5 has V = 128): the kernel's first GPU test
+    run hit a CUDA illegal memory access at V = 48 (with 8 warps; not explained), so ragged column blocks stay with
+    fla."""
     from .chunk_triton import CHUNK, block_columns
 
     block = block_columns(value_dim)
