@@ -21,7 +21,8 @@ shape queries or allocations), the aten operators called from Python, and the ho
 engine (`hf_raincheck.generation.shared_batch`); a step is one forward of the whole batch (fused: some row carries
 deferred rows; pending / restored: a decode-only step while some row's plan is pending / after all are restored).
 
-Tiny random models of `benchmarks/shapes.py` (``tiny``, ``tiny-qwen3.5``), fp32, a 256-token image; the counts
+Tiny random models of `benchmarks/shapes.py` (``tiny``, ``tiny-qwen3.5``), bf16 as on a GPU (``--dtype``), a
+256-token image; the counts
 do not depend on the model's width, only on its layer count and kinds (4 layers: Qwen3.5's 3 GDN + 1 attention).
 A call of the GDN kernel (`hf_raincheck.gdn_state.kernels.gated_delta`; in plain generate transformers'
 `torch_chunk_gated_delta_rule` / `torch_recurrent_gated_delta_rule`) counts as one operator, among the kernel
@@ -62,6 +63,7 @@ from hf_raincheck.conversation import batch_inputs  # noqa: E402
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5_modeling  # noqa: E402
 
 POLICIES = ("plain", "full", "hard", "raincheck")
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 #: aten operators that launch no kernel: views, shape queries and allocations
@@ -173,21 +175,21 @@ def _step_kind(policy: str, plan, restored_before, pending_before) -> str:
     return "raincheck, restored"
 
 
-def _batch(image_tokens: int, batch_size: int) -> dict:
+def _batch(image_tokens: int, batch_size: int, dtype: torch.dtype) -> dict:
     """A left-padded batch of `batch_size` rows (row i: seed i, a question 3 * (i % 4) tokens longer), as
     ``batch.py`` builds one."""
-    rows = [shapes.build_inputs(image_tokens, 8, 8 + 3 * (i % 4), "cpu", torch.float32, seed=i)
+    rows = [shapes.build_inputs(image_tokens, 8, 8 + 3 * (i % 4), "cpu", dtype, seed=i)
             for i in range(batch_size)]
     return dict(batch_inputs(rows, 0))  # (shapes.build_model's pad_token_id)
 
 
 def run(shape: str, policy: str, image_tokens: int, new_tokens: int, count: bool, where: bool = False,
-        batch_size: int = 1):
+        batch_size: int = 1, dtype: torch.dtype = torch.bfloat16):
     """Per forward of one answer: (kind, summary or host seconds, Counter or None). ``batch_size > 1``: one answer
     of a batch in the shared engine (`generation.shared_batch`), its steps counted for the whole batch."""
-    model = enable_raincheck(shapes.build_model(shape, "cpu", torch.float32))
-    inputs = shapes.build_inputs(image_tokens, 8, 8, "cpu", torch.float32) if batch_size == 1 else _batch(
-        image_tokens, batch_size)
+    model = enable_raincheck(shapes.build_model(shape, "cpu", dtype))
+    inputs = shapes.build_inputs(image_tokens, 8, 8, "cpu", dtype) if batch_size == 1 else _batch(
+        image_tokens, batch_size, dtype)
     records = []
     state = model._raincheck_state
     original_turn_step = enable_module._turn_step
@@ -290,6 +292,8 @@ def main(argv=None) -> int:
                         help="rows of one left-padded batch (> 1: the shared engine's steps, counted per batch step)")
     parser.add_argument("--ops", default="", help="print the operators of one step of this kind by name "
                                                   "(plain, full, pending, fused, restored)")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
+                        help="the model's dtype (bfloat16: the GPU runs'; some operators, casts, exist only there)")
     parser.add_argument("--save", action="store_true", help="write results/step_ops.json")
     parser.add_argument("--out", default=os.path.join(_ROOT, "benchmarks", "results", "step_ops.json"))
     args = parser.parse_args(argv)
@@ -299,8 +303,9 @@ def main(argv=None) -> int:
     for shape in args.models.split(","):
         for policy in POLICIES:
             counted = run(shape, policy, args.image_tokens, args.new_tokens, count=True, where=bool(args.ops),
-                          batch_size=args.batch_size)
-            timed = run(shape, policy, args.image_tokens, args.new_tokens, count=False, batch_size=args.batch_size)
+                          batch_size=args.batch_size, dtype=DTYPES[args.dtype])
+            timed = run(shape, policy, args.image_tokens, args.new_tokens, count=False, batch_size=args.batch_size,
+                        dtype=DTYPES[args.dtype])
             by_kind = collections.defaultdict(list)
             for kind, _, ops in counted:
                 by_kind[kind].append(ops)

@@ -18,7 +18,8 @@ def _inputs(q, k, hq, hkv, d=16, batch=1, seed=0, dtype=torch.float32):
     return query, key, value, visible
 
 
-@pytest.mark.parametrize("q,k,hq,hkv,batch", [(2, 9, 4, 4, 1), (8, 40, 4, 2, 1), (32, 100, 8, 2, 2), (5, 7, 6, 1, 1)])
+@pytest.mark.parametrize("q,k,hq,hkv,batch", [(2, 9, 4, 4, 1), (8, 40, 4, 2, 1), (32, 100, 8, 2, 2), (5, 7, 6, 1, 1),
+                                              (1, 9, 4, 4, 1), (1, 40, 8, 2, 2)])
 def test_grouped_equals_naive(q, k, hq, hkv, batch):
     query, key, value, visible = _inputs(q, k, hq, hkv, batch=batch)
     visible[0, 0, 0] = False  # a row that sees nothing: zeros, as the reference
@@ -72,9 +73,9 @@ def test_grouped_bf16_is_close_to_the_fp32_reference():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_grouped_softmax_masks_in_the_scores_dtype_with_the_fp32_values(dtype):
-    """`grouped_softmax_torch` hides keys in the scores' own dtype and lets the softmax upcast (fewer operators in
-    host-bound eager steps): bit for bit the values of upcasting first, masking and normalising in fp32, rows that
-    see nothing included (zeros)."""
+    """`grouped_softmax_torch` hides keys in the scores' own dtype and normalises in one softmax kernel that computes
+    in fp32 and writes the scores' dtype (fewer operators in host-bound eager steps): bit for bit the values of
+    upcasting first, masking and normalising in fp32 and casting back, rows that see nothing included (zeros)."""
     g = torch.Generator().manual_seed(5)
     scores = (torch.randn(2, 2, 3, 5, 40, generator=g) * 8).to(dtype)
     visible = torch.rand(2, 1, 5, 40, generator=g) < 0.6
@@ -94,6 +95,36 @@ def test_grouped_scales_transposed_rows_as_contiguous_ones():
     assert not transposed.is_contiguous()
     assert torch.equal(sdpa.grouped_attention(transposed, key, value, visible, 0.3),
                        sdpa.grouped_attention(query, key, value, visible, 0.3))
+
+
+def test_one_eager_row_takes_the_scale_into_its_product():
+    """One row (a decode step while deferred slots are pending: every attention layer of an eager step) from a
+    transpose, as transformers makes it: the stacked rows are a view, the scale rides the scores' product (``baddbmm``
+    alpha) and the softmax writes the scores' dtype, so the path launches five kernels (product, mask, softmax, NaN
+    guard, product) where it launched eight (scale, product, mask, upcast, softmax, NaN guard, downcast, product);
+    the values equal the reference within bf16 rounding."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    query, key, value, visible = _inputs(1, 300, 8, 2, d=64, batch=2, seed=6)
+    query = query.transpose(1, 2).contiguous().transpose(1, 2).bfloat16()  # [B, 1, H, D] -> [B, H, 1, D]
+    key, value = key.bfloat16(), value.bfloat16()
+    visible[..., :1] = True
+    with Ops() as ops:
+        out = sdpa.grouped_attention(query, key, value, visible, 0.125)
+    kernels = [n for n in ops.names if n not in ("view", "_unsafe_view", "reshape", "transpose", "expand",
+                                                 "unsqueeze", "new_empty", "empty", "scalar_tensor", "t")]
+    assert kernels == ["baddbmm", "where", "_softmax", "nan_to_num", "bmm"], ops.names
+    ref = naive_attention(query.float(), key.float(), value.float(), visible, 0.125)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
 def test_grouped_takes_an_expanded_mask():

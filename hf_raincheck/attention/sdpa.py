@@ -80,21 +80,29 @@ def grouped_attention(
 ) -> torch.Tensor:
     """Same contract as `naive_attention` (a dense `visible`); returns ``[B, q, Hq, D]``.
 
-    The ``g`` query heads that share a KV head are stacked as the rows of one matrix product per KV head
-    (``[g q, D] x [D, k]``): keys and values are read once per KV head and never repeated. Precision as
-    transformers' eager attention: the scaled query meets the keys in the inputs' dtype (fp32 accumulation), the
-    mask and the softmax are fp32, the probabilities meet the values in the values' dtype. (fp32 scores would
-    read and write twice the bytes, and were slower at the Qwen3-VL-8B shape.) A row that sees nothing returns
-    zeros.
+    The ``g`` query heads that share a KV head are stacked as the rows of one matrix product per KV head (``[g q, D]
+    x [D, k]``): keys and values are read once per KV head and never repeated. Precision as transformers' eager
+    attention: the scaled query meets the keys in the inputs' dtype (fp32 accumulation; one eager row: the scale
+    applied to the fp32 products), the mask and the softmax are fp32, the probabilities meet the values in the
+    values' dtype. (fp32 scores would read and write twice the bytes, and were slower at the Qwen3-VL-8B shape.) A
+    row that sees nothing returns zeros.
     """
     b, hq, q, d = query.shape
     hkv, k = key.shape[1], key.shape[2]
     g = hq // hkv
-    if query.is_contiguous() or torch.compiler.is_compiling():
-        rows = query.reshape(b, hkv, g * q, d) * scaling
-    else:  # (eager, rows from a transpose) scaled straight into the stacked layout: one kernel, not a copy and a product
-        rows = torch.mul(query, scaling, out=query.new_empty(b, hq, q, d)).view(b, hkv, g * q, d)
-    scores = torch.matmul(rows, key.transpose(-1, -2)).view(b, hkv, g, q, k)  # the inputs' dtype
+    if q == 1 and not torch.compiler.is_compiling():
+        # (eager, one row: the stacked rows are a view) the scale as the product's alpha: one kernel, not two (eager
+        # steps are host-bound; a decode step while deferred slots are pending runs this in every attention layer)
+        rows, keys = query.reshape(b * hkv, g, d), key.reshape(b * hkv, k, d)
+        scores = torch.baddbmm(rows.new_empty(b * hkv, g, k), rows, keys.transpose(-1, -2), beta=0.0, alpha=scaling)
+        scores = scores.view(b, hkv, g, 1, k)
+    else:
+        if query.is_contiguous() or torch.compiler.is_compiling():
+            rows = query.reshape(b, hkv, g * q, d) * scaling
+        else:  # (eager, rows from a transpose) scaled straight into the stacked layout: one kernel, not a copy and
+            # a product
+            rows = torch.mul(query, scaling, out=query.new_empty(b, hq, q, d)).view(b, hkv, g * q, d)
+        scores = torch.matmul(rows, key.transpose(-1, -2)).view(b, hkv, g, q, k)  # the inputs' dtype
     if _softmax_kernel_runs(scores.device) and not _eager_short():
         probs = _masked_softmax(scores, visible, value.dtype)  # one Triton kernel: see `softmax_triton`
     else:
@@ -108,11 +116,12 @@ def grouped_softmax_torch(scores: torch.Tensor, visible: torch.Tensor, dtype: to
     g, q, k]`` upcast to fp32, keys `visible` (broadcasting to ``[b, hkv, q, k]``) hides at -inf, softmax over k,
     a row that sees nothing -> 0, cast to `dtype`: ``[b, hkv, g q, k]``."""
     b, hkv, g, q, k = scores.shape
-    # hidden keys at -inf in the scores' own dtype (exact), then the softmax upcasts to fp32 itself: the same
-    # values as upcasting first, in one operator instead of three (eager steps are host-bound: every operator
-    # costs a launch per layer)
+    # hidden keys at -inf in the scores' own dtype (exact), then the softmax: written in `dtype` when that is the
+    # scores' dtype (its CUDA and CPU kernels compute 16-bit inputs in fp32 and round once on the write: the values
+    # of an fp32 softmax cast after, in one kernel instead of three, an upcast, the softmax and a downcast after
+    # `nan_to_num`; eager steps are host-bound: every operator costs a launch per layer), else in fp32
     scores = torch.where(visible.unsqueeze(2), scores, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    probs = torch.softmax(scores, dim=-1, dtype=None if dtype == scores.dtype else torch.float32)
     return probs.nan_to_num(0.0).to(dtype).view(b, hkv, g * q, k)
 
 
