@@ -18,19 +18,18 @@ head, block of V columns); per value head, with ``k``, ``q`` l2-normalised, ``q`
 chunked kernels round k, v and the state to bf16 for theirs, so this is the closer of the two to the float64
 recurrence: `tests/test_gdn_chunk_triton.py` checks it against fla on a GPU); ``"tf32x3"`` (fp32-accurate, as
 `join_triton`) made ptxas spill ~4.5 KB of registers per thread at K = 128 (8 warps) against ~0.6 KB; with the
-default 4 warps TF32 spills ~0.5 KB (0.95 KB before the fewer products, below) and is still the fastest launch
-measured (`tests/test_triton_compile.py` prints the report); full-fp32 ``"ieee"`` products (FMA loops) took ptxas
-114 s at K = 32 and 293 s at K = 128 to compile for sm_90a, so the products are TF32 only (Triton's interpreter
-computes them in fp32: the tests check the algorithm there at fp32 accuracy). Rows past the chunk's end (padding)
-read as ``g = beta = 0``, k = q = 0: the identity.
+default 4 warps TF32 spills ~0.5 KB and is still the fastest launch measured (`tests/test_triton_compile.py` prints
+the report); full-fp32 ``"ieee"`` products (FMA loops) took ptxas 114 s at K = 32 and 293 s at K = 128 to compile
+for sm_90a, so the products are TF32 only (Triton's interpreter computes them in fp32: the tests check the algorithm
+there at fp32 accuracy). Rows past the chunk's end (padding) read as ``g = beta = 0``, k = q = 0: the identity.
 
 `kernels.gated_delta` calls it in place of fla's chunked function for 2-64 rows from a state when its programs fit
 one wave of the GPU (`kernels.one_chunk_kernel_takes`): a compiled fused step's window at batch 1. There, at
 Qwen3.5-9B's heads on an H200 (``benchmarks/gdn_chunk.py``, 24 calls in a CUDA graph), 15.8 us per call against
 fla's 37.1; from B = 4 on (several waves) fla's seven kernels were faster (B = 4 / 8 / 16: 53 / 78 / 128 us against
-58 / 116 / 228), so batches keep fla. Three products fewer than the plain WY form (20.7 us per call with them):
-the inverse's first doubling level is closed-form, and U applies R to the program's ``[T, BLOCK_V]`` columns once,
-where fla's WY form applies it to ``[T, K]`` first (``W = R (beta exp(c) k)``, then ``U = R (beta v) - W S_0``).
+58 / 116 / 228), so batches keep fla. Three products fewer than the plain WY form (20.7 us per call there): the
+inverse's first doubling level is closed-form, and U applies R to the program's ``[T, BLOCK_V]`` columns once, where
+fla's WY form applies it to ``[T, K]`` first (``W = R (beta exp(c) k)``, then ``U = R (beta v) - W S_0``).
 
 The fused step's join (``S_live += P_tail (new - old)``, `join_triton`) stays a kernel of its own: this window with
 the join in its epilogue took 31.1 us per call on the H200 at B = 1 against 30.8 for the two kernels (CHANGELOG).
@@ -47,9 +46,8 @@ import triton.language as tl
 #: ``(I - L)(I + L^2)(I + L^4)...`` is not, its powers of L grow to ~1e9 for aligned keys with beta near 1 (tested)
 CHUNK = 64
 #: V columns per program, and warps per program: on the H200 at Qwen3.5-9B's heads (63 rows, bf16;
-#: ``benchmarks/gdn_chunk.py --triton-configs``) 32 columns with 4 warps took 20.7 us per call at B = 1 against 25.6
-#: with 8 warps, 28.1 with 16 columns / 4 warps and 29.9 with 64 / 8 (fla's chunked function: 36.8); with the fewer
-#: products 15.6 us, still the fastest (8 warps 21.3, 64 columns 18.3)
+#: ``benchmarks/gdn_chunk.py --triton-configs``) 32 columns with 4 warps took 15.6 us per call at B = 1 against 21.3
+#: with 8 warps, 18.3 with 64 columns and 26.4 with 16 (fla's chunked function: 37.1)
 BLOCK_V = 32
 WARPS = 4
 _EPS = 1e-6  # the l2 norm's, as fla's and transformers' (``x / sqrt(sum(x^2) + eps)``)
