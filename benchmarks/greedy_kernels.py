@@ -11,7 +11,8 @@
   greedy step, and how many cover rows changed over the loop
   (the incremental update's work);
 - MMTok in two launches (``--late step:splits,...``: the early steps with `coverage_plan`'s split count, the rest
-  from that step with that many programs; ``default``: `coverage_stages`' own choice, ``none``: one launch);
+  from that step with that many programs in the late kernel; ``default``: `coverage_stages`' own choice,
+  ``none``: one launch); ``--smooth K`` takes spatially smooth features instead of independent random ones;
 - DivPrune (`divprune_steps_triton`) on the same spans' features.
 
 Median of ``--repeats`` CUDA-synchronised calls after a warm-up (the warm-up compiles). Writes ``--out`` (JSON)
@@ -108,6 +109,18 @@ def save(args, device, rows: list[dict]) -> None:
         json.dump(dict(meta=meta, rows=rows), f, indent=2)
 
 
+def features(batch: int, n: int, dim: int, smooth: int, gen) -> torch.Tensor:
+    """``[batch, n, dim]`` token features on a square grid of n tokens: independent normal (``smooth`` 0), or a
+    normal field on a grid `smooth` times coarser, bilinearly interpolated, plus noise of half its scale (nearby
+    tokens alike, as in images)."""
+    if smooth <= 0:
+        return torch.randn(batch, n, dim, generator=gen)
+    side = int(round(n ** 0.5))
+    coarse = torch.randn(batch, dim, max(1, side // smooth), max(1, side // smooth), generator=gen)
+    field = torch.nn.functional.interpolate(coarse, size=(side, side), mode="bilinear", align_corners=False)
+    return field.flatten(2).transpose(1, 2) + 0.5 * torch.randn(batch, n, dim, generator=gen)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -120,9 +133,12 @@ def main(argv=None):
     parser.add_argument("--tiles", default="",
                         help="comma list of MMTok changed-row tiles to try (default: the kernel's)")
     parser.add_argument("--late", default="",
-                        help="comma list of MMTok late stages to try, step:splits (e.g. 64:8) or "
-                             "step:splits:warps:tile_r (e.g. 256:1:16:4), 'default' (coverage_stages' choice) or "
+                        help="comma list of MMTok late stages to try, step:splits (e.g. 192:8) or "
+                             "step:splits:warps:list_len (e.g. 192:8:4:32), 'default' (coverage_stages' choice) or "
                              "'none' (one launch of coverage_plan's split count)")
+    parser.add_argument("--smooth", type=int, default=0,
+                        help="features varying smoothly over each span's grid (a random field on a grid this many "
+                             "times coarser, interpolated, plus noise) instead of independent random ones (0)")
     parser.add_argument("--retention", type=float, default=0.3)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="greedy_kernels.json")
@@ -136,8 +152,8 @@ def main(argv=None):
     gen = torch.Generator().manual_seed(0)
     rows = []
     for case, (batch, n) in cases.items():
-        x = torch.randn(batch, n, hidden, generator=gen).to(device)
-        x_c = torch.randn(batch, n, vit, generator=gen).to(device)
+        x = features(batch, n, hidden, args.smooth, gen).to(device)
+        x_c = features(batch, n, vit, args.smooth, gen).to(device)
         z = torch.randn(query, hidden, generator=gen).to(device)
         cover = coverage_matrix(x, x_c, z, 0.5, 0.01, 0.2)
         budget = max(1, round(args.retention * n))
@@ -171,7 +187,7 @@ def main(argv=None):
                 late = None
             elif option == "none":
                 late = (budget, 1)
-            else:  # step:splits, or step:splits:warps:tile_r
+            else:  # step:splits, or step:splits:warps:list_len
                 late = tuple(int(part) for part in option.split(":"))
             try:
                 stages = greedy_triton.coverage_stages(n, batch, budget, device, late=late)

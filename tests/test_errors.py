@@ -170,8 +170,15 @@ def test_bad_selector_output(model, inputs):
         start, _ = ctx.spans[0]
         return torch.cat([torch.tensor([0]), torch.arange(start, start + ctx.budgets[0])])
 
-    with pytest.raises(ValueError, match="outside the placeholder spans"):
+    with pytest.raises(ValueError, match="outside the placeholder spans: \\[0\\]"):
         _gen(model, inputs, raincheck_config=RaincheckConfig(retention=0.5, pruning=outside))
+
+    def twice(ctx):
+        start, _ = ctx.spans[0]
+        return torch.cat([torch.tensor([start]), torch.arange(start, start + ctx.budgets[0] - 1)])
+
+    with pytest.raises(ValueError, match="returned duplicate indices"):
+        _gen(model, inputs, raincheck_config=RaincheckConfig(retention=0.5, pruning=twice))
 
 
 def test_bad_schedule_answer(model, inputs):

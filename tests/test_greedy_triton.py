@@ -111,23 +111,67 @@ def test_mmtok_kernel_in_two_launches(device, monkeypatch):
         assert torch.equal(got.cpu(), want.cpu()), (splits, late)
 
 
+def test_raising_rows_lists_the_rows_each_column_raises(device):
+    """The late kernel's lists: per column the rows whose entry exceeds ``best`` (ascending, the first `list_len`
+    with their entries) and how many there are, past `list_len` too; several spans, sizes off the tiles."""
+    from hf_raincheck.pruning.greedy_triton import raising_rows
+
+    gen = torch.Generator().manual_seed(21)
+    batch, n, rows_n = 2, 37, 1100  # rows over one chunk of the list pass (LATE_BLOCK_R)
+    cover_t = torch.rand(batch, n, rows_n, generator=gen)
+    best = torch.rand(batch, rows_n, generator=gen) ** 0.05  # most rows high: short lists, a few long ones
+    best[0, :700] = 0.0  # span 0: every column over 700 rows (overflow)
+    for list_len in (1, 8, 64):
+        rows, values, counts = raising_rows(cover_t.to(device), best.to(device), list_len)
+        rows, values, counts = rows.cpu(), values.cpu(), counts.cpu()
+        for b in range(batch):
+            for j in range(n):
+                want = (cover_t[b, j] > best[b]).nonzero()[:, 0]
+                assert int(counts[b, j]) == want.numel(), (list_len, b, j)
+                k = min(list_len, want.numel())
+                assert torch.equal(rows[b, j, :k].long(), want[:k]), (list_len, b, j)
+                assert torch.equal(values[b, j, :k], cover_t[b, j, want[:k]]), (list_len, b, j)
+
+
+def test_late_kernel_picks_the_full_greedy(device, monkeypatch):
+    """The late kernel (lists of the rows a column raises, built when it starts) picks what the torch path's full
+    greedy picks, from any step, with lists long enough, short enough to overflow for most columns (those compare
+    the whole column) and of one row; spans of several sizes, with and without question rows."""
+    for i, (batch, n, m) in enumerate([(2, 96, 5), (1, 50, 0), (3, 70, 8)]):
+        cover = _cover(batch, n, m, device, seed=60 + i)
+        budget, width = max(2, round(0.4 * n)), max(n, 64)
+        _torch_path(monkeypatch)
+        want = greedy_coverage_order(cover, budget, lazy=False)
+        cover32, scales = _cover_and_scales(cover, width)
+        for step in (0, 3, budget // 2):
+            for list_len in (1, 4, 64):
+                got = coverage_order_triton(cover32, scales, budget, width + 1, splits=1,
+                                            late=(step, 1, 4, list_len))
+                assert got is not None
+                assert torch.equal(got.cpu(), want.cpu()), (batch, n, m, step, list_len)
+
+
 def test_coverage_stages(device):
-    """Which launches a greedy takes: one unless a late stage is given, or by default where it means fewer
-    programs; bad ``late`` values are refused, naming the argument."""
+    """Which launches a greedy takes: one unless a late stage is given or, by default, at least `LATE_STEP` steps
+    remain after `LATE_STEP`; the late one runs the late kernel; bad ``late`` values are refused, naming the
+    argument."""
     from hf_raincheck.pruning.greedy_triton import LATE_SPLITS, LATE_STEP, coverage_stages
 
-    assert coverage_stages(96, 1, 40, device, splits=1) == [(0, 1, 128)]
-    assert coverage_stages(96, 1, 40, device, splits=1, late=(7, 1)) == [(0, 1, 128), (7, 1, 128)]
-    assert coverage_stages(96, 1, 40, device, splits=1, late=(0, 1)) == [(0, 1, 128)]
-    assert coverage_stages(96, 1, 40, device, splits=1, late=(40, 2)) == [(0, 1, 128)]
-    assert coverage_stages(96, 1, 40, device, splits=1, late=(7, 1, 16, 4)) == [(0, 1, 128), (7, 1, 128)]
+    assert coverage_stages(96, 1, 40, device, splits=1) == [(0, 1, 128, False)]
+    assert coverage_stages(96, 1, 40, device, splits=1, late=(7, 1)) == [(0, 1, 128, False), (7, 1, 128, True)]
+    assert coverage_stages(96, 1, 40, device, splits=1, late=(0, 1)) == [(0, 1, 128, True)]
+    assert coverage_stages(96, 1, 40, device, splits=1, late=(40, 2)) == [(0, 1, 128, False)]
+    assert coverage_stages(96, 1, 40, device, splits=1, late=(7, 1, 16, 4)) == [(0, 1, 128, False),
+                                                                                (7, 1, 128, True)]
     for bad in ((-1, 2), (3, 0), (3,), (3, 1, 3, 2), (3, 1, 8, 0), (3, 1, 8, 3), (3, 1, 8)):
         with pytest.raises(ValueError, match="late"):
             coverage_stages(96, 1, 40, device, late=bad)
+    budget = 2 * LATE_STEP
+    default = coverage_stages(4096, 1, budget, device)
+    assert [stage[0] for stage in default] == [0, LATE_STEP] and [stage[3] for stage in default] == [False, True]
+    assert coverage_stages(4096, 1, budget - 1, device) == default[:1]  # too few steps left for it
     if device.type == "cuda":
-        early = coverage_stages(4096, 1, 1229, device)
-        assert early[0][:2] == (0, 64) and early[1][:2] == (LATE_STEP, LATE_SPLITS)
-        assert coverage_stages(4096, 1, 2 * LATE_STEP - 1, device) == early[:1]  # too few steps left for it
+        assert default[0][1] == 64 and default[1][1] == LATE_SPLITS
         with pytest.raises(ValueError, match="late"):
             coverage_stages(256, 16, 77, device, late=(5, 64))  # 16 x 64 programs cannot all be resident
 

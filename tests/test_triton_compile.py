@@ -30,6 +30,10 @@ GREEDY_ARGS = {
 }
 ATTENTION_ARGS = {"Q": "*bf16", "K": "*bf16", "SEG_START": "*i32", "SEG_STOP": "*i32", "LSE": "*fp32",
                   "OUT": "*fp32", "qk_scale": "fp32"}
+LATE_ARGS = dict(GREEDY_ARGS, best_copy_ptr="*fp32", list_rows_ptr="*i32", list_vals_ptr="*fp32",
+                 list_len_ptr="*i32")
+LISTS_ARGS = {"cover_t_ptr": "*fp32", "best_ptr": "*fp32", "list_rows_ptr": "*i32", "list_vals_ptr": "*fp32",
+              "list_len_ptr": "*i32"}
 PREPARE_ARGS = {"cover_ptr": "*fp32", "scales_ptr": "*fp32", "cover_t_ptr": "*fp32", "gain_ptr": "*i64"}
 SOFTMAX_ARGS = {"scores_ptr": "*bf16", "visible_ptr": "*i1", "out_ptr": "*bf16"}
 JOIN_ARGS = {"state_ptr": "*fp32", "old_ptr": "*fp32", "new_ptr": "*fp32"}
@@ -43,6 +47,8 @@ DIVPRUNE_ARGS = {"sim_ptr": "*fp32", "nearest_ptr": "*fp32", "order_ptr": "*i64"
 #: MMTok at 4096 tokens (`coverage_plan`: 64 programs of 64 columns, 8 warps; 24 question rows -> 32)
 MMTOK_4096 = dict(SPLITS=64, SPLITS_P2=64, BLOCK_C=64, BLOCK_M=32, BLOCK_N=4096, TILE_R=64, SPIN=1 << 22,
                   PHASES=False)
+
+MMTOK_LATE = dict(BLOCK_M=32, BLOCK_N=4096, LIST=64, BLOCK_R=1024, SPIN=1 << 22)
 
 
 def compile_for_hopper(kernel, types: dict, constexprs: dict, num_warps: int, num_stages: int = 3):
@@ -87,9 +93,13 @@ def kernels():
         "mmtok-4096-phases": (greedy_triton._coverage_kernel, GREEDY_ARGS, dict(MMTOK_4096, PHASES=True), 8),
         "mmtok-video": (greedy_triton._coverage_kernel, GREEDY_ARGS,
                         dict(MMTOK_4096, SPLITS=8, SPLITS_P2=8, BLOCK_C=32, BLOCK_N=256, TILE_R=64), 4),
-        # a late stage on one program (no barrier: `coverage_stages`' late=(step, 1, 16, 4), benchmarks)
-        "mmtok-late-one-program": (greedy_triton._coverage_kernel, GREEDY_ARGS,
-                                   dict(MMTOK_4096, SPLITS=1, SPLITS_P2=2, BLOCK_C=4096, TILE_R=4), 16),
+        # the late stage at 4096 tokens (`coverage_stages`' default: 8 programs of 512 columns), its lists, and
+        # the late stage on one program (no barrier)
+        "mmtok-late": (greedy_triton._coverage_late_kernel, LATE_ARGS,
+                       dict(MMTOK_LATE, SPLITS=8, SPLITS_P2=8, BLOCK_C=512, TILE_R=8), 8),
+        "mmtok-late-one-program": (greedy_triton._coverage_late_kernel, LATE_ARGS,
+                                   dict(MMTOK_LATE, SPLITS=1, SPLITS_P2=2, BLOCK_C=4096, TILE_R=1), 8),
+        "mmtok-lists": (greedy_triton._raising_rows_kernel, LISTS_ARGS, dict(LIST=64, BLOCK_R=1024), 4),
         "mmtok-prepare": (greedy_triton._prepare_kernel, PREPARE_ARGS, dict(BLOCK_R=64, BLOCK_C=64), 4),
         "divprune-4096": (greedy_triton._divprune_kernel, DIVPRUNE_ARGS, dict(BLOCK_N=4096), 8),
         # a fused step's grouped softmax at 4352 keys (one pass), and the two-pass kernel of longer rows
@@ -122,8 +132,8 @@ def compile_case(case: str, tmp_path) -> str:
     return ptxas_report(compiled, tmp_path)
 
 
-@pytest.mark.parametrize("case", ["mmtok-4096", "mmtok-4096-phases", "mmtok-video", "mmtok-late-one-program",
-                                  "mmtok-prepare",
+@pytest.mark.parametrize("case", ["mmtok-4096", "mmtok-4096-phases", "mmtok-video", "mmtok-late", "mmtok-late-one-program",
+                                  "mmtok-lists", "mmtok-prepare",
                                   "divprune-4096", "grouped-softmax-4352",
                                   "grouped-softmax-long", "split-keys-128", "split-keys-combine", "gdn-join-128", "gdn-chunk-128",
                                   "attention-lse",

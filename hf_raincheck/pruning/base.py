@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+import numpy as np
 import torch
 
 #: ``ctx.extras`` keys (all per merged token, concatenated in span order like ``ctx.embeddings``)
@@ -249,23 +250,23 @@ def select_kept(pruning: str | Selector, ctx: SelectionContext) -> torch.Tensor:
     kept: Any = get_selector(pruning)(ctx)
     if not isinstance(kept, torch.Tensor) or kept.dtype not in (torch.int64, torch.int32) or kept.ndim != 1:
         raise ValueError(f"pruning selector {name!r} must return a 1-D LongTensor of indices, got {kept!r}")
-    kept = kept.to(device="cpu", dtype=torch.long)
-    kept, _ = torch.sort(kept)
-    if kept.numel() > 1 and bool((kept[1:] == kept[:-1]).any()):
+    # checked in numpy: a few small array ops (torch's CPU ops on ~10^3 elements cost more in dispatch than in work)
+    kept = np.sort(kept.cpu().numpy()).astype(np.int64)
+    if kept.size > 1 and bool((kept[1:] == kept[:-1]).any()):
         raise ValueError(f"pruning selector {name!r} returned duplicate indices")
-    inside = torch.zeros_like(kept, dtype=torch.bool)
+    inside = 0
     for m, ((start, stop), budget) in enumerate(zip(ctx.spans, ctx.budgets)):
-        in_span = (kept >= start) & (kept < stop)
-        count = int(in_span.sum())
+        count = int(np.searchsorted(kept, stop) - np.searchsorted(kept, start))
         if count != budget:
             raise ValueError(
                 f"pruning selector {name!r} kept {count} tokens in span {m} ({start}..{stop}); "
                 f"its budget is exactly {budget}"
             )
-        inside |= in_span
-    if not bool(inside.all()):
-        raise ValueError(f"pruning selector {name!r} returned indices outside the placeholder spans: {kept[~inside].tolist()}")
-    return kept
+        inside += count
+    if inside != kept.size:
+        outside = [int(k) for k in kept if not any(start <= k < stop for start, stop in ctx.spans)]
+        raise ValueError(f"pruning selector {name!r} returned indices outside the placeholder spans: {outside}")
+    return torch.from_numpy(kept)
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
@@ -282,16 +283,25 @@ def span_groups(ctx: SelectionContext) -> dict[tuple[int, int], list[int]]:
 
 def assemble(ctx: SelectionContext, chosen: Mapping[int, torch.Tensor]) -> torch.Tensor:
     """Kept indices into ``input_ids`` (sorted) from per-span offsets ``chosen[m]`` (any order); spans not in
-    `chosen` keep all their tokens when their budget says so, none when it is 0."""
-    parts = []
+    `chosen` keep all their tokens when their budget says so, none when it is 0. The chosen offsets come to the
+    host in one copy (one synchronisation however many spans, e.g. the frames of a video)."""
+    picked = [m for m in range(len(ctx.spans)) if m in chosen]
+    if len(picked) == 1:
+        host = chosen[picked[0]].cpu().numpy().reshape(-1)
+    elif picked:
+        device = chosen[picked[0]].device
+        host = torch.cat([chosen[m].reshape(-1).to(device) for m in picked]).cpu().numpy()
+    parts, at = [], 0
     for m, ((start, stop), budget) in enumerate(zip(ctx.spans, ctx.budgets)):
         if m in chosen:
-            offsets = torch.sort(chosen[m].to(device="cpu", dtype=torch.long)).values
+            size = chosen[m].numel()
+            offsets = np.sort(host[at : at + size]).astype(np.int64)
+            at += size
         elif budget >= stop - start:
-            offsets = torch.arange(stop - start)
+            offsets = np.arange(stop - start, dtype=np.int64)
         elif budget <= 0:
-            offsets = torch.zeros(0, dtype=torch.long)
+            offsets = np.zeros(0, dtype=np.int64)
         else:
             raise AssertionError(f"span {m}: no choice made for a budget of {budget} out of {stop - start}")
         parts.append(start + offsets)
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    return torch.from_numpy(np.concatenate(parts)) if parts else torch.zeros(0, dtype=torch.long)

@@ -23,7 +23,17 @@ loads and reductions.
   SM count). A program that waits too long (``SPIN_LIMIT`` polls: programs not co-resident, or Triton's
   interpreter, which runs programs one after another) raises the span's failure flag and stops; the host then runs
   the torch path for the batch. Long greedies run in two launches (`coverage_stages`): the first steps, which change
-  many rows, on many programs, the rest on fewer; the state goes through memory between them.
+  many rows, on many programs (`_coverage_kernel`), the rest on fewer in the late kernel
+  (`_coverage_late_kernel`); the state goes through memory between them.
+- The late kernel finds the rows a pick raises without comparing its whole column: ``best`` only grows, so the
+  rows column ``j`` can raise at any later step are among those it exceeds when the late stage starts. One pass
+  (`_raising_rows_kernel`) lists them per column (ascending, at most `LIST_LEN`, with their entries; at step 192
+  of a 4096-token image a few to ~30 rows, against 4120 in the column); a step then reads the taken column's list
+  and ``best`` at its rows (``best`` in memory: a private copy per program, so no program reads another's writes),
+  and goes on with the same compaction and gain update. A column whose list overflowed is compared whole, in chunks.
+  The step loses the whole-column compare and its 4120-wide compaction: ~1.6 us per late step (the loop at 4096
+  tokens, random features: 8.6-8.8 -> 6.9-7.0 ms; smooth ones: 8.1-8.4 -> 6.4-6.5). Tried and removed there: an
+  L2 prefetch of the listed rows' cover entries as soon as the list arrives (1-2% at 8 programs, 5-10% slower at 4).
   Tried and removed: several picks per barrier round (each program proposing its K + 1 smallest ranks, later
   picks certified against the round's bounds without another barrier): a small gain at 4096 tokens, a loss at
   1024, because the barrier is not what a step waits on most. ``phases=`` (benchmarks) records where a step's time
@@ -135,24 +145,16 @@ def _coverage_kernel(
             at = phases_ptr + (slot * SPLITS + split) * 5
             if PHASES:
                 tl.store(at, _clock(slot))
-            rank = cols.to(tl.int64) - ranks_w * gain
-            rank = tl.where(taken, 9223372036854775807, rank)
-            low = tl.min(rank, axis=0)
+            low = _lowest_rank(cols, gain, taken, ranks_w)
             if PHASES:
                 tl.store(at + 1, _clock(low))
             if SPLITS > 1:
-                # the barrier: each program stores its proposal in its own slot of this step (one store), then waits
-                # for the span's other programs' (`_wait_for_proposals`)
-                row = proposals_ptr + slot * proposal_stride  # [B, budget, stride]: every launch its own slots
-                tl.store(row + split, low)
-                seen, failed = _wait_for_proposals(row, others, SPLITS, fail_ptr + b, SPIN)
-                low = tl.min(seen, axis=0)
+                low, failed = _meet(low, proposals_ptr + slot * proposal_stride, split, others, SPLITS, fail_ptr + b,
+                                    SPIN)
             if PHASES:
                 tl.store(at + 2, _clock(low))
             if failed == 0:
-                # rank = j - ranks_w * gain with 0 <= j < ranks_w: j is the rank modulo ranks_w
-                j = low % ranks_w
-                j = tl.where(j < 0, j + ranks_w, j)
+                j = _column_of(low, ranks_w)
                 if split == 0:
                     tl.store(order_ptr + slot, j)
                 taken = taken | (cols == j)
@@ -160,13 +162,8 @@ def _coverage_kernel(
                                                      s_rows, s_old, s_new)
                 if PHASES:
                     tl.store(at + 3, _clock(count.to(tl.int64)))
-                delta = tl.zeros([BLOCK_C], dtype=tl.int64)
-                for t in range(0, count, TILE_R):
-                    r, old, new, k_in = _changed_rows(s_rows, s_old, s_new, t, count, TILE_R)
-                    x = tl.load(cover + r[:, None] * n + cols[None, :], mask=k_in[:, None] & col_in[None, :],
-                                other=0.0) * scale_1 * scale_2
-                    delta += tl.sum(_gain_terms(x, old, new), axis=0)
-                gain += delta
+                gain += _gain_changes(cover, cols, col_in, n, s_rows, s_old, s_new, count, scale_1, scale_2, BLOCK_C,
+                                      TILE_R)
                 if PHASES:
                     tl.store(at + 4, _clock(tl.min(gain, axis=0)))
                 tl.debug_barrier()
@@ -176,6 +173,46 @@ def _coverage_kernel(
     if split == 0:
         tl.store(best_ptr + b * (m + n) + rows_q, best_q, mask=q_in)
         tl.store(best_ptr + b * (m + n) + m + rows_v, best_v, mask=v_in)
+
+
+@triton.jit
+def _lowest_rank(cols, gain, taken, ranks_w):
+    """The smallest rank ``j - ranks_w * gain`` among a program's columns not taken (INT64_MAX if none)."""
+    rank = cols.to(tl.int64) - ranks_w * gain
+    rank = tl.where(taken, 9223372036854775807, rank)
+    return tl.min(rank, axis=0)
+
+
+@triton.jit
+def _meet(low, row, split, others, SPLITS: tl.constexpr, fail, SPIN: tl.constexpr):
+    """The per-step barrier: the program stores its proposal `low` in its own slot of the step's `row` (one
+    store), then waits for the span's other programs' (`_wait_for_proposals`). Returns ``(the span's lowest rank,
+    failed)``."""
+    tl.store(row + split, low)
+    seen, failed = _wait_for_proposals(row, others, SPLITS, fail, SPIN)
+    return tl.min(seen, axis=0), failed
+
+
+@triton.jit
+def _column_of(low, ranks_w):
+    """The column of rank `low`: ``rank = j - ranks_w * gain`` with ``0 <= j < ranks_w``, so j is the rank modulo
+    ranks_w."""
+    j = low % ranks_w
+    return tl.where(j < 0, j + ranks_w, j)
+
+
+@triton.jit
+def _gain_changes(cover, cols, col_in, n, s_rows, s_old, s_new, count, scale_1, scale_2, BLOCK_C: tl.constexpr,
+                  TILE_R: tl.constexpr):
+    """The change of the program's columns' gains from the `count` compacted changed rows (``[BLOCK_C]`` int64):
+    ``sum_r t(C_rc, new_r) - t(C_rc, old_r)``, the rows read in tiles of ``TILE_R``."""
+    delta = tl.zeros([BLOCK_C], dtype=tl.int64)
+    for t in range(0, count, TILE_R):
+        r, old, new, k_in = _changed_rows(s_rows, s_old, s_new, t, count, TILE_R)
+        x = tl.load(cover + r[:, None] * n + cols[None, :], mask=k_in[:, None] & col_in[None, :],
+                    other=0.0) * scale_1 * scale_2
+        delta += tl.sum(_gain_terms(x, old, new), axis=0)
+    return delta
 
 
 @triton.jit
@@ -308,19 +345,148 @@ def _gain_terms(x, old, new):
     return t_new - t_old
 
 
+
+# ---------------------------------------------------------------------------------------- mmtok, late stage
+@triton.jit
+def _raising_rows_kernel(cover_t_ptr, best_ptr, list_rows_ptr, list_vals_ptr, list_len_ptr, rows_n, n,
+                         LIST: tl.constexpr, BLOCK_R: tl.constexpr):
+    """For column ``program_id(0)`` of span ``program_id(1)``: the rows it would raise now, ``C_rj > best_r``
+    (ascending; the first `LIST` of them, with their scaled entries ``C_rj``), and how many there are (which may
+    exceed `LIST`). ``best`` only grows, so these rows contain every row that column can raise later."""
+    j = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    column = cover_t_ptr + (b * n + j) * rows_n
+    out = (b * n + j) * LIST
+    count = 0
+    for r0 in range(0, rows_n, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        inside = rows < rows_n
+        x = tl.load(column + rows, mask=inside, other=0.0)
+        raises = (x > tl.load(best_ptr + b * rows_n + rows, mask=inside, other=0.0)) & inside
+        at = count + tl.cumsum(raises.to(tl.int32), axis=0) - 1
+        kept = raises & (at < LIST)
+        tl.store(list_rows_ptr + out + at, rows, mask=kept)
+        tl.store(list_vals_ptr + out + at, x, mask=kept)
+        count += tl.sum(raises.to(tl.int32), axis=0)
+    tl.store(list_len_ptr + b * n + j, count)
+
+
+@triton.jit
+def _coverage_late_kernel(
+    cover_ptr, cover_t_ptr, scales_ptr, gain_ptr, best_ptr, taken_ptr, order_ptr, proposals_ptr, fail_ptr,
+    scratch_rows_ptr, scratch_old_ptr, scratch_new_ptr, best_copy_ptr, list_rows_ptr, list_vals_ptr, list_len_ptr,
+    n, m, budget, start, stop, ranks_w, proposal_stride,
+    SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILE_R: tl.constexpr, LIST: tl.constexpr, BLOCK_R: tl.constexpr, SPIN: tl.constexpr,
+):
+    """Steps ``start .. stop - 1`` of the full greedy, as `_coverage_kernel` (same state in memory, same gains and
+    picks), with the rows a pick raises taken from the column's list (`_raising_rows_kernel`, built from ``best``
+    at `start`) instead of a compare over the whole column: ``best`` lives in memory, a private copy per program
+    (``best_copy_ptr [B, SPLITS, R]``), and a step reads the column's list, ``best`` at its rows and, for the rows
+    raised, the program's cover entries. A column whose list overflowed (more than `LIST` rows) is compared whole,
+    in chunks of `BLOCK_R` rows."""
+    split, b, cover, cover_t, cols, col_in, gain, taken, s_rows, s_old, s_new = _span_setup(
+        cover_ptr, cover_t_ptr, gain_ptr, taken_ptr, scratch_rows_ptr, scratch_old_ptr, scratch_new_ptr, n, m,
+        SPLITS, BLOCK_C, BLOCK_M, BLOCK_N)
+    rows_n = m + n
+    best = best_copy_ptr + (b * SPLITS + split) * rows_n
+    for r0 in range(0, rows_n, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        inside = rows < rows_n
+        tl.store(best + rows, tl.load(best_ptr + b * rows_n + rows, mask=inside, other=0.0), mask=inside)
+    tl.debug_barrier()
+    scale_1 = tl.load(scales_ptr)
+    scale_2 = tl.load(scales_ptr + 1)
+    others = tl.arange(0, SPLITS_P2)
+    failed = 0
+    for s in range(start, stop):
+        if failed == 0:
+            slot = b * budget + s
+            low = _lowest_rank(cols, gain, taken, ranks_w)
+            if SPLITS > 1:
+                low, failed = _meet(low, proposals_ptr + slot * proposal_stride, split, others, SPLITS, fail_ptr + b,
+                                    SPIN)
+            if failed == 0:
+                j = _column_of(low, ranks_w)
+                if split == 0:
+                    tl.store(order_ptr + slot, j)
+                taken = taken | (cols == j)
+                # the list is read with its length (no wait for one before the other); entries past the length
+                # are masked once it arrives
+                k = tl.arange(0, LIST)
+                listed = tl.load(list_len_ptr + b * n + j)
+                rows = tl.load(list_rows_ptr + (b * n + j) * LIST + k)
+                new = tl.load(list_vals_ptr + (b * n + j) * LIST + k)
+                if listed <= LIST:
+                    count = _raise_listed(rows, new, k < listed, best, s_rows, s_old, s_new)
+                else:
+                    count = _raise_whole_column(cover_t + j * rows_n, rows_n, best, s_rows, s_old, s_new, BLOCK_R)
+                tl.debug_barrier()
+                gain += _gain_changes(cover, cols, col_in, n, s_rows, s_old, s_new, count, scale_1, scale_2, BLOCK_C,
+                                      TILE_R)
+                tl.debug_barrier()
+    tl.store(gain_ptr + b * n + cols, gain, mask=col_in)
+    tl.store(taken_ptr + b * n + cols, taken.to(tl.int8), mask=col_in)
+    if split == 0:
+        for r0 in range(0, rows_n, BLOCK_R):
+            rows = r0 + tl.arange(0, BLOCK_R)
+            inside = rows < rows_n
+            tl.store(best_ptr + b * rows_n + rows, tl.load(best + rows, mask=inside, other=0.0), mask=inside)
+
+
+@triton.jit
+def _raise_listed(rows, new, listed, best, s_rows, s_old, s_new):
+    """The taken column's listed rows (`rows`, their entries `new`, valid where `listed`) that it raises (entry
+    above ``best``) to the compaction buffers (row, old best, new value), ``best`` raised there; returns how
+    many."""
+    old = tl.load(best + rows, mask=listed, other=0.0)
+    raised = listed & (new > old)
+    at = tl.cumsum(raised.to(tl.int32), axis=0) - 1
+    tl.store(s_rows + at, rows, mask=raised)
+    tl.store(s_old + at, old, mask=raised)
+    tl.store(s_new + at, new, mask=raised)
+    tl.store(best + rows, new, mask=raised)
+    return tl.sum(raised.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _raise_whole_column(column, rows_n, best, s_rows, s_old, s_new, BLOCK_R: tl.constexpr):
+    """`_raise_listed` for a column without a complete list: every row compared, in chunks of `BLOCK_R`."""
+    count = 0
+    for r0 in range(0, rows_n, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        inside = rows < rows_n
+        new = tl.load(column + rows, mask=inside, other=0.0)
+        old = tl.load(best + rows, mask=inside, other=0.0)
+        raised = inside & (new > old)
+        at = count + tl.cumsum(raised.to(tl.int32), axis=0) - 1
+        tl.store(s_rows + at, rows, mask=raised)
+        tl.store(s_old + at, old, mask=raised)
+        tl.store(s_new + at, new, mask=raised)
+        tl.store(best + rows, new, mask=raised)
+        count += tl.sum(raised.to(tl.int32), axis=0)
+    return count
+
+
 #: the most programs a span's columns are split over (the per-step time was flat from 64 to 128 programs and longer
 #: at 32; `benchmarks/greedy_kernels.py`)
 MAX_SPLITS = 64
-#: the late stage (`coverage_stages`): from step `LATE_STEP` on, a span's greedy goes on with `LATE_SPLITS`
-#: programs, where at least `LATE_STEP` steps remain. Early steps change many rows of ``best`` (4096 tokens: all of
-#: them at step 0, then half, a third, ..., a few hundred by step 20, a median of 5 later), and their gain updates
-#: want many programs; later steps are bound by the per-step chain (barrier, column, compaction), which fewer
-#: programs run a little faster. Of the switch steps and late split counts swept at 4096 tokens
-#: (`benchmarks/greedy_kernels.py --late`), step 256 with 8 programs was the fastest and beat one launch; switching
-#: before step 128 was slower than one launch. At 1024 tokens (307 steps) a late stage did not pay, hence the "steps
-#: remaining" condition. mmtok's ``late_stage`` option (`hf_raincheck.pruning.mmtok`) overrides it.
-LATE_STEP = 256
+#: the late stage (`coverage_stages`): from step `LATE_STEP` on, a span's greedy goes on in the late kernel
+#: (`_coverage_late_kernel`) with `LATE_SPLITS` programs, where at least `LATE_STEP` steps remain. Early steps raise
+#: many rows of ``best`` (4096 tokens: all of them at step 0, then half, a third, ..., a few hundred by step 20,
+#: a median of 5 later) and want many programs for their gain updates and the whole-column compare; later steps
+#: raise a few rows, which the late kernel finds from the taken column's list (at step 192 of a 4096-token image,
+#: random features, the longest list is ~30 rows, so `LIST_LEN` rows leave room). Of the switch steps and late split
+#: counts swept at 4096 tokens (`benchmarks/greedy_kernels.py --late`), 192 with 8 programs was the fastest on
+#: random and on spatially smooth features; a 1024-token image (307 steps) keeps one launch (the late stage did not
+#: pay there), hence the "steps remaining" condition. mmtok's ``late_stage`` option
+#: (`hf_raincheck.pruning.mmtok`) overrides it.
+LATE_STEP = 192
 LATE_SPLITS = 8
+#: the late kernel's lists: rows per column (`raising_rows`), and the chunk of rows it compares at a time (list
+#: building, columns whose list overflowed)
+LIST_LEN = 64
+LATE_BLOCK_R = 1024
 
 
 def coverage_plan(n: int, batch: int, device: torch.device, splits: int | None = None) -> tuple[int, int]:
@@ -340,30 +506,46 @@ def coverage_plan(n: int, batch: int, device: torch.device, splits: int | None =
 
 
 def coverage_stages(n: int, batch: int, budget: int, device: torch.device, splits: int | None = None,
-                    late: tuple[int, ...] | None = None) -> list[tuple[int, int, int]]:
-    """The launches of a greedy: ``[(first step, splits, block_c)]``. The early stage runs `coverage_plan`'s split
-    count (or `splits`); ``late = (step, splits)`` goes on from that step with that many programs (a step at or
-    past the budget: one stage); ``(step, splits, warps, tile_r)`` also sets the late launch's warps per program
-    and changed-row tile (`coverage_order_triton`; benchmarks). By default (neither given) `LATE_STEP` and
-    `LATE_SPLITS`, where that is fewer programs than the early stage's and at least `LATE_STEP` steps remain."""
+                    late: tuple[int, ...] | None = None) -> list[tuple[int, int, int, bool]]:
+    """The launches of a greedy: ``[(first step, splits, block_c, late)]``. The early stage (`_coverage_kernel`)
+    runs `coverage_plan`'s split count (or `splits`); ``late = (step, splits)`` goes on from that step with that
+    many programs in the late kernel (`_coverage_late_kernel`; a step at or past the budget: one stage);
+    ``(step, splits, warps, list_len)`` also sets the late launch's warps per program and list length. By default
+    (neither given) `LATE_STEP` and `LATE_SPLITS`, where at least `LATE_STEP` steps remain after it."""
     early, block_c = coverage_plan(n, batch, device, splits)
-    stages = [(0, early, block_c)]
+    stages = [(0, early, block_c, False)]
     if late is None:
-        if splits is not None or LATE_SPLITS >= early or budget - LATE_STEP < LATE_STEP:
+        if splits is not None or budget - LATE_STEP < LATE_STEP:
             return stages
         late = (LATE_STEP, LATE_SPLITS)
     elif (len(late) not in (2, 4) or late[0] < 0 or late[1] < 1
           or (device.type == "cuda" and late[1] > 1 and late[1] * batch > sm_count(device))
           or (len(late) == 4 and (late[2] not in (1, 2, 4, 8, 16, 32) or late[3] < 1 or late[3] & (late[3] - 1)))):
         raise ValueError(f"late stage (mmtok's pruning option 'late_stage') must be (step >= 0, splits >= 1) or "
-                         f"(step, splits, warps in 1/2/4/8/16/32, tile_r a power of two), with splits x spans "
+                         f"(step, splits, warps in 1/2/4/8/16/32, list_len a power of two), with splits x spans "
                          f"({batch}) within the SM count (the programs of a launch must be resident together), "
                          f"got {late}")
     step, late_splits = late[:2]
     late_splits, late_block = coverage_plan(n, batch, device, late_splits)
     if step < budget:
-        stages = ([(0, early, block_c)] if step > 0 else []) + [(step, late_splits, late_block)]
+        stages = (stages if step > 0 else []) + [(step, late_splits, late_block, True)]
     return stages
+
+
+@torch.no_grad()
+def raising_rows(cover_t: torch.Tensor, best: torch.Tensor, list_len: int):
+    """``(rows [B, n, list_len] int32, values [B, n, list_len] fp32, counts [B, n] int32)``: for every column of
+    ``cover_t [B, n, R]`` (scaled) the rows where it exceeds ``best [B, R]``, ascending, the first `list_len` of
+    them with their entries, and how many there are (`_raising_rows_kernel`)."""
+    batch, n, rows_n = cover_t.shape
+    rows = torch.empty(batch, n, list_len, dtype=torch.int32, device=cover_t.device)
+    values = torch.empty(batch, n, list_len, dtype=torch.float32, device=cover_t.device)
+    counts = torch.empty(batch, n, dtype=torch.int32, device=cover_t.device)
+    if batch * n:
+        with _on(cover_t.device):
+            _raising_rows_kernel[(n, batch)](cover_t, best, rows, values, counts, rows_n, n, LIST=list_len,
+                                             BLOCK_R=LATE_BLOCK_R, num_warps=4)
+    return rows, values, counts
 
 
 @torch.no_grad()
@@ -392,29 +574,30 @@ def coverage_order_triton(cover: torch.Tensor, scales: torch.Tensor, budget: int
     ``fixed_point(cover)``) -> ``[B, budget]`` picks in order, or None when a program gave up waiting at the
     barrier (the caller then runs the torch path). `splits` forces the number of programs per span
     (`coverage_plan`; then one launch unless `late` is given), ``late = (step, splits)`` the step from which a
-    second launch goes on with that many programs (`coverage_stages`; ``(step, splits, warps, tile_r)`` also
-    sets that launch's warps and tile), `spin_limit` the barrier's patience
+    second launch goes on with that many programs in the late kernel (`coverage_stages`; ``(step, splits, warps,
+    list_len)`` also sets that launch's warps and list length), `spin_limit` the barrier's patience
     (tests), `num_warps` the warps per program and `tile_r` the changed rows per tile of the gain update
     (benchmarks; defaults: 8 warps for spans of 4096+ tokens, else 4; ``4096 // block_c`` rows, at most 64);
     `phases`, an int64 tensor of ``B * budget * splits * 5`` elements, receives the kernel's per-step clock
     readings (`_coverage_kernel`; benchmarks; one launch: with `splits`, without `late`)."""
     batch, rows_n, n = cover.shape
     device = cover.device
-    order = torch.zeros(batch, budget, dtype=torch.long, device=device)
     if budget <= 0:
-        return order
+        return torch.zeros(batch, max(budget, 0), dtype=torch.long, device=device)
     if phases is not None and (splits is None or late is not None):
         raise ValueError("phases needs one launch: pass splits, and no late stage")
     stages = coverage_stages(n, batch, budget, device, splits, late)
-    m = rows_n - n  # question rows first, then the span's rows (`mmtok.coverage_matrix`)
-    block_m = max(16, triton.next_power_of_2(max(m, 1)))
-    block_n = max(16, triton.next_power_of_2(n))
+    # the preparation pass first: the GPU's next work, queued before the host builds the rest
     cover = cover.contiguous()
     scales = scales.to(device=device, dtype=torch.float32).contiguous()
     cover_t, gain = prepare_cover(cover, scales)
+    order = torch.empty(batch, budget, dtype=torch.long, device=device)  # every step writes its pick
+    m = rows_n - n  # question rows first, then the span's rows (`mmtok.coverage_matrix`)
+    block_m = max(16, triton.next_power_of_2(max(m, 1)))
+    block_n = max(16, triton.next_power_of_2(n))
     best = torch.zeros(batch, rows_n, dtype=torch.float32, device=device)  # the state between launches
     taken = torch.zeros(batch, n, dtype=torch.int8, device=device)
-    most = max(sp for _, sp, _ in stages)
+    most = max(stage[1] for stage in stages)
     # per step, span and program, one slot; INT64_MIN = "not proposed yet" (ranks are > -2^62)
     proposals = torch.full((batch, budget, most), -INT64_MAX - 1, dtype=torch.long, device=device)
     if phases is not None and phases.numel() < batch * budget * most * 5:
@@ -426,18 +609,26 @@ def coverage_order_triton(cover: torch.Tensor, scales: torch.Tensor, budget: int
     scratch_old = torch.empty(scratch, dtype=torch.float32, device=device)
     scratch_new = torch.empty_like(scratch_old)
     with _on(device):
-        for k, (start, stage_splits, block_c) in enumerate(stages):
+        for k, (start, stage_splits, block_c, late_kernel) in enumerate(stages):
             stop = stages[k + 1][0] if k + 1 < len(stages) else budget
-            warps, tile = num_warps, tile_r
-            if late is not None and len(late) == 4 and start == late[0]:  # the late launch's own settings
-                warps, tile = late[2], late[3]
             shapes = dict(SPLITS=stage_splits, SPLITS_P2=max(2, triton.next_power_of_2(stage_splits)),
                           BLOCK_C=block_c, BLOCK_M=block_m, BLOCK_N=block_n,
-                          TILE_R=tile or max(1, min(64, 4096 // block_c)), SPIN=spin_limit,
-                          PHASES=phases is not None, num_warps=warps or (8 if block_n >= 4096 else 4))
-            _coverage_kernel[(stage_splits, batch)](
-                cover, cover_t, scales, gain, best, taken, order, proposals, fail, scratch_rows, scratch_old,
-                scratch_new, order if phases is None else phases, n, m, budget, start, stop, ranks_w, most, **shapes)
-    if most > 1 and bool(fail.any()):  # one host synchronisation
+                          TILE_R=tile_r or max(1, min(64, 4096 // block_c)), SPIN=spin_limit,
+                          num_warps=num_warps or (8 if block_n >= 4096 else 4))
+            state = (cover, cover_t, scales, gain, best, taken, order, proposals, fail, scratch_rows, scratch_old,
+                     scratch_new)
+            steps = (n, m, budget, start, stop, ranks_w, most)
+            if not late_kernel:
+                _coverage_kernel[(stage_splits, batch)](*state, order if phases is None else phases, *steps,
+                                                        PHASES=phases is not None, **shapes)
+                continue
+            list_len = LIST_LEN
+            if late is not None and len(late) == 4:  # the late launch's own settings
+                shapes["num_warps"], list_len = late[2], late[3]
+            lists = raising_rows(cover_t, best, list_len)
+            best_copy = torch.empty(batch, stage_splits, rows_n, dtype=torch.float32, device=device)
+            _coverage_late_kernel[(stage_splits, batch)](*state, best_copy, *lists, *steps, LIST=list_len,
+                                                         BLOCK_R=LATE_BLOCK_R, **shapes)
+    if most > 1 and fail.cpu().numpy().any():  # one host synchronisation
         return None
     return order

@@ -24,8 +24,8 @@ Options (``RaincheckConfig.pruning_options``), with the Qwen defaults of the off
 - ``late_stage`` (Triton kernel only): ``"auto"`` (default: the late stage of
   `hf_raincheck.pruning.greedy_triton.coverage_stages`, from step ``LATE_STEP`` with ``LATE_SPLITS`` programs
   where it applies), ``"off"`` (the whole greedy in one launch), or a list ``[step, splits]`` /
-  ``[step, splits, warps, tile_r]``: from `step` on, the greedy goes on in a second launch with `splits` programs
-  per span (and that launch's warps per program and changed-row tile);
+  ``[step, splits, warps, list_len]``: from `step` on, the greedy goes on in a second launch, the late kernel,
+  with `splits` programs per span (and that launch's warps per program and rows per column list);
 - ``cuda_graphs`` (torch loops on CUDA): True (default) replays the greedy loop as CUDA graphs
   (`hf_raincheck.pruning.greedy`), False runs it eagerly.
 
@@ -88,7 +88,7 @@ _WARPS = (1, 2, 4, 8, 16, 32)
 
 
 def _check_late_stage(selector: str, value: Any):
-    """``"auto"``, ``"off"``, or ``[step >= 0, splits >= 1]`` / ``[step, splits, warps, tile_r]`` (a tuple)."""
+    """``"auto"``, ``"off"``, or ``[step >= 0, splits >= 1]`` / ``[step, splits, warps, list_len]`` (a tuple)."""
     if value in ("auto", "off"):
         return value
     ints = isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
@@ -96,7 +96,7 @@ def _check_late_stage(selector: str, value: Any):
             and (len(value) == 2 or (value[2] in _WARPS and value[3] >= 1 and not value[3] & (value[3] - 1)))):
         return tuple(value)
     raise ValueError(f"pruning option 'late_stage' of {selector!r} must be 'auto', 'off', [step, splits] or "
-                     f"[step, splits, warps, tile_r] (step >= 0, splits >= 1, warps in {list(_WARPS)}, tile_r a "
+                     f"[step, splits, warps, list_len] (step >= 0, splits >= 1, warps in {list(_WARPS)}, list_len a "
                      f"power of two), got {value!r}")
 
 
@@ -125,19 +125,25 @@ def late_stage_tuple(option) -> tuple[int, ...] | None:
 
 
 def coverage_matrix(x, x_c, z, alpha: float, tau_tv: float, tau_vv: float) -> torch.Tensor:
-    """``C = [P; alpha Q]`` for a batch of spans: ``x [B, n, H]``, ``x_c [B, n, D]``, ``z [m, H]`` -> ``[B, m + n, n]``."""
+    """``C = [P; alpha Q]`` for a batch of spans: ``x [B, n, H]``, ``x_c [B, n, D]``, ``z [m, H]`` -> ``[B, m + n, n]``.
+
+    Written for few passes over the ``[n, n]`` matrices: the temperature is the product's own scale
+    (``baddbmm``'s ``alpha``), the softmax is scaled by ``alpha / n`` straight into its rows of the result, and ``P``
+    divides the question-by-token products by the tokens' norms instead of normalising ``x`` (the same values to
+    float rounding)."""
     n, m = x.shape[1], z.shape[0]
     xc = l2_normalize(x_c)
-    q = torch.softmax(torch.matmul(xc, xc.transpose(1, 2)).mul_(1.0 / tau_vv), dim=-1).div_(n)
+    logits = torch.baddbmm(xc.new_empty(xc.shape[0], n, n), xc, xc.transpose(1, 2), beta=0, alpha=1.0 / tau_vv)
+    q = torch.softmax(logits, dim=-1)
     if m == 0:
-        return q.mul_(alpha)
-    xn = l2_normalize(x)
-    zn = l2_normalize(z).to(xn.device)
-    p = torch.softmax(torch.matmul(zn, xn.transpose(1, 2)).mul_(1.0 / tau_tv), dim=-1).div_(m)
-    # the same values as cat([p, q * alpha]), written once into the result (in-place steps: fewer [n, n] passes)
-    cover = torch.empty(q.shape[0], m + n, n, dtype=torch.promote_types(p.dtype, q.dtype), device=q.device)
-    cover[:, :m] = p
-    torch.mul(q, alpha, out=cover[:, m:])
+        return q.mul_(alpha / n)
+    cover = torch.empty(q.shape[0], m + n, n, dtype=q.dtype, device=q.device)
+    torch.mul(q, alpha / n, out=cover[:, m:])
+    del logits, q
+    xf = x.float()
+    norms = xf.norm(dim=-1).clamp_min_(1e-8).mul_(tau_tv)  # [B, n]: |x_j| tau_tv
+    p = torch.matmul(l2_normalize(z).to(xf.device), xf.transpose(1, 2)).div_(norms[:, None, :])
+    cover[:, :m] = torch.softmax(p, dim=-1).div_(m)
     return cover
 
 
@@ -344,6 +350,11 @@ def _coverage_step(state: dict, picks: torch.Tensor, s: int) -> None:
     taken.scatter_(1, pick[:, None], float("-inf"))  # a scalar fill: no host tensor (CUDA-graph safe)
 
 
+def _stacked(spans: list[torch.Tensor]) -> torch.Tensor:
+    """``[B, N, D]`` from B spans' ``[N, D]`` rows (one span: a view, no copy)."""
+    return spans[0].unsqueeze(0) if len(spans) == 1 else torch.stack(spans)
+
+
 @register_selector("mmtok", options=DEFAULTS, checks=CHECKS, requires={VISION_HIDDEN: True})
 def select_mmtok(ctx: SelectionContext) -> torch.Tensor:
     opts = select_mmtok.options.resolve(ctx.options)
@@ -351,8 +362,8 @@ def select_mmtok(ctx: SelectionContext) -> torch.Tensor:
     z = ctx.query_embeds
     chosen = {}
     for (n, budget), members in span_groups(ctx).items():
-        x = torch.stack([ctx.span_embeddings(m) for m in members])
-        x_c = torch.stack([ctx.span_vision_hidden(m, "mmtok") for m in members]).to(x.device)
+        x = _stacked([ctx.span_embeddings(m) for m in members])
+        x_c = _stacked([ctx.span_vision_hidden(m, "mmtok") for m in members]).to(x.device)
         cover = coverage_matrix(x, x_c, z.to(x.device), opts["alpha"], opts["tau_tv"], opts["tau_vv"])
         exact = n >= LAZY_MIN_TOKENS or kernel_runs(cover.device, cover.shape[1])
         if exact:
