@@ -131,12 +131,10 @@ def _coverage_kernel(
     so that a later launch (another split count) goes on from ``stop``. With ``PHASES`` (benchmarks only), each
     program writes the SM clock at five points of every step to ``phases_ptr [B, budget, SPLITS, 5]`` (int64):
     start, proposal ready, barrier passed, column taken (``best`` and the changed rows), gains updated."""
-    split, b, cover, cover_t, cols, col_in, gain, taken, s_rows, s_old, s_new = _span_setup(
-        cover_ptr, cover_t_ptr, gain_ptr, taken_ptr, scratch_rows_ptr, scratch_old_ptr, scratch_new_ptr, n, m,
-        SPLITS, BLOCK_C, BLOCK_M, BLOCK_N)
+    split, b, cover, cover_t, cols, col_in, gain, taken, s_rows, s_old, s_new, scale_1, scale_2 = _span_setup(
+        cover_ptr, cover_t_ptr, scales_ptr, gain_ptr, taken_ptr, scratch_rows_ptr, scratch_old_ptr, scratch_new_ptr,
+        n, m, SPLITS, BLOCK_C, BLOCK_M, BLOCK_N)
     rows_q, q_in, rows_v, v_in, best_q, best_v = _best_vectors(best_ptr + b * (m + n), m, n, BLOCK_M, BLOCK_N)
-    scale_1 = tl.load(scales_ptr)  # `cover` is unscaled: its entries are scaled as they are read (`cover_t` is)
-    scale_2 = tl.load(scales_ptr + 1)
     others = tl.arange(0, SPLITS_P2)
     failed = 0
     for s in range(start, stop):
@@ -246,10 +244,12 @@ def _prepare_kernel(cover_ptr, scales_ptr, cover_t_ptr, gain_ptr, rows_n, n,
 
 
 @triton.jit
-def _span_setup(cover_ptr, cover_t_ptr, gain_ptr, taken_ptr, scratch_rows_ptr, scratch_old_ptr, scratch_new_ptr, n,
-                m, SPLITS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _span_setup(cover_ptr, cover_t_ptr, scales_ptr, gain_ptr, taken_ptr, scratch_rows_ptr, scratch_old_ptr,
+                scratch_new_ptr, n, m, SPLITS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
     """A program's view of its span: ``(split, b, cover [R, n], cover_t [n, R], its columns, which are real, their
-    gains, taken (chosen columns and the padding), its three compaction buffers)``."""
+    gains, taken (chosen columns and the padding), its three compaction buffers, the two fixed-point scales)``
+    (`cover` is unscaled: its entries are scaled as they are read; `cover_t` is scaled)."""
     split = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     rows_n = m + n
@@ -261,7 +261,7 @@ def _span_setup(cover_ptr, cover_t_ptr, gain_ptr, taken_ptr, scratch_rows_ptr, s
     taken = (tl.load(taken_ptr + b * n + cols, mask=col_in, other=1) != 0) | (cols >= n)  # padding: never a candidate
     at = (b * SPLITS + split) * (BLOCK_M + BLOCK_N)
     return split, b, cover, cover_t, cols, col_in, gain, taken, scratch_rows_ptr + at, scratch_old_ptr + at, \
-        scratch_new_ptr + at
+        scratch_new_ptr + at, tl.load(scales_ptr), tl.load(scales_ptr + 1)
 
 
 @triton.jit
@@ -385,9 +385,9 @@ def _coverage_late_kernel(
     (``best_copy_ptr [B, SPLITS, R]``), and a step reads the column's list, ``best`` at its rows and, for the rows
     raised, the program's cover entries. A column whose list overflowed (more than `LIST` rows) is compared whole,
     in chunks of `BLOCK_R` rows."""
-    split, b, cover, cover_t, cols, col_in, gain, taken, s_rows, s_old, s_new = _span_setup(
-        cover_ptr, cover_t_ptr, gain_ptr, taken_ptr, scratch_rows_ptr, scratch_old_ptr, scratch_new_ptr, n, m,
-        SPLITS, BLOCK_C, BLOCK_M, BLOCK_N)
+    split, b, cover, cover_t, cols, col_in, gain, taken, s_rows, s_old, s_new, scale_1, scale_2 = _span_setup(
+        cover_ptr, cover_t_ptr, scales_ptr, gain_ptr, taken_ptr, scratch_rows_ptr, scratch_old_ptr, scratch_new_ptr,
+        n, m, SPLITS, BLOCK_C, BLOCK_M, BLOCK_N)
     rows_n = m + n
     best = best_copy_ptr + (b * SPLITS + split) * rows_n
     for r0 in range(0, rows_n, BLOCK_R):
@@ -395,8 +395,6 @@ def _coverage_late_kernel(
         inside = rows < rows_n
         tl.store(best + rows, tl.load(best_ptr + b * rows_n + rows, mask=inside, other=0.0), mask=inside)
     tl.debug_barrier()
-    scale_1 = tl.load(scales_ptr)
-    scale_2 = tl.load(scales_ptr + 1)
     others = tl.arange(0, SPLITS_P2)
     failed = 0
     for s in range(start, stop):
