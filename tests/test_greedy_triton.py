@@ -170,6 +170,11 @@ def test_coverage_stages(device):
     default = coverage_stages(4096, 1, budget, device)
     assert [stage[0] for stage in default] == [0, LATE_STEP] and [stage[3] for stage in default] == [False, True]
     assert coverage_stages(4096, 1, budget - 1, device) == default[:1]  # too few steps left for it
+    for spans in (1, 4, 17, 200):  # many spans: fewer programs each (one when they cannot all be resident)
+        stages = coverage_stages(4096, spans, budget, device)
+        assert stages[1][1] <= stages[0][1], spans
+        if device.type == "cuda" and stages[0][1] > 1:
+            assert stages[0][1] * spans <= torch.cuda.get_device_properties(device).multi_processor_count, spans
     if device.type == "cuda":
         assert default[0][1] == 64 and default[1][1] == LATE_SPLITS
         with pytest.raises(ValueError, match="late"):

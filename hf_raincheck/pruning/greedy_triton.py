@@ -509,13 +509,14 @@ def coverage_stages(n: int, batch: int, budget: int, device: torch.device, split
     runs `coverage_plan`'s split count (or `splits`); ``late = (step, splits)`` goes on from that step with that
     many programs in the late kernel (`_coverage_late_kernel`; a step at or past the budget: one stage);
     ``(step, splits, warps, list_len)`` also sets the late launch's warps per program and list length. By default
-    (neither given) `LATE_STEP` and `LATE_SPLITS`, where at least `LATE_STEP` steps remain after it."""
+    (neither given) `LATE_STEP` and `LATE_SPLITS` (at most the early stage's count, which `coverage_plan` keeps
+    resident), where at least `LATE_STEP` steps remain after it."""
     early, block_c = coverage_plan(n, batch, device, splits)
     stages = [(0, early, block_c, False)]
     if late is None:
         if splits is not None or budget - LATE_STEP < LATE_STEP:
             return stages
-        late = (LATE_STEP, LATE_SPLITS)
+        late = (LATE_STEP, min(LATE_SPLITS, early))  # no more programs than the early stage's resident grid
     elif (len(late) not in (2, 4) or late[0] < 0 or late[1] < 1
           or (device.type == "cuda" and late[1] > 1 and late[1] * batch > sm_count(device))
           or (len(late) == 4 and (late[2] not in (1, 2, 4, 8, 16, 32) or late[3] < 1 or late[3] & (late[3] - 1)))):
