@@ -27,10 +27,11 @@ loads and reductions.
   (`_coverage_late_kernel`); the state goes through memory between them.
 - The late kernel finds the rows a pick raises without comparing its whole column: ``best`` only grows, so the
   rows column ``j`` can raise at any later step are among those it exceeds when the late stage starts. One pass
-  (`_raising_rows_kernel`) lists them per column (ascending, at most `LIST_LEN`, with their entries; at step 192
-  of a 4096-token image a few to ~30 rows, against 4120 in the column); a step then reads the taken column's list
-  and ``best`` at its rows (``best`` in memory: a private copy per program, so no program reads another's writes),
-  and goes on with the same compaction and gain update. A column whose list overflowed is compared whole, in chunks.
+  (`_raising_rows_kernel`) lists them per column (ascending, at most `LIST_LEN`, with their entries; at steps 128
+  and 256 of a 4096-token image the longest list held 38 and 25 rows, against 4120 in the column); a step then reads
+  the taken column's list and ``best`` at its rows (``best`` in memory: a private copy per program, so no program
+  reads another's writes), and goes on with the same compaction and gain update. A column whose list overflowed is
+  compared whole, in chunks.
   The step loses the whole-column compare and its 4120-wide compaction: ~1.6 us per late step (the loop at 4096
   tokens, random features: 8.6-8.8 -> 6.9-7.0 ms; smooth ones: 8.1-8.4 -> 6.4-6.5). Tried and removed there: an
   L2 prefetch of the listed rows' cover entries as soon as the list arrives (1-2% at 8 programs, 5-10% slower at 4).
@@ -473,11 +474,12 @@ MAX_SPLITS = 64
 #: (`_coverage_late_kernel`) with `LATE_SPLITS` programs, where at least `LATE_STEP` steps remain. Early steps raise
 #: many rows of ``best`` (4096 tokens: all of them at step 0, then half, a third, ..., a few hundred by step 20,
 #: a median of 5 later) and want many programs for their gain updates and the whole-column compare; later steps
-#: raise a few rows, which the late kernel finds from the taken column's list (at step 192 of a 4096-token image,
-#: random features, the longest list is ~30 rows, so `LIST_LEN` rows leave room). Of the switch steps and late split
-#: counts swept at 4096 tokens (`benchmarks/greedy_kernels.py --late`), 192 with 8 programs was the fastest on
-#: random and on spatially smooth features; a 1024-token image (307 steps) keeps one launch (the late stage did not
-#: pay there), hence the "steps remaining" condition. mmtok's ``late_stage`` option
+#: raise a few rows, which the late kernel finds from the taken column's list (at steps 128 and 256 of a
+#: 4096-token image the longest list held 25-49 rows, random and smooth features, so `LIST_LEN` rows leave room).
+#: Of the switch steps and late split counts swept at 4096 tokens (`benchmarks/greedy_kernels.py --late`), 192 with 8
+#: programs was the fastest on random features, or within the run-to-run spread of the fastest; 4 programs won on
+#: spatially smooth features and lost on random ones. A 1024-token image (307 steps) keeps one launch (the late
+#: stage did not pay there), hence the "steps remaining" condition. mmtok's ``late_stage`` option
 #: (`hf_raincheck.pruning.mmtok`) overrides it.
 LATE_STEP = 192
 LATE_SPLITS = 8
