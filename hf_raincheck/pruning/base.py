@@ -281,6 +281,11 @@ def span_groups(ctx: SelectionContext) -> dict[tuple[int, int], list[int]]:
     return groups
 
 
+def stacked_spans(spans: list[torch.Tensor]) -> torch.Tensor:
+    """``[B, N, D]`` from the ``[N, D]`` rows of a group's B spans (`span_groups`; one span: a view, no copy)."""
+    return spans[0].unsqueeze(0) if len(spans) == 1 else torch.stack(spans)
+
+
 def assemble(ctx: SelectionContext, chosen: Mapping[int, torch.Tensor]) -> torch.Tensor:
     """Kept indices into ``input_ids`` (sorted) from per-span offsets ``chosen[m]`` (any order); spans not in
     `chosen` keep all their tokens when their budget says so, none when it is 0. The chosen offsets come to the

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..triton_support import triton_enabled
-from .base import SelectionContext, assemble, register_selector, span_groups
+from .base import SelectionContext, assemble, register_selector, span_groups, stacked_spans
 from .greedy import run_greedy
 
 
@@ -73,7 +73,7 @@ def select_divprune(ctx: SelectionContext) -> torch.Tensor:
     select_divprune.options.resolve(ctx.options)
     chosen = {}
     for (n, budget), members in span_groups(ctx).items():
-        feats = torch.stack([ctx.span_embeddings(m) for m in members])
+        feats = stacked_spans([ctx.span_embeddings(m) for m in members])
         order = divprune_order(feats, budget)
         chosen.update({m: order[i] for i, m in enumerate(members)})
     return assemble(ctx, chosen)

@@ -77,7 +77,8 @@ from typing import Any
 import torch
 
 from ..triton_support import triton_enabled
-from .base import VISION_HIDDEN, SelectionContext, assemble, check_float, register_selector, span_groups
+from .base import (VISION_HIDDEN, SelectionContext, assemble, check_float, register_selector, span_groups,
+                   stacked_spans)
 from .divprune import l2_normalize
 from .greedy import CHUNK, Checked, run_greedy
 
@@ -350,11 +351,6 @@ def _coverage_step(state: dict, picks: torch.Tensor, s: int) -> None:
     taken.scatter_(1, pick[:, None], float("-inf"))  # a scalar fill: no host tensor (CUDA-graph safe)
 
 
-def _stacked(spans: list[torch.Tensor]) -> torch.Tensor:
-    """``[B, N, D]`` from B spans' ``[N, D]`` rows (one span: a view, no copy)."""
-    return spans[0].unsqueeze(0) if len(spans) == 1 else torch.stack(spans)
-
-
 @register_selector("mmtok", options=DEFAULTS, checks=CHECKS, requires={VISION_HIDDEN: True})
 def select_mmtok(ctx: SelectionContext) -> torch.Tensor:
     opts = select_mmtok.options.resolve(ctx.options)
@@ -362,8 +358,8 @@ def select_mmtok(ctx: SelectionContext) -> torch.Tensor:
     z = ctx.query_embeds
     chosen = {}
     for (n, budget), members in span_groups(ctx).items():
-        x = _stacked([ctx.span_embeddings(m) for m in members])
-        x_c = _stacked([ctx.span_vision_hidden(m, "mmtok") for m in members]).to(x.device)
+        x = stacked_spans([ctx.span_embeddings(m) for m in members])
+        x_c = stacked_spans([ctx.span_vision_hidden(m, "mmtok") for m in members]).to(x.device)
         cover = coverage_matrix(x, x_c, z.to(x.device), opts["alpha"], opts["tau_tv"], opts["tau_vv"])
         exact = n >= LAZY_MIN_TOKENS or kernel_runs(cover.device, cover.shape[1])
         if exact:
