@@ -32,8 +32,9 @@ loads and reductions.
   the taken column's list and ``best`` at its rows (``best`` in memory: a private copy per program, so no program
   reads another's writes), and goes on with the same compaction and gain update. A column whose list overflowed is
   compared whole, in chunks.
-  The step loses the whole-column compare and its 4120-wide compaction: ~1.6 us per late step (the loop at 4096
-  tokens, random features: 8.6-8.8 -> 6.9-7.0 ms; smooth ones: 8.1-8.4 -> 6.4-6.5). Tried and removed there: an
+  The step has no whole-column compare and no 4120-wide compaction: ~1.6 us less per late step than the early
+  kernel's (at 4096 tokens the loop runs in 6.9 ms on random features, 8.6-8.8 with the whole-column compare in the
+  late stage; `benchmarks/greedy_kernels.py --late`). Tried and removed there: an
   L2 prefetch of the listed rows' cover entries as soon as the list arrives (1-2% at 8 programs, 5-10% slower at 4).
   Tried and removed: several picks per barrier round (each program proposing its K + 1 smallest ranks, later
   picks certified against the round's bounds without another barrier): a small gain at 4096 tokens, a loss at
@@ -391,10 +392,7 @@ def _coverage_late_kernel(
         n, m, SPLITS, BLOCK_C, BLOCK_M, BLOCK_N)
     rows_n = m + n
     best = best_copy_ptr + (b * SPLITS + split) * rows_n
-    for r0 in range(0, rows_n, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)
-        inside = rows < rows_n
-        tl.store(best + rows, tl.load(best_ptr + b * rows_n + rows, mask=inside, other=0.0), mask=inside)
+    _copy_rows(best, best_ptr + b * rows_n, rows_n, BLOCK_R)
     tl.debug_barrier()
     others = tl.arange(0, SPLITS_P2)
     failed = 0
@@ -427,10 +425,16 @@ def _coverage_late_kernel(
     tl.store(gain_ptr + b * n + cols, gain, mask=col_in)
     tl.store(taken_ptr + b * n + cols, taken.to(tl.int8), mask=col_in)
     if split == 0:
-        for r0 in range(0, rows_n, BLOCK_R):
-            rows = r0 + tl.arange(0, BLOCK_R)
-            inside = rows < rows_n
-            tl.store(best_ptr + b * rows_n + rows, tl.load(best + rows, mask=inside, other=0.0), mask=inside)
+        _copy_rows(best_ptr + b * rows_n, best, rows_n, BLOCK_R)
+
+
+@triton.jit
+def _copy_rows(dst, src, rows_n, BLOCK_R: tl.constexpr):
+    """``dst[:rows_n] = src[:rows_n]`` (fp32), in chunks of `BLOCK_R`."""
+    for r0 in range(0, rows_n, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        inside = rows < rows_n
+        tl.store(dst + rows, tl.load(src + rows, mask=inside, other=0.0), mask=inside)
 
 
 @triton.jit
@@ -450,20 +454,14 @@ def _raise_listed(rows, new, listed, best, s_rows, s_old, s_new):
 
 @triton.jit
 def _raise_whole_column(column, rows_n, best, s_rows, s_old, s_new, BLOCK_R: tl.constexpr):
-    """`_raise_listed` for a column without a complete list: every row compared, in chunks of `BLOCK_R`."""
+    """`_raise_listed` for a column without a complete list: every row compared, in chunks of `BLOCK_R` (each
+    chunk's raised rows appended to the compaction buffers)."""
     count = 0
     for r0 in range(0, rows_n, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         inside = rows < rows_n
         new = tl.load(column + rows, mask=inside, other=0.0)
-        old = tl.load(best + rows, mask=inside, other=0.0)
-        raised = inside & (new > old)
-        at = count + tl.cumsum(raised.to(tl.int32), axis=0) - 1
-        tl.store(s_rows + at, rows, mask=raised)
-        tl.store(s_old + at, old, mask=raised)
-        tl.store(s_new + at, new, mask=raised)
-        tl.store(best + rows, new, mask=raised)
-        count += tl.sum(raised.to(tl.int32), axis=0)
+        count += _raise_listed(rows, new, inside, best, s_rows + count, s_old + count, s_new + count)
     return count
 
 
