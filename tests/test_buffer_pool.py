@@ -115,3 +115,24 @@ def test_dynamic_caches_are_not_pooled(model):
     assert out.past_key_values.pooled_buffers is None
     del out
     assert POOL.nbytes() == 0
+
+
+def test_copy_pairs_copies_each_pair_in_few_launches_and_keeps_order_when_memory_is_shared(monkeypatch):
+    from hf_raincheck.cache.buffer_pool import copy_pairs
+
+    calls = []
+    real = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, src: (calls.append(len(dst)), real(dst, src)))
+    gen = torch.Generator().manual_seed(0)
+    wide = torch.randn(2, 3, 6, generator=gen)
+    sources = [torch.randn(2, 3, generator=gen), torch.randn(4, generator=gen).to(torch.bfloat16),
+               torch.randn(5, generator=gen), wide[..., :4], torch.randn(3, generator=gen).to(torch.bfloat16)]
+    targets = [torch.empty_like(s, memory_format=torch.contiguous_format) for s in sources]
+    copy_pairs(list(zip(targets, sources)))
+    assert all(torch.equal(t, s) for t, s in zip(targets, sources))
+    assert sorted(calls) == [2, 2]  # float32 and bfloat16 contiguous pairs; the strided view on its own
+    # a source that is a destination's memory: the pairs in order, one by one
+    calls.clear()
+    a, b, x = torch.zeros(3), torch.zeros(3), torch.ones(3)
+    copy_pairs([(a, x), (b, a)])
+    assert torch.equal(b, x) and calls == []

@@ -12,7 +12,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from ..gdn_state.state import GDNLayerState
-from .buffer_pool import POOL, CacheBuffers
+from .buffer_pool import POOL, CacheBuffers, copy_pairs
 from .forward_context import ForwardContext, RunningCall
 from .plan import DeferralPlan
 from .slot_layer import _GROWTH, SlotLayer
@@ -656,8 +656,10 @@ class DeferredPrefillCache(RunningCall, DynamicCache):
         buffers) and the layer points at those. A no-op for dynamic caches and eager static steps."""
         if not (self.static and self.gdn_fixed_layout):
             return
+        copies: list = []
         for idx, state in self.gdn_states.items():
-            state.persist(lambda field, tensor, idx=idx: self._buffers.persistent(f"gdn{idx}.{field}", tensor))
+            state.persist(lambda field, tensor, idx=idx: self._buffers.persistent(f"gdn{idx}.{field}", tensor, copies))
+        copy_pairs(copies)  # (in a few launches: this runs right after a prefill, host-bound on a GPU)
 
     def gdn_snapshot(self) -> dict:
         """References to every GDN layer state, for `gdn_rollback` if a forward fails half-way."""

@@ -3,7 +3,8 @@
 - `state.py`: per-layer live state and the pending plan's `PrefixCheckpoint`.
 - `layer.py`: one GDN layer over the rows of a Raincheck forward.
 - `kernels.py`: transformers' torch kernels or fla-core's, one interface (`gated_delta`; `gated_delta_` in place).
-- `ops.py`: `advance` / `advance_`, the calls GDN layers make (eager, or through the custom ops of compiled steps).
+- `ops.py`: `advance` / `advance_` / `advance_split`, the calls GDN layers make (eager, or through the custom ops
+  of compiled steps).
 - `naive.py`: plain per-token reference of all of it (tests compare against it).
 """
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .ops import advance, advance_, join_prefix_, zero_like
+from .ops import advance, advance_, advance_split, join_prefix_, zero_like
 from .state import GDNLayerState
 
 
@@ -134,26 +134,33 @@ def gdn_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layer: GDNLaye
         # one short conv over every live row (a boundary inside them only splits the kernel calls): the conv
         # window at the boundary is read off the same rows
         rows = qkv[..., n:] if n else qkv
-        if cut:
-            # the rows before a new plan's boundary: `checkpoint` starts P_tail afresh right after them, so a map
-            # carried through them would be dropped (a fixed layout carries one from the end of its first forward on)
+        if step.checkpoint_plan is not None and 0 < cut < live:
+            # a new plan's boundary inside the live rows (a Raincheck prompt with images): one kernel call for the
+            # rows on both sides of it (`advance_split`), from the live state without P_tail's columns (`checkpoint`
+            # starts P_tail afresh at the boundary, so a map carried through the rows before it would be dropped)
             before = layer.state if layer.carry == 0 else layer.recurrent.contiguous()
-            out, state = advance(step.backend, q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut], before)
-            layer.set_state(state, value_dim)
-            layer.conv = _window_after(layer.conv, rows[..., :cut], kernel)
+            out, boundary, state = advance_split(step.backend, q, k, v, g, beta, before, cut)
+            layer.start_tail(step.checkpoint_plan, boundary, _window_after(layer.conv, rows[..., :cut], kernel),
+                             state, value_dim)
+            if not step.track:
+                layer.release()
             outs.append(out)
-            if live > cut:
-                q, k, v, g, beta = q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:]
-        if step.checkpoint_plan is not None:
-            layer.checkpoint(
-                step.checkpoint_plan, num_v_heads, key_dim, value_dim, (1, channels, kernel), hidden.device, qkv.dtype
-            )
-        if not step.track and layer.carry:
-            layer.release()
-        if live > cut:
-            out, state = advance(step.backend, q, k, v, g, beta, layer.state, layer.carry)
-            layer.set_state(state, value_dim)
-            outs.append(out)
+        else:
+            if cut:  # the boundary after every live row
+                before = layer.state if layer.carry == 0 else layer.recurrent.contiguous()
+                out, state = advance(step.backend, q, k, v, g, beta, before)
+                layer.set_state(state, value_dim)
+                layer.conv = _window_after(layer.conv, rows, kernel)
+                outs.append(out)
+            if step.checkpoint_plan is not None:
+                layer.checkpoint(step.checkpoint_plan, num_v_heads, key_dim, value_dim, (1, channels, kernel),
+                                 hidden.device, qkv.dtype)
+            if not step.track and layer.carry:
+                layer.release()
+            if not cut:
+                out, state = advance(step.backend, q, k, v, g, beta, layer.state, layer.carry)
+                layer.set_state(state, value_dim)
+                outs.append(out)
         layer.conv = window_end
     if layer.fixed and layer.carry == 0:  # a fixed layer's first forward: its rows ran without P_tail's columns
         layer.add_transition_columns(key_dim)

@@ -28,6 +28,8 @@ copy.
 ``advance(...)`` runs rows from a state and can carry a transition map ``P`` along in the same call: a gated
 delta rule run with ``v = 0`` from state ``P`` returns ``A_T ... A_1 P``, and the rule acts on ``(v, S)`` column
 by column, so a state ``[S | P]`` with values ``[v | 0]`` gives the new state and the new map at once.
+``advance_split(...)`` runs a prompt with a new plan's boundary inside it (a Raincheck first prefill) in one kernel
+call: the state at the boundary, the state after every row and the tail's ``P`` (see its docstring).
 """
 
 import os
@@ -169,6 +171,51 @@ def advance(backend: str, q, k, v, g, beta, state, carry: int = 0, opaque: bool 
     else:
         out, final = kernels.gated_delta(backend, q, k, v, g, beta, state, kernels.FLA_EAGER_RECURRENT_MAX_ROWS)
     return (out[..., : out.shape[-1] - carry] if carry else out), final
+
+
+_SPLIT_STATES: dict = {}  # (H_v, K, V, device) -> [[0 | 0], [0 | I]], read only
+
+
+def _split_states(state, num_v_heads: int, key_dim: int, value_dim: int, device) -> torch.Tensor:
+    """``[2, H_v, K, V + K]`` float32: ``[state | 0]`` (None: zeros) and ``[0 | I]``. Without a state, one
+    persistent tensor (kernels only read their initial states): no build per GDN layer."""
+    key = (num_v_heads, key_dim, value_dim, device)
+    base = _SPLIT_STATES.get(key)
+    if base is None:
+        base = torch.zeros(2, num_v_heads, key_dim, value_dim + key_dim, dtype=torch.float32, device=device)
+        base[1, :, :, value_dim:] = torch.eye(key_dim, dtype=torch.float32, device=device)
+        _SPLIT_STATES[key] = base
+    if state is None:
+        return base
+    states = base.clone()
+    states[0, :, :, :value_dim] = state[0]
+    return states
+
+
+def advance_split(backend: str, q, k, v, g, beta, state, cut: int):
+    """Rows ``[1, T, ...]`` from `state` (``[1, H_v, K, V]`` float32, None: zeros) with a new plan's boundary after
+    row `cut` (``0 < cut < T``): returns ``(o [1, T, H_v, V], boundary [1, H_v, K, V], live [1, H_v, K, V + K])``,
+    the outputs, the state after the first `cut` rows (the plan's checkpoint) and ``[S_T | P_tail]`` (P_tail the
+    product of the transitions of rows ``cut:``, latest on the left).
+
+    One kernel call for both segments (`kernels.gated_delta_segments`; eager forwards are host-bound on a GPU, and a
+    second call per GDN layer is what a Raincheck first prefill paid over Hard's): rows ``:cut`` run from
+    ``[state | 0]``, rows ``cut:`` from ``[0 | I]`` with values ``[v | 0]``. The tail, being affine in its initial
+    state, is then corrected by the boundary state S_b: its last K output columns are ``q_t^T P_t`` (P_t the
+    product up to row t), so ``o_t = o_t(0) + (q_t^T P_t) S_b``, and ``S_T = S_T(0) + P_tail S_b``. The rows before
+    the boundary carry K zero columns they do not need (GPU work that the host-bound forward hides).
+    """
+    num_v_heads, key_dim, value_dim = v.shape[2], k.shape[-1], v.shape[-1]
+    v = torch.cat([v, _zero_columns(v, key_dim)], dim=-1)
+    states = _split_states(state, num_v_heads, key_dim, value_dim, q.device)
+    out, final = kernels.gated_delta_segments(backend, q, k, v, g, beta, states, cut)
+    boundary = final[0, :, :, :value_dim]
+    live = final[1]  # [H_v, K, V + K]: [S_T(0) | P_tail]
+    live[:, :, :value_dim].baddbmm_(live[:, :, value_dim:], boundary)
+    tail = out[0, cut:]  # [t, H_v, V + K]
+    correction = torch.bmm(tail[..., value_dim:].transpose(0, 1).float(), boundary)  # [H_v, t, V]
+    tail[..., :value_dim] += correction.transpose(0, 1)
+    return out[..., :value_dim], final[:1, :, :, :value_dim], final[1:]
 
 
 def advance_(backend: str, q, k, v, g, beta, state, carry: int = 0):
