@@ -138,7 +138,7 @@ def gdn_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layer: GDNLaye
             # a new plan's boundary inside the live rows (a Raincheck prompt with images): one kernel call for the
             # rows on both sides of it (`advance_split`), from the live state without P_tail's columns (`checkpoint`
             # starts P_tail afresh at the boundary, so a map carried through the rows before it would be dropped)
-            before = layer.state if layer.carry == 0 else layer.recurrent.contiguous()
+            before = layer.state if layer.carry == 0 else layer.recurrent  # (copied into the call's states)
             out, boundary, state = advance_split(step.backend, q, k, v, g, beta, before, cut)
             layer.start_tail(step.checkpoint_plan, boundary, _window_after(layer.conv, rows[..., :cut], kernel),
                              state, value_dim)
