@@ -68,7 +68,8 @@ fused step and one decode-only step of Raincheck (first model and workload, each
 sorted by GPU time and by host time, with the wall time and the GPU kernels' busy time (a first turn whose GPU idles
 is host-bound); with ``--ttft-phases N`` N first-token calls of Full, Hard and Raincheck in turn, each split by phase
 (vision, selection, the prefill forward, the static cache's preparation; each phase's function wrapped with a
-device sync) with the call's new ``cudaMalloc`` count: printed, and saved in the JSON header (``ttft_phases``).
+device sync) with the call's new ``cudaMalloc`` count: printed, and saved in the JSON header (``ttft_phases``), with
+each policy's medians and Raincheck's first token over Hard's and Full's call by call (``ttft_phases_summary``).
 """
 
 from __future__ import annotations
@@ -602,6 +603,47 @@ def ttft_phase_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def ttft_phase_summary(rows: list[dict]) -> list[dict]:
+    """Per cache: each policy's median first token and median phases over its calls, and Raincheck's first token
+    over Hard's and Full's call by call (call k of each: the policies ran in turn, so a slow stretch of the machine
+    hits neighbouring calls): the median of those paired ratios and their range."""
+    summary = []
+    for cache in dict.fromkeys(r["cache"] for r in rows):
+        mine = [r for r in rows if r["cache"] == cache]
+        calls = {(r["policy"], r["call"]): r["ttft_ms"] for r in mine}
+        raincheck = next((p for p in dict.fromkeys(r["policy"] for r in mine) if p.startswith("raincheck")), None)
+        for policy in dict.fromkeys(r["policy"] for r in mine):
+            own = [r for r in mine if r["policy"] == policy]
+            entry = dict(cache=cache, policy=policy, calls=len(own),
+                         ttft_ms=round(statistics.median(r["ttft_ms"] for r in own), 2))
+            for name in ("prefill forward", "persist GDN"):
+                if any(name in r for r in own):
+                    entry[name] = round(statistics.median(r.get(name, 0.0) for r in own), 2)
+            if raincheck is not None and policy == raincheck:
+                for other in ("hard", "full"):
+                    ratios = [calls[(policy, r["call"])] / calls[(other, r["call"])] for r in own
+                              if (other, r["call"]) in calls]
+                    if ratios:
+                        entry[f"paired_vs_{other}"] = round(statistics.median(ratios), 4)
+                        entry[f"paired_vs_{other}_range"] = [round(min(ratios), 4), round(max(ratios), 4)]
+            summary.append(entry)
+    return summary
+
+
+def ttft_phase_summary_lines(summary: list[dict]) -> str:
+    lines = []
+    for e in summary:
+        text = f"  {e['cache']:7s} {e['policy']:16s} median TTFT {e['ttft_ms']:7.1f} ms of {e['calls']} calls"
+        if "prefill forward" in e:
+            text += f", prefill forward {e['prefill forward']:.1f} ms"
+        for other in ("hard", "full"):
+            if f"paired_vs_{other}" in e:
+                low, high = e[f"paired_vs_{other}_range"]
+                text += f"; / {other}, call by call: {e[f'paired_vs_{other}']:.3f} (median; {low:.3f}-{high:.3f})"
+        lines.append(text)
+    return "\n".join(lines)
+
+
 def kernel_busy(prof) -> str:
     """', GPU kernels busy X ms' (host-bound when far below the wall time), or '' without CUDA events."""
     try:
@@ -985,8 +1027,11 @@ def run_model(model_name: str, gpus: int, args, workloads: dict, budget: Budget,
     if args.ttft_phases and model_name == args.models[0]:
         rows = [r for cache in args.caches for r in ttft_phases(bench, inputs[args.workloads[0]], cache, args.ttft_phases)]
         table = ttft_phase_table(rows)
-        print(f"\n# {model_name}, {args.workloads[0]}: first-token calls by phase (ms, synced)\n{table}\n", flush=True)
+        summary = ttft_phase_summary(rows)
+        print(f"\n# {model_name}, {args.workloads[0]}: first-token calls by phase (ms, synced)\n{table}\n\n"
+              f"{ttft_phase_summary_lines(summary)}\n", flush=True)
         results.head.setdefault("ttft_phases", {})[model_name] = rows
+        results.head.setdefault("ttft_phases_summary", {})[model_name] = summary
     if (args.profile or args.profile_ttft) and model_name == args.models[0]:
         first = args.workloads[0]
         try:

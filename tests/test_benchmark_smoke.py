@@ -132,6 +132,15 @@ def test_latency_quick_ttft_phases(tmp_path):
     for r in rows:
         assert 0 < r["prefill forward"] < r["ttft_ms"] and 0 < r["vision"] <= r["prepare_turn"] < r["ttft_ms"]
         assert ("selection" in r) == (r["policy"] != "full") and r["cuda_mallocs"] is None
+    # the summary: medians per policy, Raincheck over Hard and Full call by call
+    summary = json.loads((tmp_path / "latency.json").read_text())["header"]["ttft_phases_summary"]["tiny-qwen3.5"]
+    assert [e["policy"] for e in summary] == ["full", "raincheck c63", "hard"] and "/ hard, call by call" in out
+    ttft = {(r["policy"], r["call"]): r["ttft_ms"] for r in rows}
+    rc = summary[1]
+    ratios = sorted(ttft[("raincheck c63", k)] / ttft[("hard", k)] for k in range(2))
+    assert rc["paired_vs_hard"] == pytest.approx(sum(ratios) / 2, abs=1e-4)  # (the median of two)
+    assert rc["paired_vs_hard_range"] == pytest.approx(ratios, abs=1e-4) and "paired_vs_hard" not in summary[2]
+    assert summary[0]["ttft_ms"] == pytest.approx((ttft[("full", 0)] + ttft[("full", 1)]) / 2, abs=0.01)
 
 
 def test_ttft_phases_unwraps_what_it_timed():
