@@ -246,4 +246,4 @@ def gated_delta_segments(backend: str, q, k, v, g, beta, states: torch.Tensor, c
         return out, final.float()
     first = gated_delta(backend, q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut], states[:1])
     second = gated_delta(backend, q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:], states[1:])
-    return torch.cat([first[0], second[0].to(first[0].dtype)], dim=1), torch.cat([first[1], second[1]]).float()
+    return torch.cat([first[0], second[0]], dim=1), torch.cat([first[1], second[1]])
