@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from helpers import TRITON_MARKS  # noqa: E402
 
-from hf_raincheck.gdn_state.naive import naive_gated_delta  # noqa: E402
+from hf_raincheck.gdn_state.naive import naive_gated_delta, naive_transition  # noqa: E402
 from hf_raincheck.triton_support import interpreted  # noqa: E402
 
 pytestmark = TRITON_MARKS
@@ -110,6 +110,62 @@ def test_bfloat16_rows(device):
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.cpu().double(), want_out, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(final.cpu().double(), want_state, **FP32_TOL)
+
+
+@pytest.mark.parametrize("shape", [(1, 30, 2, 4, 32, 32), (2, 5, 1, 2, 16, 16), (1, 1, 1, 2, 16, 32),
+                                   (1, 64, 1, 1, 32, 16)])
+def test_with_transition_runs_from_the_state_and_the_identity(device, shape):
+    """`chunk_gated_delta_with_transition`: the rows from ``[state | I]`` with values ``[v | 0]`` (nothing of
+    either built): the outputs and final state from `state`, and the product of the rows' transitions, within
+    `FP32_TOL` of the float64 recurrence."""
+    from hf_raincheck.gdn_state.chunk_triton import chunk_gated_delta_with_transition
+
+    q, k, v, g, beta, state = _rows(*shape, seed=sum(shape) + 1)
+    g = 0.05 * g  # little decay: P of 64 rows stays far from 0
+    value_heads, key_dim = shape[3], shape[4]
+    out, final = chunk_gated_delta_with_transition(*(x.to(device) for x in (q, k, v, g, beta, state)))
+    want_out, want_state = naive_gated_delta(q, k, v, g, beta, state)
+    assert out.shape == v.shape and final.shape == (*state.shape[:-1], state.shape[-1] + key_dim)
+    torch.testing.assert_close(out.cpu().double(), want_out, **FP32_TOL)
+    torch.testing.assert_close(final[..., : state.shape[-1]].cpu().double(), want_state, **FP32_TOL)
+    torch.testing.assert_close(final[..., state.shape[-1]:].cpu().double(),
+                               naive_transition(k, g, beta, value_heads), **FP32_TOL)
+
+
+@pytest.mark.parametrize("t, cut", [(90, 60), (90, 89), (40, 1), (130, 66), (140, 60)])
+@pytest.mark.parametrize("with_state", [True, False], ids=["state", "zeros"])
+def test_advance_split_with_a_short_tail_runs_it_in_the_kernel(device, t, cut, with_state):
+    """`ops.advance_split` with at most one chunk after the boundary (a prompt's question after its image): the rows
+    before the boundary in one call, the tail from ``[S_b | I]`` in the kernel (`kernels.tail_kernel_takes`); the
+    outputs, the boundary state, the final state and P_tail against the per-token float64 definitions. fla backend
+    on a GPU (needs fla-core), the torch one under the interpreter (the rows before the boundary in torch)."""
+    from hf_raincheck.gdn_state import kernels
+    from hf_raincheck.gdn_state.ops import advance_split
+
+    backend = "fla" if device.type == "cuda" else "torch"
+    if backend == "fla" and not kernels.fla_available():
+        pytest.skip("needs fla-core")
+    q, k, v, g, beta, state = _rows(1, t, 2, 4, 32, 32, seed=t + cut)
+    g = 0.05 * g  # little decay: P_tail of 64 rows stays far from 0
+    s0 = state if with_state else None
+    assert kernels.tail_kernel_takes(backend, t - cut, 32, 32, device) == (t - cut <= 64)
+    calls = []
+    real = kernels.gated_delta_with_transition
+    kernels.gated_delta_with_transition = lambda *a: calls.append(a[0].shape[1]) or real(*a)
+    try:
+        out, boundary, live = advance_split(backend, *(x.to(device) for x in (q, k, v, g, beta)),
+                                            None if s0 is None else s0.to(device), cut)
+    finally:
+        kernels.gated_delta_with_transition = real
+    assert calls == ([t - cut] if t - cut <= 64 else [])
+    want_out, want_state = naive_gated_delta(q, k, v, g, beta, s0)
+    want_boundary = naive_gated_delta(*(x[:, :cut] for x in (q, k, v, g, beta)), s0)[1]
+    tol = FP32_TOL if device.type == "cpu" else dict(atol=2e-2, rtol=2e-2)  # fla: bf16 products
+    torch.testing.assert_close(out.cpu().double(), want_out, **tol)
+    torch.testing.assert_close(boundary.cpu().double(), want_boundary, **tol)
+    torch.testing.assert_close(live[..., :32].cpu().double(), want_state, **tol)
+    torch.testing.assert_close(live[..., 32:].cpu().double(),
+                               naive_transition(k[:, cut:], g[:, cut:], beta[:, cut:], 4), **tol)
 
 
 def test_bad_inputs_name_what_is_allowed(device):

@@ -24,7 +24,11 @@ for sm_90a, so the products are TF32 only (Triton's interpreter computes them in
 there at fp32 accuracy). Rows past the chunk's end (padding) read as ``g = beta = 0``, k = q = 0: the identity.
 
 `kernels.gated_delta` calls it in place of fla's chunked function for 2-64 rows from a state when its programs fit
-one wave of the GPU (`kernels.one_chunk_kernel_takes`): a compiled fused step's window at batch 1. There, at
+one wave of the GPU (`kernels.one_chunk_kernel_takes`): a compiled fused step's window at batch 1. With ``CARRY = K``
+(`chunk_gated_delta_with_transition`) the state is ``[S | I]`` and the values ``[v | 0]`` without either being built
+(the identity's programs read no values and store no outputs): a Raincheck first prefill's tail after the boundary,
+the live state and P_tail in one launch (`kernels.tail_kernel_takes`; eager forwards are host-bound, and this
+launch replaced three operators and a second sequence in fla's call: 1,716 -> 1,554 us of host per GDN layer). There, at
 Qwen3.5-9B's heads on an H200 (``benchmarks/gdn_chunk.py``, 24 calls in a CUDA graph), 15.8 us per call against
 fla's 37.1; from B = 4 on (several waves) fla's seven kernels were faster (B = 4 / 8 / 16: 53 / 78 / 128 us against
 58 / 116 / 228), so batches keep fla. Three products fewer than the plain WY form (20.7 us per call there): the
@@ -58,7 +62,7 @@ def _chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_ptr, ht_ptr,
                   rows, key_heads, value_heads, value_dim, scale,
                   h0_b, h0_h, h0_k, h0_v, ht_b, ht_h, ht_k, ht_v,
                   KEY_DIM: tl.constexpr, BT: tl.constexpr, BLOCK_V: tl.constexpr, LEVELS: tl.constexpr,
-                  EPS: tl.constexpr):
+                  EPS: tl.constexpr, CARRY: tl.constexpr):
     bh = tl.program_id(1).to(tl.int64)
     b = bh // value_heads
     h = bh % value_heads
@@ -67,7 +71,8 @@ def _chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_ptr, ht_ptr,
     in_t = t < rows
     kd = tl.arange(0, KEY_DIM)
     cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
-    in_c = cols < value_dim
+    in_v = cols < value_dim
+    in_c = cols < value_dim + CARRY  # the state's columns: S's V, then (CARRY = K) those of the transition map
 
     qk_at = ((b * rows + t[:, None]) * key_heads + hk) * KEY_DIM + kd[None, :]
     q = tl.load(q_ptr + qk_at, mask=in_t[:, None], other=0.0).to(tl.float32)
@@ -96,10 +101,12 @@ def _chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_ptr, ht_ptr,
 
     grow = tl.exp(c)
     v_at = ((b * rows + t[:, None]) * value_heads + h) * value_dim + cols[None, :]
-    tv_mask = in_t[:, None] & in_c[None, :]
-    v = tl.load(v_ptr + v_at, mask=tv_mask, other=0.0).to(tl.float32)
-    s0 = tl.load(h0_ptr + b * h0_b + h * h0_h + kd[:, None] * h0_k + cols[None, :] * h0_v, mask=in_c[None, :],
+    tv_mask = in_t[:, None] & in_v[None, :]
+    v = tl.load(v_ptr + v_at, mask=tv_mask, other=0.0).to(tl.float32)  # (the map's columns: v = 0)
+    s0 = tl.load(h0_ptr + b * h0_b + h * h0_h + kd[:, None] * h0_k + cols[None, :] * h0_v, mask=in_v[None, :],
                  other=0.0)
+    if CARRY:  # the map's columns start from the identity
+        s0 += tl.where(kd[:, None] == (cols - value_dim)[None, :], 1.0, 0.0)
     # U = R (beta v - beta exp(c) k S_0): R applied once, to [BT, BLOCK_V] (not to [BT, K] first, fla's W)
     u = tl.dot(r, beta[:, None] * (v - grow[:, None] * tl.dot(k, s0, input_precision="tf32")), input_precision="tf32")
 
@@ -142,15 +149,16 @@ def block_columns(value_dim: int, block_v: int = 0) -> int:
     return min(block_v or BLOCK_V, max(16, 1 << (value_dim - 1).bit_length()))
 
 
-def _launch(q, k, v, g, beta, h0, out, ht, block_v: int, warps: int) -> None:
-    """`_chunk_kernel` over (column blocks, B x H_v) from state `h0` into `ht`."""
+def _launch(q, k, v, g, beta, h0, out, ht, block_v: int, warps: int, carry: int = 0) -> None:
+    """`_chunk_kernel` over (column blocks, B x H_v) from state `h0` into `ht` (`carry` > 0: ``[h0 | I]`` into
+    `ht` ``[B, H_v, K, V + carry]``)."""
     batch, rows, key_heads, key_dim = k.shape
     value_heads, value_dim = v.shape[2], v.shape[3]
     block_v = block_columns(value_dim, block_v)
-    grid = (triton.cdiv(value_dim, block_v), batch * value_heads)
+    grid = (triton.cdiv(value_dim + carry, block_v), batch * value_heads)
     _chunk_kernel[grid](q, k, v, g, beta, h0, out, ht, rows, key_heads, value_heads, value_dim, key_dim ** -0.5,
                         *h0.stride(), *ht.stride(), KEY_DIM=key_dim, BT=CHUNK, BLOCK_V=block_v,
-                        LEVELS=CHUNK.bit_length() - 1, EPS=_EPS, num_warps=warps)
+                        LEVELS=CHUNK.bit_length() - 1, EPS=_EPS, CARRY=carry, num_warps=warps)
 
 
 def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -169,3 +177,19 @@ def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     _launch(q, k, v, g, beta, state, out, final, block_v, warps)
     return out, final
 
+
+
+def chunk_gated_delta_with_transition(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                      beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunk_gated_delta` from ``[state | I]`` with values ``[v | 0]``, without building either: returns ``(o [B,
+    T, H_v, V]`` in v's dtype, ``[S_T | P] [B, H_v, K, V + K]`` fp32)``, P the product of the rows' transitions
+    (latest on the left). The programs of the K extra columns start from the identity's columns and read no
+    values; only S's columns' outputs are stored. A Raincheck first prefill's tail after a new plan's boundary
+    (`ops.advance_split`): the live state and P_tail in one launch."""
+    _check(q, k, v, g, beta, state, 0, WARPS)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    batch, value_heads, key_dim, value_dim = state.shape
+    out = torch.empty_like(v)
+    final = torch.empty(batch, value_heads, key_dim, value_dim + key_dim, dtype=torch.float32, device=v.device)
+    _launch(q, k, v, g, beta, state, out, final, 0, WARPS, carry=key_dim)
+    return out, final

@@ -1,7 +1,8 @@
 """Gated delta rule kernels behind one interface (`gated_delta`): transformers' torch path, or fla-core's Triton
 kernels. `ops.py` wraps the call as a custom op for compiled steps and holds `advance`, the call GDN layers make;
 `naive.py` is the per-token reference both are tested against. `gated_delta_segments` runs two segments of rows,
-each from its own state, in one fla-core call (two calls elsewhere).
+each from its own state, in one fla-core call (two calls elsewhere); `gated_delta_with_transition` runs rows from
+``[state | I]`` in one launch of the one-chunk Triton kernel.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 
 import torch
 
-from ..triton_support import triton_importable
+from ..triton_support import interpreted, triton_importable
 
 BACKENDS = ("auto", "torch", "fla")
 
@@ -179,6 +180,25 @@ def _one_chunk_kernel_fits(q, v, state) -> bool:
     if _chunk_kernel is None or state is None or state.dtype != torch.float32 or q.device.type != "cuda":
         return False
     return one_chunk_kernel_takes(q.shape[1], v.shape[0], v.shape[2], v.shape[3], _sm_count(q.device))
+
+
+def tail_kernel_takes(backend: str, rows: int, key_dim: int, value_dim: int, device: torch.device) -> bool:
+    """Whether `chunk_triton.chunk_gated_delta_with_transition` runs a Raincheck first prefill's `rows` after a new
+    plan's boundary (`ops.advance_split`): fla backend on CUDA (or Triton's interpreter on the CPU: tests), 1 to
+    `chunk_triton.CHUNK` rows, V and K whole column blocks. Its programs may fill more than one wave of the GPU (the
+    Qwen3.5-9B shape: 256 at B = 1): the prefill is host-bound, and one launch is what counts there."""
+    if _chunk_kernel is None or not 1 <= rows <= _chunk_kernel.CHUNK:
+        return False
+    if not ((backend == "fla" and device.type == "cuda") or (device.type == "cpu" and interpreted())):
+        return False
+    block = _chunk_kernel.block_columns(value_dim)
+    return value_dim % block == 0 and key_dim % block == 0
+
+
+def gated_delta_with_transition(q, k, v, g, beta, state):
+    """Rows ``[1, T, ...]`` from ``[state | I]`` with values ``[v | 0]`` in one Triton launch (where
+    `tail_kernel_takes`): ``(o [1, T, H_v, V], [S_T | P] [1, H_v, K, V + K] float32)``."""
+    return _chunk_kernel.chunk_gated_delta_with_transition(q, k, v, g, beta, state)
 
 
 def gated_delta(backend: str, q, k, v, g, beta, state, recurrent_rows: int | None = None):

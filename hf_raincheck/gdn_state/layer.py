@@ -135,10 +135,11 @@ def gdn_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layer: GDNLaye
         # window at the boundary is read off the same rows
         rows = qkv[..., n:] if n else qkv
         if step.checkpoint_plan is not None and 0 < cut < live:
-            # a new plan's boundary inside the live rows (a Raincheck prompt with images): one kernel call for the
-            # rows on both sides of it (`advance_split`), from the live state without P_tail's columns (`checkpoint`
-            # starts P_tail afresh at the boundary, so a map carried through the rows before it would be dropped)
-            before = layer.state if layer.carry == 0 else layer.recurrent  # (copied into the call's states)
+            # a new plan's boundary inside the live rows (a Raincheck prompt with images): the rows on both sides of
+            # it (`advance_split`: a short tail in one launch after the rows before it, or both in one call), from
+            # the live state without P_tail's columns (`checkpoint` starts P_tail afresh at the boundary, so a map
+            # carried through the rows before it would be dropped)
+            before = layer.state if layer.carry == 0 else layer.recurrent  # (only read)
             out, boundary, state = advance_split(step.backend, q, k, v, g, beta, before, cut)
             layer.start_tail(step.checkpoint_plan, boundary, _window_after(layer.conv, rows[..., :cut], kernel),
                              state, value_dim)

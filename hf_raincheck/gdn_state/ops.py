@@ -198,14 +198,23 @@ def advance_split(backend: str, q, k, v, g, beta, state, cut: int):
     the outputs, the state after the first `cut` rows (the plan's checkpoint) and ``[S_T | P_tail]`` (P_tail the
     product of the transitions of rows ``cut:``, latest on the left).
 
-    One kernel call for both segments (`kernels.gated_delta_segments`; eager forwards are host-bound on a GPU, and a
-    second call per GDN layer is what a Raincheck first prefill paid over Hard's): rows ``:cut`` run from
-    ``[state | 0]``, rows ``cut:`` from ``[0 | I]`` with values ``[v | 0]``. The tail, being affine in its initial
+    Eager forwards are host-bound on a GPU: what a Raincheck first prefill adds per GDN layer over Hard's one
+    kernel call is host time. A tail of at most one chunk (the question after the image; `kernels.tail_kernel_takes`)
+    runs from ``[S_b | I]`` in one Triton launch after the call for the rows before the boundary, which is Hard's
+    call on fewer rows. Otherwise one call for both segments (`kernels.gated_delta_segments`): rows ``:cut`` from
+    ``[state | 0]``, rows ``cut:`` from ``[0 | I]`` with values ``[v | 0]``; the tail, being affine in its initial
     state, is then corrected by the boundary state S_b: its last K output columns are ``q_t^T P_t`` (P_t the
     product up to row t), so ``o_t = o_t(0) + (q_t^T P_t) S_b``, and ``S_T = S_T(0) + P_tail S_b``. The rows before
     the boundary carry K zero columns they do not need (GPU work that the host-bound forward hides).
     """
     num_v_heads, key_dim, value_dim = v.shape[2], k.shape[-1], v.shape[-1]
+    if kernels.tail_kernel_takes(backend, q.shape[1] - cut, key_dim, value_dim, q.device):
+        if state is not None:
+            state = state.contiguous()
+        head, boundary = kernels.gated_delta(backend, *(x[:, :cut] for x in (q, k, v, g, beta)), state,
+                                             kernels.FLA_EAGER_RECURRENT_MAX_ROWS)
+        tail, live = kernels.gated_delta_with_transition(*(x[:, cut:] for x in (q, k, v, g, beta)), boundary)
+        return torch.cat([head, tail], dim=1), boundary, live
     v = torch.cat([v, _zero_columns(v, key_dim)], dim=-1)
     states = _split_states(state, num_v_heads, key_dim, value_dim, q.device)
     out, final = kernels.gated_delta_segments(backend, q, k, v, g, beta, states, cut)
