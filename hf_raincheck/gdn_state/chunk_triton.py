@@ -178,7 +178,6 @@ def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     return out, final
 
 
-
 def chunk_gated_delta_with_transition(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                       beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`chunk_gated_delta` from ``[state | I]`` with values ``[v | 0]``, without building either: returns ``(o [B,
