@@ -131,3 +131,29 @@ def test_fla_split_matches_the_two_calls(t, cut, with_state):
     ref_seg = [gated_delta("fla", *rows, states[i : i + 1]) for i, rows in enumerate((head, tail))]
     assert rel(seg_out, torch.cat([ref_seg[0][0], ref_seg[1][0]], dim=1)) < 1e-2
     assert rel(finals, torch.cat([ref_seg[0][1], ref_seg[1][1]])) < 1e-2
+
+
+def test_graphed_prefill_calls_equal_fla_called_directly():
+    """`advance("fla", ...)` of an eager prefill (rows `graphed.takes`) replays its bucket's CUDA graph: calls of
+    1,220, 1,250 (one bucket), 1,000 (another) and 1,100 rows (the first bucket again, shorter: its rows past 1,100
+    inert again), from a state and from zeros, against fla's function called directly: the same kernels on the same
+    rows (the bucket's extra rows are inert), so equal to bf16 rounding; outputs handed back earlier are copies that
+    later replays leave alone; one graph per bucket."""
+    from hf_raincheck.gdn_state import graphed, kernels
+
+    graphed.release()
+    state = torch.randn(1, HV, K, V, generator=torch.Generator().manual_seed(7)).cuda()
+    kept = []
+    for t, s0 in ((1220, None), (1250, state), (1000, state), (1100, None)):
+        rows = factors(t, torch.bfloat16, seed=t)
+        with torch.no_grad():  # (as in generate: `graphed.takes` leaves autograd-recording calls to fla)
+            out, final = advance("fla", *rows, s0)
+            want_out, want_final = kernels.gated_delta("fla", *rows, s0)
+        errors = dict(out=rel(out, want_out), state=rel(final, want_final))
+        print(f"\nT={t}, {'state' if s0 is not None else 'zeros'}: graphed vs direct {errors}")
+        assert max(errors.values()) < 1e-2
+        kept.append((out, final, out.clone(), final.clone()))
+    assert sorted(key[1] for key in graphed._GRAPHS) == [1024, 1280]
+    for out, final, out_then, final_then in kept:
+        assert torch.equal(out, out_then) and torch.equal(final, final_then)
+    graphed.release()

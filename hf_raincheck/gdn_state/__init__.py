@@ -5,6 +5,7 @@
 - `kernels.py`: transformers' torch kernels or fla-core's, one interface (`gated_delta`; `gated_delta_` in place).
 - `ops.py`: `advance` / `advance_` / `advance_split`, the calls GDN layers make (eager, or through the custom ops
   of compiled steps).
+- `graphed.py`: eager prefills' fla-core calls replayed from a CUDA graph per bucket of rows.
 - `naive.py`: plain per-token reference of all of it (tests compare against it).
 """
 

@@ -15,6 +15,7 @@ import os
 import torch
 
 from ..triton_support import interpreted, triton_importable
+from . import graphed as _graphed
 
 BACKENDS = ("auto", "torch", "fla")
 
@@ -201,7 +202,7 @@ def gated_delta_with_transition(q, k, v, g, beta, state):
     return _chunk_kernel.chunk_gated_delta_with_transition(q, k, v, g, beta, state)
 
 
-def gated_delta(backend: str, q, k, v, g, beta, state, recurrent_rows: int | None = None):
+def gated_delta(backend: str, q, k, v, g, beta, state, recurrent_rows: int | None = None, graphed: bool = False):
     """Rows ``[1, T, ...]`` from `state` (``None``: zeros). Returns ``(o [1, T, H_v, V], final state fp32)``.
 
     Single rows with a state use the recurrent kernel, everything else the chunked one, as transformers does (fla:
@@ -210,13 +211,17 @@ def gated_delta(backend: str, q, k, v, g, beta, state, recurrent_rows: int | Non
     chunked function: a compiled fused step's window at batch 1). fla's recurrent kernel is launched here
     (`_launch_recurrent`, into a new final state) where the state is a contiguous float32 buffer: its public
     function's host work (autograd function, input checks) is what eager steps, host-bound on a GPU, pay per GDN
-    layer and call.
+    layer and call. `graphed` (eager forwards): fla's chunked function through a CUDA graph of its bucket of rows
+    where `graphed.takes` (`graphed.graphed_chunk`: its host time, not its GPU time, is what an eager prefill of a
+    pruned prompt waits for).
     """
     chunk, recurrent = functions(backend)
     most = (FLA_RECURRENT_MAX_ROWS if recurrent_rows is None else recurrent_rows) if backend == "fla" else 1
     fn = recurrent if (state is not None and q.shape[1] <= most) else chunk
     if fn is chunk and backend == "fla" and _one_chunk_kernel_fits(q, v, state):
         return _chunk_kernel.chunk_gated_delta(q, k, v, g, beta, state)
+    if fn is chunk and backend == "fla" and graphed and _graphed.takes(q.shape[1], q.shape[0], q.device):
+        return _graphed.graphed_chunk(chunk, q, k, v, g, beta, state)
     if fn is recurrent and backend == "fla" and _kernel_state(state):
         kernel = _fla_recurrent_kernel()
         if kernel is not None:  # fla's recurrent kernel without its public function's host work (eager steps)

@@ -162,14 +162,16 @@ def advance(backend: str, q, k, v, g, beta, state, carry: int = 0, opaque: bool 
 
     `opaque`: call the kernels through the ``hf_raincheck::gated_delta`` custom op, one node in a traced graph
     (compiled steps, `gdn_rows_forward_graph`; `kernels.functions(backend)` must have run before tracing). Eager
-    calls (not `opaque`) take fla's recurrent kernel up to `kernels.FLA_EAGER_RECURRENT_MAX_ROWS` rows from a state.
+    calls (not `opaque`) take fla's recurrent kernel up to `kernels.FLA_EAGER_RECURRENT_MAX_ROWS` rows from a state,
+    and its chunked function through a CUDA graph of the rows' bucket (`graphed`) where that applies.
     """
     if carry:
         v = torch.cat([v, _zero_columns(v, carry)], dim=-1)
     if opaque:
         out, final = torch.ops.hf_raincheck.gated_delta(q, k, v, g, beta, state, backend)
     else:
-        out, final = kernels.gated_delta(backend, q, k, v, g, beta, state, kernels.FLA_EAGER_RECURRENT_MAX_ROWS)
+        out, final = kernels.gated_delta(backend, q, k, v, g, beta, state, kernels.FLA_EAGER_RECURRENT_MAX_ROWS,
+                                         graphed=True)
     return (out[..., : out.shape[-1] - carry] if carry else out), final
 
 
@@ -212,7 +214,7 @@ def advance_split(backend: str, q, k, v, g, beta, state, cut: int):
         if state is not None:
             state = state.contiguous()
         head, boundary = kernels.gated_delta(backend, *(x[:, :cut] for x in (q, k, v, g, beta)), state,
-                                             kernels.FLA_EAGER_RECURRENT_MAX_ROWS)
+                                             kernels.FLA_EAGER_RECURRENT_MAX_ROWS, graphed=True)
         tail, live = kernels.gated_delta_with_transition(*(x[:, cut:] for x in (q, k, v, g, beta)), boundary)
         return torch.cat([head, tail], dim=1), boundary, live
     v = torch.cat([v, _zero_columns(v, key_dim)], dim=-1)
