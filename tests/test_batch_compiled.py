@@ -430,9 +430,9 @@ def test_a_first_token_call_of_a_static_qwen3_5_batch_runs_only_its_prefill(tiny
     calls = []
     original = kernels.gated_delta
 
-    def recording(backend, q, k, v, g, beta, state, *args):
+    def recording(backend, q, k, v, g, beta, state, *args, **kwargs):
         calls.append((q.shape[0], q.shape[1], v.shape[-1]))
-        return original(backend, q, k, v, g, beta, state, *args)
+        return original(backend, q, k, v, g, beta, state, *args, **kwargs)
 
     cfg = RaincheckConfig(policy=policy, retention=0.3, chunk_size=3, guard_tokens=1, completion="next_turn")
     batch = _inputs(processor, CONVERSATIONS)
