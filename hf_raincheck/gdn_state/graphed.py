@@ -26,6 +26,8 @@ from typing import Callable
 
 import torch
 
+from ..cuda_graphs import capture as capture_graph
+
 #: rows per bucket: a call of T rows runs the graph of ``ceil(T / BUCKET) * BUCKET`` rows
 BUCKET = 256
 #: fewer rows (an eager fused step's chunk, a decode row) take fla's recurrent kernel from a state: one launch
@@ -75,17 +77,8 @@ class _Runner:
         if not capture:
             self.run = call
             return
-        device = v.device
-        side = torch.cuda.Stream(device=device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # warm-up on a side stream (autotuning, compiling), as torch.cuda.graphs asks
-            call()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # an explicit capture stream on the rows' device (see `pruning.greedy._Loop._capture`); thread-local capture
-        # mode: a background completion thread's CUDA calls are not this capture's business
-        with torch.cuda.graph(graph, stream=torch.cuda.Stream(device=device), capture_error_mode="thread_local"):
-            out, final = call()
+        # thread-local capture mode: a background completion thread's CUDA calls are not this capture's business
+        graph, (out, final) = capture_graph(call, v.device, error_mode="thread_local")
         self.graph = graph
         self.run = lambda: (graph.replay(), (out, final))[1]
 

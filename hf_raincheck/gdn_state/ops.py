@@ -28,8 +28,9 @@ copy.
 ``advance(...)`` runs rows from a state and can carry a transition map ``P`` along in the same call: a gated
 delta rule run with ``v = 0`` from state ``P`` returns ``A_T ... A_1 P``, and the rule acts on ``(v, S)`` column
 by column, so a state ``[S | P]`` with values ``[v | 0]`` gives the new state and the new map at once.
-``advance_split(...)`` runs a prompt with a new plan's boundary inside it (a Raincheck first prefill) in one kernel
-call: the state at the boundary, the state after every row and the tail's ``P`` (see its docstring).
+``advance_split(...)`` runs a prompt with a new plan's boundary inside it (a Raincheck first prefill): the state at
+the boundary, the state after every row and the tail's ``P``, in two launches for a short tail or one call (see its
+docstring).
 """
 
 import os

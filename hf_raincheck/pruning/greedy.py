@@ -29,6 +29,8 @@ from typing import Callable
 
 import torch
 
+from ..cuda_graphs import capture
+
 CHUNK = 16
 CACHE_SIZE = 8
 MIN_STEPS = 2 * CHUNK  # shorter loops run eagerly (capturing would cost more than it saves)
@@ -83,19 +85,7 @@ class _Loop:
             self.step(self.state, self.picks, s)
 
     def _capture(self, fn: Callable) -> torch.cuda.CUDAGraph:
-        device = self.picks.device
-        side = torch.cuda.Stream(device=device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graphs recommends
-            fn()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # an explicit capture stream on the state's device: torch.cuda.graph's default one is created once, on the
-        # device current at its first use, so a later capture for another GPU (a model on cuda:1) would switch to
-        # the first GPU and fail ("operation not permitted when stream is capturing")
-        with torch.cuda.graph(graph, stream=torch.cuda.Stream(device=device)):
-            fn()
-        return graph
+        return capture(fn, self.picks.device)[0]
 
     def capture(self) -> None:
         saved = {k: v.clone() for k, v in self.state.items()}
