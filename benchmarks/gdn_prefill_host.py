@@ -9,13 +9,14 @@ for ~0.12 ms of GPU work at 1,250 rows), so what a call costs the host is what t
 
 * ``hard``: `ops.advance` (on CUDA with fla-core: through `gdn_state.graphed`'s CUDA graph of the rows' bucket);
   ``hard_direct``: `kernels.gated_delta` without the graph;
-* ``raincheck``: `ops.advance_split` (the rows before the boundary as ``hard``, a tail of at most one chunk in the
-  one-chunk Triton kernel); ``raincheck_varlen``: the same with the tail as fla's second sequence from ``[0 | I]``
-  and the correction afterwards (`kernels.tail_kernel_takes` off: the path of longer tails).
+* ``raincheck``: `ops.advance_split` with a short tail (the rows before the boundary as ``hard``, the 30 rows after
+  it in the one-chunk Triton kernel); ``raincheck_long``: a tail of 200 rows (longer than one chunk: from ``[S_b |
+  I]`` through its own bucket's graph); ``raincheck_direct`` / ``raincheck_long_direct``: the same two calls of
+  fla's functions without graphs or the Triton kernel (`kernels.gated_delta` directly; the references).
 
 Per path, interleaved rounds (after warm-ups that capture the graphs): host time (the call returning, no sync) and
 total (to a sync after it), medians in us; and the largest relative difference of each path's outputs from its
-reference (``hard_direct``, ``raincheck_varlen``). ``--out`` saves the table as JSON.
+reference (the ``_direct`` paths). ``--out`` saves the table as JSON.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--rows", type=int, default=0, help="rows of the call (0: 1250 on CUDA, 200 on the CPU)")
-    parser.add_argument("--cut", type=int, default=0, help="Raincheck's boundary (0: rows - 30)")
+    parser.add_argument("--cut", type=int, default=0, help="Raincheck's boundary, short tail (0: rows - 30)")
+    parser.add_argument("--long-cut", type=int, default=0, help="the boundary of the long tail (0: rows - 200; rows / 4 up to 400 rows)")
     parser.add_argument("--heads", default="", help="H_k,H_v,K,V (default: 16,32,128,128 on CUDA, 2,4,16,16 on CPU)")
     parser.add_argument("--rounds", type=int, default=0, help="interleaved rounds (0: 60 on CUDA, 3 on the CPU)")
     parser.add_argument("--out", default="", help="write the table as JSON here")
@@ -64,28 +66,32 @@ def main(argv=None) -> int:
     cuda = device.type == "cuda"
     rows = args.rows or (1250 if cuda else 200)
     cut = args.cut or rows - 30
+    long_cut = args.long_cut or (rows - 200 if rows > 400 else rows // 4)
     heads = tuple(int(x) for x in (args.heads or ("16,32,128,128" if cuda else "2,4,16,16")).split(","))
     rounds = args.rounds or (60 if cuda else 3)
-    if len(heads) != 4 or not 0 < cut < rows:
-        parser.error("--heads needs four numbers and 0 < --cut < --rows")
+    if len(heads) != 4 or not 0 < cut < rows or not 0 < long_cut < rows:
+        parser.error("--heads needs four numbers and 0 < --cut, --long-cut < --rows")
     backend = kernels.resolve("auto", device)
     dtype = torch.bfloat16 if cuda else torch.float32
     q, k, v, g, beta = _rows(rows, heads, device, dtype)
-    takes = kernels.tail_kernel_takes
+    most = kernels.FLA_EAGER_RECURRENT_MAX_ROWS
+    eye = torch.eye(heads[2], dtype=torch.float32, device=device).expand(1, heads[1], heads[2], heads[2])
 
-    def varlen():
-        kernels.tail_kernel_takes = lambda *a: False
-        try:
-            return ops.advance_split(backend, q, k, v, g, beta, None, cut)
-        finally:
-            kernels.tail_kernel_takes = takes
+    def direct(at):  # the rows before the boundary, then the tail from [S_b | I] with values [v | 0]
+        head, boundary = kernels.gated_delta(backend, *(x[:, :at] for x in (q, k, v, g, beta)), None, most)
+        tail_v = torch.cat([v[:, at:], v.new_zeros(*v[:, at:].shape[:-1], heads[2])], dim=-1)
+        tail, live = kernels.gated_delta(backend, q[:, at:], k[:, at:], tail_v, g[:, at:], beta[:, at:],
+                                         torch.cat([boundary, eye], dim=-1), most)
+        return torch.cat([head, tail[..., : heads[3]]], dim=1), boundary, live
 
     paths = {
         "hard": lambda: ops.advance(backend, q, k, v, g, beta, None),
         "hard_direct": lambda: kernels.gated_delta(backend, q, k, v, g, beta, None,
                                                    kernels.FLA_EAGER_RECURRENT_MAX_ROWS),
         "raincheck": lambda: ops.advance_split(backend, q, k, v, g, beta, None, cut),
-        "raincheck_varlen": varlen,
+        "raincheck_direct": lambda: direct(cut),
+        "raincheck_long": lambda: ops.advance_split(backend, q, k, v, g, beta, None, long_cut),
+        "raincheck_long_direct": lambda: direct(long_cut),
     }
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     times = {name: ([], []) for name in paths}
@@ -103,14 +109,14 @@ def main(argv=None) -> int:
                 times[name][0].append(host * 1e6)
                 times[name][1].append((time.perf_counter() - start) * 1e6)
         outs = {name: fn() for name, fn in paths.items()}
-    reference = {"hard": "hard_direct", "raincheck": "raincheck_varlen"}
+    reference = {"hard": "hard_direct", "raincheck": "raincheck_direct", "raincheck_long": "raincheck_long_direct"}
     table = []
     for name in paths:
         ref = reference.get(name)
         diff = max(_rel(a, b) for a, b in zip(outs[name], outs[ref])) if ref else 0.0
         table.append(dict(path=name, host_us=statistics.median(times[name][0]),
                           total_us=statistics.median(times[name][1]), rel_diff=diff, reference=ref or ""))
-    print(f"{backend} kernels on {device}: {rows} rows, boundary at {cut}, heads {heads}, {dtype}, "
+    print(f"{backend} kernels on {device}: {rows} rows, boundary at {cut} (long tail: {long_cut}), heads {heads}, {dtype}, "
           f"{rounds} rounds, graphs kept {len(graphed._GRAPHS)}")
     print("| path | host us | total us | relative difference | against |")
     print("| --- | --- | --- | --- | --- |")
@@ -118,7 +124,7 @@ def main(argv=None) -> int:
         print(f"| {r['path']} | {r['host_us']:.1f} | {r['total_us']:.1f} | {r['rel_diff']:.2e} | {r['reference']} |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(device=str(device), backend=backend, rows=rows, cut=cut, heads=heads, rounds=rounds,
+            json.dump(dict(device=str(device), backend=backend, rows=rows, cut=cut, long_cut=long_cut, heads=heads, rounds=rounds,
                            dtype=str(dtype), table=table), f, indent=1)
     return 0
 

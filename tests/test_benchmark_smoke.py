@@ -310,13 +310,14 @@ def test_step_host_time_splits_wrapper_and_compiled_call(tmp_path):
 
 
 def test_gdn_prefill_host_times_every_path_against_its_reference(tmp_path):
-    """benchmarks/gdn_prefill_host.py on the CPU (torch kernels): the four paths timed, each path's outputs equal to
+    """benchmarks/gdn_prefill_host.py on the CPU (torch kernels): the six paths timed, each path's outputs equal to
     its reference's (on the CPU the same kernels), the table saved."""
     out = run_script(["benchmarks/gdn_prefill_host.py", "--rounds", "2", "--out", str(tmp_path / "host.json")],
                      tmp_path)
     assert "| path | host us | total us |" in out
     table = json.loads((tmp_path / "host.json").read_text())["table"]
-    assert [r["path"] for r in table] == ["hard", "hard_direct", "raincheck", "raincheck_varlen"]
+    assert [r["path"] for r in table] == ["hard", "hard_direct", "raincheck", "raincheck_direct", "raincheck_long",
+                                             "raincheck_long_direct"]
     assert all(r["host_us"] > 0 and r["total_us"] >= r["host_us"] and r["rel_diff"] < 1e-5 for r in table), table
 
 

@@ -61,8 +61,8 @@ def test_advance_carries_the_transition_product(t):
 @pytest.mark.parametrize("t, cut", [(70, 66), (70, 1), (70, 69), (130, 64), (5, 2)])
 @pytest.mark.parametrize("with_state", [True, False], ids=["state", "zeros"])
 def test_advance_split_equals_the_per_token_reference(t, cut, with_state):
-    """`advance_split` (one kernel call for the rows on both sides of a boundary, the tail corrected afterwards)
-    against the definitions: the rows per token from the state, the state at the boundary, and P_tail."""
+    """`advance_split` (the rows before a boundary from the state, then the tail from ``[S_b | I]``) against the
+    definitions: the rows per token from the state, the state at the boundary, and P_tail."""
     from hf_raincheck.gdn_state.ops import advance_split
 
     q, k, v, g, beta = factors(t, seed=8, slow=False)
@@ -76,21 +76,6 @@ def test_advance_split_equals_the_per_token_reference(t, cut, with_state):
     torch.testing.assert_close(boundary.double(), ref_boundary, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(live[..., :V].double(), ref_final, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(live[..., V:].double(), ref_transition, atol=1e-5, rtol=1e-5)
-
-
-def test_gated_delta_segments_runs_each_segment_from_its_own_state():
-    from hf_raincheck.gdn_state.kernels import gated_delta_segments
-
-    q, k, v, g, beta = factors(40, seed=10)
-    states = torch.cat([state(seed=11), state(seed=12)])
-    out, finals = gated_delta_segments("torch", q, k, v, g, beta, states, 25)
-    for rows, s in ((slice(None, 25), 0), (slice(25, None), 1)):
-        ref_out, ref_final = naive_gated_delta(*(x[:, rows] for x in (q, k, v, g, beta)), states[s : s + 1])
-        torch.testing.assert_close(out[:, rows].double(), ref_out, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(finals[s : s + 1].double(), ref_final, atol=1e-5, rtol=1e-5)
-    for cut in (0, 40):
-        with pytest.raises(ValueError, match="0 < cut < 40"):
-            gated_delta_segments("torch", q, k, v, g, beta, states, cut)
 
 
 def _recompute_tail(prefix, tail):

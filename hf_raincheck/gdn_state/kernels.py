@@ -1,7 +1,6 @@
 """Gated delta rule kernels behind one interface (`gated_delta`): transformers' torch path, or fla-core's Triton
 kernels. `ops.py` wraps the call as a custom op for compiled steps and holds `advance`, the call GDN layers make;
-`naive.py` is the per-token reference both are tested against. `gated_delta_segments` runs two segments of rows,
-each from its own state, in one fla-core call (two calls elsewhere); `gated_delta_with_transition` runs rows from
+`naive.py` is the per-token reference both are tested against. `gated_delta_with_transition` runs rows from
 ``[state | I]`` in one launch of the one-chunk Triton kernel.
 """
 
@@ -232,43 +231,3 @@ def gated_delta(backend: str, q, k, v, g, beta, state, recurrent_rows: int | Non
     )
     return out, final.float()
 
-
-_SEGMENT_BOUNDS: dict = {}  # (cut, rows, device) -> (cu_seqlens on the device, on the host): one per forward
-
-
-def _segment_bounds(cut: int, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cu_seqlens`` ``[0, cut, rows]`` on `device` and on the host, the same tensors for every GDN layer of a
-    forward: fla-core caches what it derives from them (its chunk indices) by tensor identity, and the host copy
-    spares it a device-to-host read."""
-    key = (cut, rows, device)
-    bounds = _SEGMENT_BOUNDS.get(key)
-    if bounds is None:
-        _SEGMENT_BOUNDS.clear()  # (the last forward's only: a prompt's rows and boundary change every turn)
-        host = torch.tensor([0, cut, rows], dtype=torch.long)
-        bounds = _SEGMENT_BOUNDS[key] = (host.to(device), host)
-    return bounds
-
-
-def gated_delta_segments(backend: str, q, k, v, g, beta, states: torch.Tensor, cut: int):
-    """Rows ``[1, T, ...]`` in two segments, each from its own state, as if run apart: rows ``:cut`` from
-    ``states[0]`` and rows ``cut:`` from ``states[1]`` (``states`` ``[2, H_v, K, V]`` float32, ``0 < cut < T``).
-    Returns ``(o [1, T, H_v, V], finals [2, H_v, K, V] float32)``: each segment's outputs and final state.
-
-    fla: one call of its chunked function with the segments as two sequences of a variable-length batch
-    (``cu_seqlens``), so one call's host work (about a millisecond of Triton launches on the H200's host: eager
-    forwards are host-bound there) where two calls would cost two. Elsewhere (and the reference the fla call is
-    tested against) two `gated_delta` calls.
-    """
-    rows = q.shape[1]
-    if q.shape[0] != 1 or states.shape[0] != 2 or not 0 < cut < rows:
-        raise ValueError(f"gated_delta_segments: one batch row, two states and 0 < cut < {rows}; got batch "
-                         f"{q.shape[0]}, {states.shape[0]} states, cut {cut}")
-    if backend == "fla":
-        chunk = functions(backend)[0]
-        bounds, host = _segment_bounds(cut, rows, q.device)
-        out, final = chunk(q, k, v, g=g, beta=beta, initial_state=states, output_final_state=True,
-                           use_qk_l2norm_in_kernel=True, cu_seqlens=bounds, cu_seqlens_cpu=host)
-        return out, final.float()
-    first = gated_delta(backend, q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut], states[:1])
-    second = gated_delta(backend, q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:], states[1:])
-    return torch.cat([first[0], second[0]], dim=1), torch.cat([first[1], second[1]])

@@ -136,7 +136,7 @@ def gdn_rows_forward(glue: GDNGlue, module, hidden: torch.Tensor, layer: GDNLaye
         rows = qkv[..., n:] if n else qkv
         if step.checkpoint_plan is not None and 0 < cut < live:
             # a new plan's boundary inside the live rows (a Raincheck prompt with images): the rows on both sides of
-            # it (`advance_split`: a short tail in one launch after the rows before it, or both in one call), from
+            # it (`advance_split`: the rows before it, then the tail from ``[S_b | I]``), from
             # the live state without P_tail's columns (`checkpoint` starts P_tail afresh at the boundary, so a map
             # carried through the rows before it would be dropped)
             before = layer.state if layer.carry == 0 else layer.recurrent  # (only read)

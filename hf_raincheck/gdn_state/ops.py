@@ -29,8 +29,7 @@ copy.
 delta rule run with ``v = 0`` from state ``P`` returns ``A_T ... A_1 P``, and the rule acts on ``(v, S)`` column
 by column, so a state ``[S | P]`` with values ``[v | 0]`` gives the new state and the new map at once.
 ``advance_split(...)`` runs a prompt with a new plan's boundary inside it (a Raincheck first prefill): the state at
-the boundary, the state after every row and the tail's ``P``, in two launches for a short tail or one call (see its
-docstring).
+the boundary, the state after every row and the tail's ``P``, in two calls (see its docstring).
 """
 
 import os
@@ -176,23 +175,17 @@ def advance(backend: str, q, k, v, g, beta, state, carry: int = 0, opaque: bool 
     return (out[..., : out.shape[-1] - carry] if carry else out), final
 
 
-_SPLIT_STATES: dict = {}  # (H_v, K, V, device) -> [[0 | 0], [0 | I]], read only
+_IDENTITY: dict = {}  # (H_v, K, device) -> I [1, H_v, K, K] float32 (expanded), read only
 
 
-def _split_states(state, num_v_heads: int, key_dim: int, value_dim: int, device) -> torch.Tensor:
-    """``[2, H_v, K, V + K]`` float32: ``[state | 0]`` (None: zeros) and ``[0 | I]``. Without a state, one
-    persistent tensor (kernels only read their initial states): no build per GDN layer."""
-    key = (num_v_heads, key_dim, value_dim, device)
-    base = _SPLIT_STATES.get(key)
-    if base is None:
-        base = torch.zeros(2, num_v_heads, key_dim, value_dim + key_dim, dtype=torch.float32, device=device)
-        base[1, :, :, value_dim:] = torch.eye(key_dim, dtype=torch.float32, device=device)
-        _SPLIT_STATES[key] = base
-    if state is None:
-        return base
-    states = base.clone()
-    states[0, :, :, :value_dim] = state[0]
-    return states
+def _identity(num_v_heads: int, key_dim: int, device) -> torch.Tensor:
+    """The identity maps ``[1, H_v, K, K]`` float32: one persistent matrix, expanded (no build per GDN layer)."""
+    key = (num_v_heads, key_dim, device)
+    eye = _IDENTITY.get(key)
+    if eye is None:
+        eye = _IDENTITY[key] = torch.eye(key_dim, dtype=torch.float32, device=device).expand(1, num_v_heads, key_dim,
+                                                                                              key_dim)
+    return eye
 
 
 def advance_split(backend: str, q, k, v, g, beta, state, cut: int):
@@ -201,33 +194,24 @@ def advance_split(backend: str, q, k, v, g, beta, state, cut: int):
     the outputs, the state after the first `cut` rows (the plan's checkpoint) and ``[S_T | P_tail]`` (P_tail the
     product of the transitions of rows ``cut:``, latest on the left).
 
-    Eager forwards are host-bound on a GPU: what a Raincheck first prefill adds per GDN layer over Hard's one
-    kernel call is host time. A tail of at most one chunk (the question after the image; `kernels.tail_kernel_takes`)
-    runs from ``[S_b | I]`` in one Triton launch after the call for the rows before the boundary, which is Hard's
-    call on fewer rows. Otherwise one call for both segments (`kernels.gated_delta_segments`): rows ``:cut`` from
-    ``[state | 0]``, rows ``cut:`` from ``[0 | I]`` with values ``[v | 0]``; the tail, being affine in its initial
-    state, is then corrected by the boundary state S_b: its last K output columns are ``q_t^T P_t`` (P_t the
-    product up to row t), so ``o_t = o_t(0) + (q_t^T P_t) S_b``, and ``S_T = S_T(0) + P_tail S_b``. The rows before
-    the boundary carry K zero columns they do not need (GPU work that the host-bound forward hides).
+    Two calls: the rows before the boundary from `state` (Hard's call on fewer rows: through the CUDA graph of its
+    bucket on a GPU, `graphed`), then the tail from ``[S_b | I]`` with values ``[v | 0]``. A tail of at most one
+    chunk (the question after the image; `kernels.tail_kernel_takes`) runs in one launch of the one-chunk Triton
+    kernel, which builds neither; a longer one goes through `advance` (its own bucket's graph). Eager forwards are
+    host-bound on a GPU, so what a Raincheck first prefill adds per GDN layer over Hard's call is host time.
     """
     num_v_heads, key_dim, value_dim = v.shape[2], k.shape[-1], v.shape[-1]
+    if state is not None:
+        state = state.contiguous()
+    head, boundary = kernels.gated_delta(backend, *(x[:, :cut] for x in (q, k, v, g, beta)), state,
+                                         kernels.FLA_EAGER_RECURRENT_MAX_ROWS, graphed=True)
+    rows = [x[:, cut:] for x in (q, k, v, g, beta)]
     if kernels.tail_kernel_takes(backend, q.shape[1] - cut, key_dim, value_dim, q.device):
-        if state is not None:
-            state = state.contiguous()
-        head, boundary = kernels.gated_delta(backend, *(x[:, :cut] for x in (q, k, v, g, beta)), state,
-                                             kernels.FLA_EAGER_RECURRENT_MAX_ROWS, graphed=True)
-        tail, live = kernels.gated_delta_with_transition(*(x[:, cut:] for x in (q, k, v, g, beta)), boundary)
-        return torch.cat([head, tail], dim=1), boundary, live
-    v = torch.cat([v, _zero_columns(v, key_dim)], dim=-1)
-    states = _split_states(state, num_v_heads, key_dim, value_dim, q.device)
-    out, final = kernels.gated_delta_segments(backend, q, k, v, g, beta, states, cut)
-    boundary = final[0, :, :, :value_dim]
-    live = final[1]  # [H_v, K, V + K]: [S_T(0) | P_tail]
-    live[:, :, :value_dim].baddbmm_(live[:, :, value_dim:], boundary)
-    tail = out[0, cut:]  # [t, H_v, V + K]
-    correction = torch.bmm(tail[..., value_dim:].transpose(0, 1).float(), boundary)  # [H_v, t, V]
-    tail[..., :value_dim] += correction.transpose(0, 1)
-    return out[..., :value_dim], final[:1, :, :, :value_dim], final[1:]
+        tail, live = kernels.gated_delta_with_transition(*rows, boundary)
+    else:
+        start = torch.cat([boundary, _identity(num_v_heads, key_dim, q.device)], dim=-1)
+        tail, live = advance(backend, *rows, start, carry=key_dim)
+    return torch.cat([head, tail], dim=1), boundary, live
 
 
 def advance_(backend: str, q, k, v, g, beta, state, carry: int = 0):
