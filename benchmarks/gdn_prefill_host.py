@@ -9,8 +9,8 @@ for ~0.12 ms of GPU work at 1,250 rows), so what a call costs the host is what t
 
 * ``hard``: `ops.advance` (on CUDA with fla-core: through `gdn_state.graphed`'s CUDA graph of the rows' bucket);
   ``hard_direct``: `kernels.gated_delta` without the graph;
-* ``raincheck``: `ops.advance_split` with a short tail (the rows before the boundary as ``hard``, the 30 rows after
-  it in the one-chunk Triton kernel); ``raincheck_long``: a tail of 200 rows (longer than one chunk: from ``[S_b |
+* ``raincheck``: `ops.advance_split` with a short tail (the rows before the boundary and the 30 rows after it in
+  the one-chunk Triton kernel, both in one CUDA graph: `graphed.graphed_split`); ``raincheck_long``: a tail of 200 rows (longer than one chunk: from ``[S_b |
   I]`` through its own bucket's graph); ``raincheck_direct`` / ``raincheck_long_direct``: the same two calls of
   fla's functions without graphs or the Triton kernel (`kernels.gated_delta` directly; the references).
 
@@ -93,6 +93,7 @@ def main(argv=None) -> int:
         "raincheck_long": lambda: ops.advance_split(backend, q, k, v, g, beta, None, long_cut),
         "raincheck_long_direct": lambda: direct(long_cut),
     }
+    graphed.MAX_GRAPHS = max(graphed.MAX_GRAPHS, 4)  # every path's graphs kept (a forward needs one or two)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     times = {name: ([], []) for name in paths}
     with torch.no_grad():

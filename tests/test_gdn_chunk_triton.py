@@ -168,6 +168,51 @@ def test_advance_split_with_a_short_tail_runs_it_in_the_kernel(device, t, cut, w
                                naive_transition(k[:, cut:], g[:, cut:], beta[:, cut:], 4), **tol)
 
 
+def test_split_graph_runs_the_kernel_on_a_padded_tail(device):
+    """`graphed.graphed_split` with the kernel as its tail function: tails of 40, then 7, then 64 rows in the
+    bucket's `TAIL_ROWS` static rows (the rows past a shorter tail hold the last call's values, inert through
+    ``g = beta = 0``), after 70-90 rows from a state or zeros; against the float64 definitions. On a GPU a CUDA
+    graph with fla's chunked function for the rows before the boundary, equal to the two calls made directly (the
+    graphed head, the kernel on the tail alone); under the interpreter the runner without a graph, torch's chunked
+    function before the boundary."""
+    from hf_raincheck.gdn_state import graphed, kernels
+    from hf_raincheck.gdn_state.chunk_triton import chunk_gated_delta_with_transition
+
+    cuda = device.type == "cuda"
+    if cuda and not kernels.fla_available():
+        pytest.skip("needs fla-core")
+    chunk = kernels.functions("fla" if cuda else "torch")[0]
+    graphed.release()
+    try:
+        for t, tail, with_state in ((130, 40, True), (80, 7, False), (134, 64, True)):
+            q, k, v, g, beta, state = _rows(1, t, 2, 4, 32, 32, seed=t + tail)
+            g = 0.05 * g
+            cut = t - tail
+            s0 = state if with_state else None
+            rows = [x.to(device) for x in (q, k, v, g, beta)]
+            with torch.no_grad():
+                out, boundary, live = graphed.graphed_split(chunk, chunk_gated_delta_with_transition, *rows,
+                                                            None if s0 is None else s0.to(device), cut,
+                                                            capture=cuda)
+                if cuda:  # the same kernels on the same rows, called one after the other
+                    head, want_b = graphed.graphed_chunk(chunk, *(x[:, :cut] for x in rows), s0.to(device)
+                                                         if s0 is not None else None)
+                    tail_out, want_live = chunk_gated_delta_with_transition(*(x[:, cut:] for x in rows),
+                                                                            want_b.float())
+                    assert torch.equal(out, torch.cat([head, tail_out], dim=1))
+                    assert torch.equal(boundary, want_b.float()) and torch.equal(live, want_live)
+            want_out, want_state = naive_gated_delta(q, k, v, g, beta, s0)
+            want_boundary = naive_gated_delta(*(x[:, :cut] for x in (q, k, v, g, beta)), s0)[1]
+            tol = FP32_TOL if not cuda else dict(atol=2e-2, rtol=2e-2)  # fla: bf16 products
+            torch.testing.assert_close(out.cpu().double(), want_out, **tol)
+            torch.testing.assert_close(boundary.cpu().double(), want_boundary, **tol)
+            torch.testing.assert_close(live[..., :32].cpu().double(), want_state, **tol)
+            torch.testing.assert_close(live[..., 32:].cpu().double(),
+                                       naive_transition(k[:, cut:], g[:, cut:], beta[:, cut:], 4), **tol)
+    finally:
+        graphed.release()
+
+
 def test_bad_inputs_name_what_is_allowed(device):
     from hf_raincheck.gdn_state.chunk_triton import chunk_gated_delta
 

@@ -12,7 +12,7 @@ import torch
 
 from hf_raincheck.gdn_state import graphed
 from hf_raincheck.gdn_state.kernels import functions
-from hf_raincheck.gdn_state.naive import naive_gated_delta
+from hf_raincheck.gdn_state.naive import naive_gated_delta, naive_transition
 
 HK, HV, K, V = 2, 4, 16, 8
 
@@ -55,12 +55,61 @@ def test_calls_of_one_bucket_equal_the_per_token_reference():
         torch.testing.assert_close(final.double(), want_final, atol=1e-5, rtol=1e-5)
 
 
+def _torch_tail(q, k, v, g, beta, state):
+    """`kernels.gated_delta_with_transition` in torch: rows from ``[state | I]`` with values ``[v | 0]``."""
+    chunk = functions("torch")[0]
+    eye = torch.eye(K).expand(1, HV, K, K)
+    out, final = chunk(q, k, torch.cat([v, v.new_zeros(*v.shape[:-1], K)], dim=-1), g=g, beta=beta,
+                       initial_state=torch.cat([state, eye], dim=-1), output_final_state=True,
+                       use_qk_l2norm_in_kernel=True)
+    return out[..., :V], final.float()
+
+
+def test_split_calls_equal_the_per_token_reference():
+    """`graphed_split` (the rows before a boundary and the tail after it, padded to `TAIL_ROWS` inert rows, in one
+    runner): calls of 100 rows with a tail of 20, of 120 with 60 (a longer tail: the last call's head rows past the
+    new cut inert again), of 90 with 5 (the tail's rows past 5 inert again), of 128 with 1, from a state and from
+    zeros: outputs, the boundary state and ``[S_T | P_tail]`` within 1e-5 of the float64 recurrence, through one
+    kept runner (bucket of 128 rows); results handed back earlier are not rewritten."""
+    chunk = functions("torch")[0]
+    state = 0.3 * torch.randn(1, HV, K, V, generator=torch.Generator().manual_seed(1))
+    kept = []
+    for t, tail, s0 in ((100, 20, state), (120, 60, None), (90, 5, state), (128, 1, None)):
+        factors = rows(t, seed=t + tail)
+        cut = t - tail
+        out, boundary, live = graphed.graphed_split(chunk, _torch_tail, *factors, s0, cut, capture=False)
+        want = dict(out=naive_gated_delta(*factors, s0)[0],
+                    boundary=naive_gated_delta(*(x[:, :cut] for x in factors), s0)[1],
+                    state=naive_gated_delta(*factors, s0)[1],
+                    transition=naive_transition(factors[1][:, cut:], factors[3][:, cut:], factors[4][:, cut:], HV))
+        got = dict(out=out, boundary=boundary, state=live[..., :V], transition=live[..., V:])
+        assert out.shape == (1, t, HV, V) and live.shape == (1, HV, K, V + K) and boundary.dtype == torch.float32
+        for name in want:
+            torch.testing.assert_close(got[name].double(), want[name], atol=1e-5, rtol=1e-5, msg=name)
+        kept.append((got, want))
+    assert len(graphed._GRAPHS) == 1
+    for got, want in kept:
+        for name in want:
+            torch.testing.assert_close(got[name].double(), want[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_split_takes_a_short_tail_after_rows_the_graphs_take():
+    cuda = torch.device("cuda")
+    assert not graphed.takes_split(1000, 0, 1, cuda) and not graphed.takes_split(1000, graphed.TAIL_ROWS + 1, 1, cuda)
+    assert not graphed.takes_split(graphed.MIN_ROWS - 1, 30, 1, cuda)
+    assert not graphed.takes_split(1000, 30, 1, torch.device("cpu"))
+    if torch.cuda.is_available():
+        with torch.no_grad():
+            assert graphed.takes_split(1000, 30, 1, cuda) and graphed.takes_split(1000, graphed.TAIL_ROWS, 1, cuda)
+
+
 def test_at_most_max_graphs_are_kept_the_most_recently_used(monkeypatch):
     monkeypatch.setattr(graphed, "BUCKET", 64)
+    assert graphed.MAX_GRAPHS == 3
     chunk = functions("torch")[0]
-    for t in (65, 129, 65, 193):  # buckets 128, 192, 128 again (now the most recent), 256
+    for t in (65, 129, 193, 65, 257):  # buckets 128, 192, 256, 128 again (now the most recent), 320
         graphed.graphed_chunk(chunk, *rows(t, seed=t), None, capture=False)
-    assert [key[1] for key in graphed._GRAPHS] == [128, 256]
+    assert [key[2] for key in graphed._GRAPHS] == [256, 128, 320]  # (kind, functions, rows, ...)
     graphed.release()
     assert not graphed._GRAPHS
 

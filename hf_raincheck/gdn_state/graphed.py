@@ -14,7 +14,9 @@ its static buffers and fla's intermediates: about 80 KB per bucket row at Qwen3.
 
 `kernels.gated_delta` takes this path for eager fla calls of `MIN_ROWS` to `MAX_ROWS` rows at batch 1 on CUDA when
 its caller asks (`graphed=True`: `ops.advance` and `ops.advance_split`, never the compiled steps' custom ops, which
-run inside graphs of their own).
+run inside graphs of their own). `graphed_split` (`kernels.gated_delta_split`, from `ops.advance_split`) puts a
+Raincheck first prefill's two calls, the rows before a new boundary and the short tail after it in the one-chunk
+kernel, in one graph.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ MIN_ROWS = 65
 #: more rows run fla's function as is: a forward of that many rows keeps the GPU busy while the host launches
 #: (Full's prefill of a 4096-token image), and a graph would keep their memory
 MAX_ROWS = 4096
-#: graphs kept (the most recently used)
-MAX_GRAPHS = 2
+#: graphs kept (the most recently used): a forward needs one (two for a Raincheck prompt with a tail longer than
+#: `TAIL_ROWS`), and a background completion's chunks one more
+MAX_GRAPHS = 3
 
 _GRAPHS: collections.OrderedDict = collections.OrderedDict()
 _FAILED: set = set()  # keys whose capture failed: their calls run the function as is
@@ -57,39 +60,70 @@ def release() -> None:
         _FAILED.clear()
 
 
+#: tail rows of a split call (`graphed_split`): one chunk of the one-chunk kernel (`chunk_triton.CHUNK`)
+TAIL_ROWS = 64
+
+
+def takes_split(cut: int, tail: int, batch: int, device: torch.device) -> bool:
+    """Whether `graphed_split` runs a call with `cut` rows before a boundary and `tail` after it: the rows before it
+    as `takes`, 1 to `TAIL_ROWS` after it."""
+    return 1 <= tail <= TAIL_ROWS and takes(cut, batch, device)
+
+
+def _static_rows(rows: int, q, k, v, g, beta) -> tuple:
+    with torch.inference_mode(False):  # normal tensors: a later call outside inference mode writes them too
+        return tuple(x.new_zeros(1, rows, *x.shape[2:]) for x in (q, k, v, g, beta))
+
+
+def _place(static: tuple, filled: int, sources: list, dst: list, src: list) -> int:
+    """Queue the copies of `sources` (rows ``[1, t, ...]``) into the first t rows of `static`, re-zeroing g and beta
+    of the rows the last call filled past t (inert again); returns t."""
+    t = sources[0].shape[1]
+    if t < filled:
+        for x in static[3:]:
+            x[:, t:filled].zero_()
+    dst.extend(x[:, :t] for x in static)
+    src.extend(sources)
+    return t
+
+
 class _Runner:
     """One bucket's static inputs (rows past the last call's inert), its state, and ``run`` (a CUDA graph's replay,
-    or, with ``capture=False``, the call itself on the static buffers: tests without a GPU)."""
+    or, with ``capture=False``, the call itself on the static buffers: tests without a GPU). With a `tail` function
+    (`graphed_split`), `TAIL_ROWS` more static rows that `tail` runs from the bucket's final state."""
 
-    def __init__(self, chunk: Callable, rows: int, q, k, v, g, beta, capture: bool):
+    def __init__(self, chunk: Callable, rows: int, q, k, v, g, beta, capture: bool, tail: Callable | None = None):
         num_v_heads, key_dim, value_dim = v.shape[2], k.shape[3], v.shape[3]
-        with torch.inference_mode(False):  # normal tensors: a later call outside inference mode writes them too
-            self.rows = tuple(x.new_zeros(1, rows, *x.shape[2:]) for x in (q, k, v, g, beta))
+        self.rows = _static_rows(rows, q, k, v, g, beta)
+        self.tail_rows = None if tail is None else _static_rows(TAIL_ROWS, q, k, v, g, beta)
+        with torch.inference_mode(False):
             self.state = torch.zeros(1, num_v_heads, key_dim, value_dim, dtype=torch.float32, device=v.device)
-        self.filled = 0  # rows the last call wrote (the rest of the bucket holds zeros)
+        self.filled = self.tail_filled = 0  # rows the last call wrote (the rest hold zeros)
         self.zero_state = True
 
         def call():
             sq, sk, sv, sg, sbeta = self.rows
-            return chunk(sq, sk, sv, g=sg, beta=sbeta, initial_state=self.state, output_final_state=True,
-                         use_qk_l2norm_in_kernel=True)
+            out, final = chunk(sq, sk, sv, g=sg, beta=sbeta, initial_state=self.state, output_final_state=True,
+                               use_qk_l2norm_in_kernel=True)
+            if tail is None:
+                return out, final
+            return (out, final) + tuple(tail(*self.tail_rows, final.float()))
 
         if not capture:
             self.run = call
             return
         # thread-local capture mode: a background completion thread's CUDA calls are not this capture's business
-        graph, (out, final) = capture_graph(call, v.device, error_mode="thread_local")
+        graph, outputs = capture_graph(call, v.device, error_mode="thread_local")
         self.graph = graph
-        self.run = lambda: (graph.replay(), (out, final))[1]
+        self.run = lambda: (graph.replay(), outputs)[1]
 
-    def __call__(self, q, k, v, g, beta, state):
-        t = q.shape[1]
-        if t < self.filled:  # the last call's rows past this one's: inert again
-            for x in self.rows[3:]:
-                x[:, t : self.filled].zero_()
+    def __call__(self, q, k, v, g, beta, state, cut: int | None = None):
+        dst, src = [], []
+        rows = [q, k, v, g, beta]
+        t = _place(self.rows, self.filled, rows if cut is None else [x[:, :cut] for x in rows], dst, src)
         self.filled = t
-        dst = [x[:, :t] for x in self.rows]
-        src = [q, k, v, g, beta]
+        if cut is not None:
+            self.tail_filled = _place(self.tail_rows, self.tail_filled, [x[:, cut:] for x in rows], dst, src)
         if state is not None:
             dst.append(self.state)
             src.append(state)
@@ -98,10 +132,42 @@ class _Runner:
             self.state.zero_()
             self.zero_state = True
         torch._foreach_copy_(dst, src)
-        out, final = self.run()
+        outputs = self.run()
         # copies, not views: the next call's replay (another GDN layer, another thread on this stream) rewrites the
         # static outputs
-        return out[:, :t].clone(), final.clone()
+        if cut is None:
+            out, final = outputs
+            return out[:, :t].clone(), final.clone()
+        out, boundary, tail_out, live = outputs
+        return (torch.cat([out[:, :t], tail_out[:, : self.tail_filled]], dim=1),
+                boundary.to(torch.float32, copy=True), live.clone())
+
+
+def _runner(key, make: Callable):
+    """The kept runner of `key` (made by `make` when there is none; None when its capture failed: its calls run
+    the functions as they are). Called with `_LOCK` held."""
+    runner = _GRAPHS.get(key)
+    if runner is None and key not in _FAILED:
+        try:
+            runner = make()
+        except Exception as error:  # a function that cannot be captured (another fla-core): run it as is
+            _FAILED.add(key)
+            warnings.warn(f"hf_raincheck: fla-core's chunked function could not be captured in a CUDA graph "
+                          f"({type(error).__name__}: {error}); eager prefills call it directly", RuntimeWarning,
+                          stacklevel=3)
+        else:
+            _GRAPHS[key] = runner
+            while len(_GRAPHS) > MAX_GRAPHS:
+                _GRAPHS.popitem(last=False)
+    if runner is not None:
+        _GRAPHS.move_to_end(key)
+    return runner
+
+
+def _key(kind: str, fns: tuple, rows: int, q, k, v, g, beta, capture: bool) -> tuple:
+    stream = torch.cuda.current_stream(q.device).stream_id if capture else 0
+    return (kind, fns, rows, tuple(q.shape[2:]), tuple(v.shape[2:]), q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype,
+            q.device, stream)
 
 
 def graphed_chunk(chunk: Callable, q, k, v, g, beta, state, capture: bool = True):
@@ -110,25 +176,29 @@ def graphed_chunk(chunk: Callable, q, k, v, g, beta, state, capture: bool = True
     H_v, V], final state [1, H_v, K, V] float32)``, new tensors. `capture=False` runs `chunk` on the bucket's
     static buffers without a graph (tests of the padding on the CPU)."""
     rows = -(-q.shape[1] // BUCKET) * BUCKET
-    stream = torch.cuda.current_stream(q.device).stream_id if capture else 0
-    key = (chunk, rows, tuple(q.shape[2:]), tuple(v.shape[2:]), q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype,
-           q.device, stream)
+    key = _key("chunk", (chunk,), rows, q, k, v, g, beta, capture)
     with _LOCK:
-        runner = _GRAPHS.get(key)
-        if runner is None and key not in _FAILED:
-            try:
-                runner = _Runner(chunk, rows, q, k, v, g, beta, capture)
-            except Exception as error:  # a chunked function that cannot be captured (another fla-core): run it as is
-                _FAILED.add(key)
-                warnings.warn(f"hf_raincheck: fla-core's chunked function could not be captured in a CUDA graph "
-                              f"({type(error).__name__}: {error}); eager prefills call it directly", RuntimeWarning,
-                              stacklevel=2)
-            else:
-                _GRAPHS[key] = runner
-                while len(_GRAPHS) > MAX_GRAPHS:
-                    _GRAPHS.popitem(last=False)
+        runner = _runner(key, lambda: _Runner(chunk, rows, q, k, v, g, beta, capture))
         if runner is None:
             return chunk(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
                          use_qk_l2norm_in_kernel=True)
-        _GRAPHS.move_to_end(key)
         return runner(q, k, v, g, beta, state)
+
+
+def graphed_split(chunk: Callable, tail: Callable, q, k, v, g, beta, state, cut: int, capture: bool = True):
+    """A Raincheck first prefill's GDN call with a new plan's boundary after row `cut` (`takes_split`), in one
+    graph: `chunk` (as `graphed_chunk`) on rows ``:cut`` from `state`, then ``tail(q, k, v, g, beta, boundary) ->
+    (o, [S_T | P_tail])`` (the one-chunk kernel from ``[S_b | I]``, `kernels.gated_delta_with_transition`) on the
+    rows after it, padded to `TAIL_ROWS` inert rows. Returns ``(o [1, T, H_v, V], boundary [1, H_v, K, V], live [1,
+    H_v, K, V + K])``, new tensors, as `ops.advance_split`. One replay where the calls cost the host two launches
+    through fla's and Triton's Python."""
+    rows = -(-cut // BUCKET) * BUCKET
+    key = _key("split", (chunk, tail), rows, q, k, v, g, beta, capture)
+    with _LOCK:
+        runner = _runner(key, lambda: _Runner(chunk, rows, q, k, v, g, beta, capture, tail))
+        if runner is not None:
+            return runner(q, k, v, g, beta, state, cut)
+    head, boundary = chunk(*(x[:, :cut] for x in (q, k, v, g, beta)), initial_state=state, output_final_state=True,
+                           use_qk_l2norm_in_kernel=True)
+    out, live = tail(*(x[:, cut:] for x in (q, k, v, g, beta)), boundary.float())
+    return torch.cat([head, out], dim=1), boundary.float(), live

@@ -201,6 +201,20 @@ def gated_delta_with_transition(q, k, v, g, beta, state):
     return _chunk_kernel.chunk_gated_delta_with_transition(q, k, v, g, beta, state)
 
 
+def split_graph_takes(backend: str, cut: int, tail: int, q) -> bool:
+    """Whether `gated_delta_split` runs a first prefill's call with `cut` rows before a new boundary and a `tail`
+    that `tail_kernel_takes` after it, in one CUDA graph (`graphed.takes_split`: fla on CUDA, batch 1)."""
+    return backend == "fla" and _graphed.takes_split(cut, tail, q.shape[0], q.device)
+
+
+def gated_delta_split(q, k, v, g, beta, state, cut: int):
+    """Rows ``[1, T, ...]`` from `state` with a new boundary after row `cut` (where `split_graph_takes`): fla's
+    chunked function on the rows before it and the one-chunk kernel from ``[S_b | I]`` on the tail, replayed from
+    one CUDA graph (`graphed.graphed_split`). Returns ``(o, boundary, [S_T | P_tail])`` as `ops.advance_split`."""
+    return _graphed.graphed_split(functions("fla")[0], _chunk_kernel.chunk_gated_delta_with_transition,
+                                  q, k, v, g, beta, state, cut)
+
+
 def gated_delta(backend: str, q, k, v, g, beta, state, recurrent_rows: int | None = None, graphed: bool = False):
     """Rows ``[1, T, ...]`` from `state` (``None``: zeros). Returns ``(o [1, T, H_v, V], final state fp32)``.
 

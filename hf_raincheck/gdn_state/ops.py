@@ -198,15 +198,20 @@ def advance_split(backend: str, q, k, v, g, beta, state, cut: int):
     bucket on a GPU, `graphed`), then the tail from ``[S_b | I]`` with values ``[v | 0]``. A tail of at most one
     chunk (the question after the image; `kernels.tail_kernel_takes`) runs in one launch of the one-chunk Triton
     kernel, which builds neither; a longer one goes through `advance` (its own bucket's graph). Eager forwards are
-    host-bound on a GPU, so what a Raincheck first prefill adds per GDN layer over Hard's call is host time.
+    host-bound on a GPU, so what a Raincheck first prefill adds per GDN layer over Hard's call is host time: where
+    the rows before the boundary take a graph and the tail the kernel, both run from one graph
+    (`kernels.gated_delta_split`), one replay as Hard's call is.
     """
     num_v_heads, key_dim, value_dim = v.shape[2], k.shape[-1], v.shape[-1]
     if state is not None:
         state = state.contiguous()
+    short = kernels.tail_kernel_takes(backend, q.shape[1] - cut, key_dim, value_dim, q.device)
+    if short and kernels.split_graph_takes(backend, cut, q.shape[1] - cut, q):
+        return kernels.gated_delta_split(q, k, v, g, beta, state, cut)  # both calls in one CUDA graph
     head, boundary = kernels.gated_delta(backend, *(x[:, :cut] for x in (q, k, v, g, beta)), state,
                                          kernels.FLA_EAGER_RECURRENT_MAX_ROWS, graphed=True)
     rows = [x[:, cut:] for x in (q, k, v, g, beta)]
-    if kernels.tail_kernel_takes(backend, q.shape[1] - cut, key_dim, value_dim, q.device):
+    if short:
         tail, live = kernels.gated_delta_with_transition(*rows, boundary)
     else:
         start = torch.cat([boundary, _identity(num_v_heads, key_dim, q.device)], dim=-1)
