@@ -27,9 +27,9 @@ there at fp32 accuracy). Rows past the chunk's end (padding) read as ``g = beta 
 one wave of the GPU (`kernels.one_chunk_kernel_takes`): a compiled fused step's window at batch 1. With ``CARRY = K``
 (`chunk_gated_delta_with_transition`) the state is ``[S | I]`` and the values ``[v | 0]`` without either being built
 (the identity's programs read no values and store no outputs): a Raincheck first prefill's tail after the boundary,
-the live state and P_tail in one launch (`kernels.tail_kernel_takes`; eager forwards are host-bound: with a 30-row tail
-463 us of host per GDN layer on the H200, with a 200-row one, which takes fla's chunked function from ``[S_b | I]``
-built in torch through its bucket's CUDA graph, 552; `benchmarks/gdn_prefill_host.py`). For the compiled fused step's window, at
+the live state and P_tail in one launch (`kernels.tail_kernel_takes`), replayed with fla's call for the rows
+before the boundary from one CUDA graph (`graphed.graphed_split`; host times by path: `benchmarks/gdn_prefill_host.py`).
+For the compiled fused step's window, at
 Qwen3.5-9B's heads on an H200 (``benchmarks/gdn_chunk.py``, 24 calls in a CUDA graph), 15.8 us per call against
 fla's 37.1; from B = 4 on (several waves) fla's seven kernels were faster (B = 4 / 8 / 16: 53 / 78 / 128 us against
 58 / 116 / 228), so batches keep fla. Three products fewer than the plain WY form (20.7 us per call there): the

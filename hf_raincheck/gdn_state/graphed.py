@@ -152,9 +152,9 @@ def _runner(key, make: Callable):
             runner = make()
         except Exception as error:  # a function that cannot be captured (another fla-core): run it as is
             _FAILED.add(key)
-            warnings.warn(f"hf_raincheck: fla-core's chunked function could not be captured in a CUDA graph "
-                          f"({type(error).__name__}: {error}); eager prefills call it directly", RuntimeWarning,
-                          stacklevel=3)
+            warnings.warn(f"hf_raincheck: a GDN prefill call (fla-core's chunked function, or it and the tail "
+                          f"kernel) could not be captured in a CUDA graph ({type(error).__name__}: {error}); eager "
+                          f"prefills call the kernels directly", RuntimeWarning, stacklevel=3)
         else:
             _GRAPHS[key] = runner
             while len(_GRAPHS) > MAX_GRAPHS:
@@ -200,5 +200,6 @@ def graphed_split(chunk: Callable, tail: Callable, q, k, v, g, beta, state, cut:
             return runner(q, k, v, g, beta, state, cut)
     head, boundary = chunk(*(x[:, :cut] for x in (q, k, v, g, beta)), initial_state=state, output_final_state=True,
                            use_qk_l2norm_in_kernel=True)
-    out, live = tail(*(x[:, cut:] for x in (q, k, v, g, beta)), boundary.float())
-    return torch.cat([head, out], dim=1), boundary.float(), live
+    boundary = boundary.float()
+    out, live = tail(*(x[:, cut:] for x in (q, k, v, g, beta)), boundary)
+    return torch.cat([head, out], dim=1), boundary, live
