@@ -717,7 +717,7 @@ def test_qwen3_5_prefill_rows_share_gdn_calls_per_layer(tiny_qwen3_5_path, monke
     each GDN layer in one call of each piece for all of them, and so do Raincheck's rows with a new plan's boundary
     inside (one kernel call for the rows before the boundaries, one for the tails); one layer's GDN forward per
     row (`gdn_rows_forward`) is left only for a lone row of its kind. Each row still equals its batch-1 run."""
-    from hf_raincheck.gdn_state import kernels, layer as gdn_layer
+    from hf_raincheck.gdn_state import kernels, shared_layer as gdn_layer
 
     model, processor = load_tiny_qwen3_5(tiny_qwen3_5_path)
     model = enable_raincheck(model)
@@ -763,7 +763,7 @@ def test_qwen3_5_first_token_call_host_work_does_not_grow_per_row_and_gdn_layer(
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from hf_raincheck.gdn_state import layer as gdn_layer
+    from hf_raincheck.gdn_state import shared_layer as gdn_layer
     from hf_raincheck.generation import shared_batch
 
     class Ops(TorchDispatchMode):

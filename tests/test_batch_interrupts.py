@@ -73,7 +73,8 @@ TRACED = tuple(os.environ.get(
     "HF_RAINCHECK_INTERRUPT_FILES",
     "generation/batch.py,generation/shared_batch.py,generation/shared_rows.py,generation/shared_step.py,"
     "generation/row_stops.py,"
-    "generation/completion.py,generation/enable.py,generation/rows.py,cache/*.py,gdn_state/layer.py").split(","))
+    "generation/completion.py,generation/enable.py,generation/rows.py,cache/*.py,gdn_state/layer.py,"
+    "gdn_state/shared_layer.py,gdn_state/batch_rows.py").split(","))
 TOL = dict(atol=2e-5, rtol=1e-4)
 # retention 0.3: a 16-token image defers 11; decode steps 2.. carry 2 per row; completion chunks of 2 per row
 BASE = dict(retention=0.3, chunk_size=2, guard_tokens=1, completion_chunk_size=2, pruning="uniform")

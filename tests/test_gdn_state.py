@@ -242,7 +242,7 @@ def test_decode_rows_together_equal_each_row_alone():
     import copy
 
     from hf_raincheck.gdn_state import GDNLayerState, GDNStep, gdn_rows_forward
-    from hf_raincheck.gdn_state.layer import gdn_decode_rows_forward
+    from hf_raincheck.gdn_state.batch_rows import gdn_decode_rows_forward
 
     module, glue = _gdn_module()
     heads, key_dim, value_dim, channels, kernel = glue.dims(module)
@@ -338,7 +338,7 @@ def test_prefill_rows_together_equal_each_row_alone(first_turn_only):
     import copy
 
     from hf_raincheck.gdn_state import GDNStep
-    from hf_raincheck.gdn_state.layer import gdn_prefill_rows_forward
+    from hf_raincheck.gdn_state.batch_rows import gdn_prefill_rows_forward
 
     module, glue = _gdn_module()
     gen = torch.Generator().manual_seed(13)
@@ -374,7 +374,7 @@ def test_checkpoint_rows_together_equal_each_row_alone(first_turn_only):
     import copy
 
     from hf_raincheck.gdn_state import GDNStep
-    from hf_raincheck.gdn_state.layer import gdn_checkpoint_rows_forward
+    from hf_raincheck.gdn_state.batch_rows import gdn_checkpoint_rows_forward
 
     module, glue = _gdn_module()
     gen = torch.Generator().manual_seed(17)
@@ -428,7 +428,7 @@ def test_restore_rows_together_equal_each_row_alone(rows):
     and the prefix checkpoints (state and window at the new end of the restored rows). Padding holds NaN."""
     import copy
 
-    from hf_raincheck.gdn_state.layer import gdn_restore_rows_forward
+    from hf_raincheck.gdn_state.batch_rows import gdn_restore_rows_forward
 
     module, glue = _gdn_module()
     gen = torch.Generator().manual_seed(19)
@@ -475,8 +475,8 @@ def test_rows_restoring_then_running_a_prompt_together_equal_each_row_alone(monk
     import copy
 
     from hf_raincheck.gdn_state import GDNStep
-    from hf_raincheck.gdn_state import layer as layer_module
-    from hf_raincheck.gdn_state.layer import SharedGDNSteps, gdn_shared_forward
+    from hf_raincheck.gdn_state import batch_rows
+    from hf_raincheck.gdn_state.shared_layer import SharedGDNSteps, gdn_shared_forward
 
     module, glue = _gdn_module()
     dims = glue.dims(module)
@@ -506,8 +506,8 @@ def test_rows_restoring_then_running_a_prompt_together_equal_each_row_alone(monk
     before = [(layer.state, layer.conv) for layer in layers]
     width = max(lengths)
     calls = []
-    real = layer_module.advance
-    monkeypatch.setattr(layer_module, "advance", lambda *a, **kw: calls.append(tuple(a[1].shape[:2])) or real(*a, **kw))
+    real = batch_rows.advance
+    monkeypatch.setattr(batch_rows, "advance", lambda *a, **kw: calls.append(tuple(a[1].shape[:2])) or real(*a, **kw))
 
     def shared(glue, module, hidden, starts, layers, steps):
         rows = [(start, step, lambda idx, layer=layer: layer) for start, step, layer in zip(starts, steps, layers)]
@@ -529,14 +529,14 @@ def test_rows_restoring_then_running_a_prompt_together_equal_each_row_alone(monk
 def test_a_fused_step_of_restoring_rows_makes_one_kernel_call_per_gdn_layer(monkeypatch):
     """An eager shared fused step whose rows all restore deferred rows and decode runs each GDN layer's deferred
     rows in one kernel call and the decode rows in one more (not two per row)."""
-    from hf_raincheck.gdn_state import layer as layer_module
-    from hf_raincheck.gdn_state.layer import SharedGDNSteps, gdn_shared_forward
+    from hf_raincheck.gdn_state import batch_rows
+    from hf_raincheck.gdn_state.shared_layer import SharedGDNSteps, gdn_shared_forward
 
     module, glue = _gdn_module()
     gen = torch.Generator().manual_seed(23)
     calls = []
-    real = layer_module.advance
-    monkeypatch.setattr(layer_module, "advance", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    real = batch_rows.advance
+    monkeypatch.setattr(batch_rows, "advance", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
     rows = []
     counts = [4, 3, 4, 2]
     for j, count in enumerate(counts):
@@ -557,7 +557,7 @@ def test_batched_gdn_step_host_work_does_not_grow_with_the_rows(kind, monkeypatc
     import os
 
     from hf_raincheck.gdn_state import GDNStep
-    from hf_raincheck.gdn_state.layer import gdn_decode_rows_forward, gdn_restore_rows_forward
+    from hf_raincheck.gdn_state.batch_rows import gdn_decode_rows_forward, gdn_restore_rows_forward
 
     monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     from step_ops import _top
@@ -586,7 +586,7 @@ def test_batched_gdn_step_host_work_does_not_grow_with_the_rows(kind, monkeypatc
 def test_stacked_rows_reuses_the_tensor_a_split_came_from():
     """`stacked_rows` equals ``torch.cat`` always, and is the very tensor whose `split` gave the rows when they are all
     of its rows in order (a batch's GDN states from one step to the next: no copy per GDN layer and step)."""
-    from hf_raincheck.gdn_state.layer import stacked_rows
+    from hf_raincheck.gdn_state.batch_rows import stacked_rows
 
     whole = torch.randn(4, 3, 5)
     rows = list(whole.split(1))

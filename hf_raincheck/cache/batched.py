@@ -229,7 +229,7 @@ class BatchedDeferredPrefillCache(RunningCall, DynamicCache):
     def sync_gdn_states(self) -> dict[int, dict]:
         """Compiled static batch steps of a model with Gated DeltaNet layers (Qwen3.5): every row's GDN layer states
         as rows of one buffer per layer and field, which the steps update in place
-        (`gdn_state.layer.gdn_batch_forward_graph`): ``state`` ``[B, H_v, K, V + K]`` fp32 (the fixed layout,
+        (`gdn_state.graph_layer.gdn_batch_forward_graph`): ``state`` ``[B, H_v, K, V + K]`` fp32 (the fixed layout,
         ``[S | P_tail]``), ``conv`` ``[B, C, kernel]``, ``prefix`` ``[B, H_v, K, V]`` fp32 and ``prefix_conv``
         ``[B, C, kernel]`` (the pending plan's checkpoint). Each row's `GDNLayerState` then points at its rows
         (views, as its KV layers view the shared KV buffers). Eager forwards (a prefill, an eager step, a

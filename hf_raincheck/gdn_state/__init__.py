@@ -1,7 +1,9 @@
 """Gated DeltaNet state mapping (docs/design.md rule 3): prefix checkpoints, online P_tail, join.
 
 - `state.py`: per-layer live state and the pending plan's `PrefixCheckpoint`.
-- `layer.py`: one GDN layer over the rows of a Raincheck forward.
+- `layer.py`: one GDN layer over the rows of a Raincheck forward (one conversation, eager).
+- `shared_layer.py`, `batch_rows.py`: the same over a forward shared by a batch's rows (rows of one kind together).
+- `graph_layer.py`: the same inside compiled static steps (one conversation, or a static batch).
 - `kernels.py`: transformers' torch kernels or fla-core's, one interface (`gated_delta`; `gated_delta_` in place).
 - `ops.py`: `advance` / `advance_` / `advance_split`, the calls GDN layers make (eager, or through the custom ops
   of compiled steps).
@@ -11,15 +13,8 @@
 
 from .kernels import BACKENDS, fla_available, gated_delta, resolve
 from .ops import advance
-from .layer import (
-    GDNBatchGraphStep,
-    GDNGlue,
-    GDNGraphStep,
-    GDNStep,
-    gdn_batch_forward_graph,
-    gdn_rows_forward,
-    gdn_rows_forward_graph,
-)
+from .graph_layer import GDNBatchGraphStep, GDNGraphStep, gdn_batch_forward_graph, gdn_rows_forward_graph
+from .layer import GDNGlue, GDNStep, gdn_rows_forward
 from .state import GDNLayerState, PrefixCheckpoint
 
 __all__ = [

@@ -1,8 +1,9 @@
 """Plain per-token reference of the gated delta rule and of the state maps Raincheck builds on it.
 
 Written straight from the recurrence (docs/design.md rule 3), loops and all; the fast paths in `kernels.py` and
-`layer.py` are tested against it. Shapes follow transformers / fla: ``q, k [B, T, H_k, K]``,
-``v [B, T, H_v, V]``, ``g, beta [B, T, H_v]``, state ``[B, H_v, K, V]``.
+the layer forwards (`layer.py`, `batch_rows.py`, `graph_layer.py`) are tested against it. Shapes follow
+transformers / fla: ``q, k [B, T, H_k, K]``, ``v [B, T, H_v, V]``, ``g, beta [B, T, H_v]``, state ``[B, H_v, K,
+V]``.
 
 One token t, per value head (k, q l2-normalised, q scaled by K^-1/2):
     S <- A_t S + beta_t k_t v_t^T,    A_t = exp(g_t) (I - beta_t k_t k_t^T),    o_t = S^T q_t

@@ -1,4 +1,5 @@
-"""Routes a GDN module's forward to `gdn_rows_forward` during Raincheck's forwards only (instance-level patch).
+"""Routes a GDN module's forward to the package's layer forwards (`gdn_rows_forward`, `gdn_shared_forward`, the
+compiled steps' `graph_layer` forwards) during Raincheck's forwards only (instance-level patch).
 
 Calls that are not Raincheck's (plain `forward` / `generate`) reach the module's own forward unchanged. When
 accelerate has hooked the module (``device_map``), the patch goes under the hook (``_old_forward``), so inputs
@@ -10,15 +11,9 @@ from __future__ import annotations
 import functools
 
 from ..transformers_coupling import hooked_forward_name
-from .layer import (
-    GDNBatchGraphStep,
-    GDNGraphStep,
-    SharedGDNSteps,
-    gdn_batch_forward_graph,
-    gdn_rows_forward,
-    gdn_rows_forward_graph,
-    gdn_shared_forward,
-)
+from .graph_layer import GDNBatchGraphStep, GDNGraphStep, gdn_batch_forward_graph, gdn_rows_forward_graph
+from .layer import gdn_rows_forward
+from .shared_layer import SharedGDNSteps, gdn_shared_forward
 
 
 def _raincheck_gdn_forward(original, glue, module, hidden_states, cache_params=None, attention_mask=None, **kwargs):

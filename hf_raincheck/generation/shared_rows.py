@@ -20,7 +20,7 @@ from ..attention.sdpa import eager_sdpa_backends
 from ..cache import DeferralPlan, DeferredPrefillCache, ForwardContext
 from ..cache.batched import BatchedDeferredPrefillCache
 from ..gdn_state import resolve as resolve_gdn_backend
-from ..gdn_state.layer import SharedGDNSteps
+from ..gdn_state.shared_layer import SharedGDNSteps
 from .rows import Rows, count_restored, gdn_step
 from .shared_step import host_to_device
 from .visibility import visibility_mask

@@ -23,7 +23,7 @@ counts are the shared engine's (`carry_counts` over ``step_deferred_budget``, `s
 
 Gated DeltaNet layers (Qwen3.5): every row's GDN states are rows of the batch's buffers
 (`BatchedDeferredPrefillCache.sync_gdn_states`, copied in after an eager forward replaced a row's), which the graph
-updates in place (`gdn_state.layer.gdn_batch_forward_graph`: the same ``[4, B]`` tensor tells each row's window
+updates in place (`gdn_state.graph_layer.gdn_batch_forward_graph`: the same ``[4, B]`` tensor tells each row's window
 length and whether its decode row is live). No rollback restores them: an interrupt after a step started leaves the
 rows unusable, with an error that says why (rule 8's exception, as for a compiled batch-1 step).
 """
@@ -88,7 +88,7 @@ def _batch_step_graph(adapter, group, tokens, meta, rope_deltas, chunk, backend:
             deepstack = [torch.cat([f.gather(1, by_row).to(live_embeds.dtype),
                                     live_embeds.new_zeros((batch, 1, hidden_size))], dim=1) for f in s_deepstack]
     gdn = context.gdn_step
-    if gdn is not None:  # GDN layers (`gdn_state.layer.gdn_batch_forward_graph`) read which rows are real
+    if gdn is not None:  # GDN layers (`gdn_state.graph_layer.gdn_batch_forward_graph`) read which rows are real
         gdn.live = live
         if chunk is not None:
             gdn.valid, gdn.count = d_valid, limit
