@@ -16,7 +16,8 @@ for ~0.12 ms of GPU work at 1,250 rows), so what a call costs the host is what t
 
 Per path, interleaved rounds (after warm-ups that capture the graphs): host time (the call returning, no sync) and
 total (to a sync after it), medians in us; and the largest relative difference of each path's outputs from its
-reference (the ``_direct`` paths). ``--out`` saves the table as JSON.
+reference (the ``_direct`` paths). ``--out`` saves the table as JSON; ``--profile N`` prints where N calls of each
+graphed path spend their host time.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", default="", help="H_k,H_v,K,V (default: 16,32,128,128 on CUDA, 2,4,16,16 on CPU)")
     parser.add_argument("--rounds", type=int, default=0, help="interleaved rounds (0: 60 on CUDA, 3 on the CPU)")
     parser.add_argument("--out", default="", help="write the table as JSON here")
+    parser.add_argument("--profile", type=int, default=0, metavar="CALLS",
+                        help="also profile CALLS calls of each graphed path (hard, raincheck, raincheck_long) and "
+                             "print their host operators (torch.profiler, by self CPU time)")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
@@ -123,11 +127,30 @@ def main(argv=None) -> int:
     print("| --- | --- | --- | --- | --- |")
     for r in table:
         print(f"| {r['path']} | {r['host_us']:.1f} | {r['total_us']:.1f} | {r['rel_diff']:.2e} | {r['reference']} |")
+    if args.profile:
+        profile(paths, args.profile, cuda)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=str(device), backend=backend, rows=rows, cut=cut, long_cut=long_cut, heads=heads, rounds=rounds,
                            dtype=str(dtype), table=table), f, indent=1)
     return 0
+
+
+def profile(paths: dict, calls: int, cuda: bool) -> None:
+    """`calls` calls of each graphed path under torch.profiler: where a call's host time goes (the rows' copies
+    into the graph's static buffers, the replay, the outputs' copies), by self CPU time."""
+    from torch.profiler import ProfilerActivity
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch.no_grad():
+        for name in ("hard", "raincheck", "raincheck_long"):
+            with torch.profiler.profile(activities=activities) as prof:
+                for _ in range(calls):
+                    paths[name]()
+                if cuda:
+                    torch.cuda.synchronize()
+            print(f"\n## {name}: {calls} calls, host operators by self CPU time")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
 
 
 if __name__ == "__main__":

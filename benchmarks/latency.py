@@ -66,10 +66,11 @@ still leaves its results; ``--merge`` keeps the file's records that this call do
 fused step and one decode-only step of Raincheck (first model and workload, each cache kind),
 ``latency_profile.txt``; with ``--profile-ttft`` (same file) one first-token call of Full, Hard and Raincheck each,
 sorted by GPU time and by host time, with the wall time and the GPU kernels' busy time (a first turn whose GPU idles
-is host-bound); with ``--ttft-phases N`` N first-token calls of Full, Hard and Raincheck in turn, each split by phase
-(vision, selection, the prefill forward, the static cache's preparation; each phase's function wrapped with a
-device sync) with the call's new ``cudaMalloc`` count: printed, and saved in the JSON header (``ttft_phases``), with
-each policy's medians and Raincheck's first token over Hard's and Full's call by call (``ttft_phases_summary``).
+is host-bound); with ``--ttft-phases N`` N first-token calls of Full, Hard and Raincheck in turn (the order rotating
+per call), each split by phase (vision, selection, the prefill forward, the static cache's preparation; each phase's
+function wrapped with a device sync) with the call's new ``cudaMalloc`` count: printed, and saved in the JSON header
+(``ttft_phases``), with each policy's medians and Raincheck's first token over Hard's and Full's call by call
+(``ttft_phases_summary``).
 """
 
 from __future__ import annotations
@@ -524,7 +525,9 @@ def profile_tables(prof, header: str, rows: int, cuda: bool) -> str:
 def ttft_phases(bench: Bench, inputs, cache: str, calls: int) -> list[dict]:
     """`calls` first-token calls of Full, Hard and Raincheck in turn (after one warm-up each), every call's time
     split by phase: each phase's function wrapped with a device sync before and after (so the phases add up to
-    about the call, a little slower than unwrapped). Where a first turn's time goes, call by call: a phase that
+    about the call, a little slower than unwrapped). The order rotates from call to call, so that no policy always
+    runs right after the same one (with a fixed order, Raincheck's calls, each right after Full's long prefill, had
+    a vision phase ~2 ms longer than Hard's and Full's in all seven calls kept of a ten-call run on the H200). Where a first turn's time goes, call by call: a phase that
     varies between calls shows here, where one profiled call cannot."""
     from hf_raincheck.cache.deferred_cache import DeferredPrefillCache
     from hf_raincheck.generation import enable as enable_module
@@ -564,7 +567,8 @@ def ttft_phases(bench: Bench, inputs, cache: str, calls: int) -> list[dict]:
         for policy in policies:
             bench.generate(inputs, policy, cache, stop_after=1)  # warm-up
         for k in range(calls):
-            for policy in policies:
+            shift = k % len(policies)  # the order rotating per call: no policy always follows the same one
+            for policy in policies[shift:] + policies[:shift]:
                 spent.clear()
                 before = cuda_segments(bench)
                 ttft = ttft_run(bench, inputs, policy, cache)

@@ -118,17 +118,18 @@ def test_latency_quick_interleaved_rounds(tmp_path):
 
 
 def test_latency_quick_ttft_phases(tmp_path):
-    """``--ttft-phases 2``: two first-token calls per policy, each split by phase; the phases sit inside the call
-    (the prefill forward is timed for every policy, selection only where something is pruned) and the functions it
-    wrapped are restored afterwards."""
+    """``--ttft-phases 2``: two first-token calls per policy (the order rotating), each split by phase; the phases
+    sit inside the call (the prefill forward is timed for every policy, selection only where something is pruned)
+    and the functions it wrapped are restored afterwards."""
     out = run_script([os.path.join(ROOT, "benchmarks", "latency.py"), "--quick", "--save", "--ttft-phases", "2",
                       "--models", "tiny-qwen3.5", "--workloads", "image1024", "--caches", "static",
                       "--policies", "full,raincheck,hard", "--chunk-sweep", "", "--results-dir", str(tmp_path)],
                      tmp_path)
     assert "first-token calls by phase" in out
     rows = json.loads((tmp_path / "latency.json").read_text())["header"]["ttft_phases"]["tiny-qwen3.5"]
+    # Qwen3.5's "auto" chunk: 63; the order rotates from call to call
     assert [(r["policy"], r["call"]) for r in rows] == [
-        (p, k) for k in range(2) for p in ("full", "raincheck c63", "hard")]  # Qwen3.5's "auto" chunk: 63
+        ("full", 0), ("raincheck c63", 0), ("hard", 0), ("raincheck c63", 1), ("hard", 1), ("full", 1)]
     for r in rows:
         assert 0 < r["prefill forward"] < r["ttft_ms"] and 0 < r["vision"] <= r["prepare_turn"] < r["ttft_ms"]
         assert ("selection" in r) == (r["policy"] != "full") and r["cuda_mallocs"] is None
@@ -311,10 +312,14 @@ def test_step_host_time_splits_wrapper_and_compiled_call(tmp_path):
 
 def test_gdn_prefill_host_times_every_path_against_its_reference(tmp_path):
     """benchmarks/gdn_prefill_host.py on the CPU (torch kernels): the six paths timed, each path's outputs equal to
-    its reference's (on the CPU the same kernels), the table saved."""
-    out = run_script(["benchmarks/gdn_prefill_host.py", "--rounds", "2", "--out", str(tmp_path / "host.json")],
-                     tmp_path)
+    its reference's (on the CPU the same kernels), the table saved; ``--profile`` prints each graphed path's host
+    operators."""
+    out = run_script(["benchmarks/gdn_prefill_host.py", "--rounds", "2", "--profile", "1", "--out",
+                      str(tmp_path / "host.json")], tmp_path)
     assert "| path | host us | total us |" in out
+    for name in ("hard", "raincheck", "raincheck_long"):
+        profiled = out.split(f"## {name}: 1 calls, host operators by self CPU time")[1]
+        assert "Self CPU" in profiled.split("## ")[0] and "aten::" in profiled.split("## ")[0]
     table = json.loads((tmp_path / "host.json").read_text())["table"]
     assert [r["path"] for r in table] == ["hard", "hard_direct", "raincheck", "raincheck_direct", "raincheck_long",
                                              "raincheck_long_direct"]
