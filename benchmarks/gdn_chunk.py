@@ -9,8 +9,10 @@ For each batch size B, a window of `--rows` rows (the default chunk of models wi
 ``[B, 32, 128, 128]`` fp32 (Qwen3.5-9B: 16 key / 32 value heads of 128; bf16 rows, fp32 gates):
 
 * ``fla``: fla-core's ``chunk_gated_delta_rule`` (seven kernels), called as `kernels.gated_delta` calls it;
-* ``triton``: `chunk_triton.chunk_gated_delta` (one kernel); ``--triton-configs 16:4,64:8``: also with other
-  launch configurations (V columns per program : warps);
+* ``triton``: `chunk_triton.chunk_gated_delta` (one kernel); ``--triton-configs 16:4,64:8,32:4:4``: also with
+  other launch configurations (V columns per block : warps, and optionally : column blocks per program, which share
+  one inverse: ``32:4:4`` is one program per batch row and value head, where the default's four programs each
+  compute it);
 * ``torch`` (``--quick`` only): transformers' torch chunked function, the CPU's path.
 
 Each is captured `--reps` times in one CUDA graph (the 24 GDN layers of a step), replayed `--iters` times after a
@@ -64,8 +66,8 @@ def path_fn(name: str):
 
         if name == "triton":
             return chunk_gated_delta
-        block_v, warps = (int(x) for x in name.split(" ")[1].split(":"))
-        return functools.partial(chunk_gated_delta, block_v=block_v, warps=warps)
+        block_v, warps, *loops = (int(x) for x in name.split(" ")[1].split(":"))
+        return functools.partial(chunk_gated_delta, block_v=block_v, warps=warps, loops=loops[0] if loops else 1)
     chunk = kernels.functions("fla" if name == "fla" else "torch")[0]
 
     def call(q, k, v, g, beta, state):
@@ -109,7 +111,8 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=24, help="calls per captured CUDA graph (a step's GDN layers)")
     parser.add_argument("--iters", type=int, default=50, help="graph replays timed")
     parser.add_argument("--triton-configs", default="",
-                        help="more launch configurations of the kernel, BLOCK_V:warps comma-separated (e.g. 16:4,64:8)")
+                        help="more launch configurations of the kernel, BLOCK_V:warps[:loops] comma-separated (e.g. "
+                             "16:4,64:8,32:4:4; loops: column blocks per program, from one inverse)")
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -121,8 +124,8 @@ def main(argv=None) -> int:
         parser.error("--reps and --iters must be >= 1")
     configs = [c for c in args.triton_configs.split(",") if c]
     for c in configs:
-        if not re.fullmatch(r"\d+:\d+", c):
-            parser.error(f"--triton-configs: BLOCK_V:warps pairs comma-separated, got {c!r}")
+        if not re.fullmatch(r"\d+:\d+(:\d+)?", c):
+            parser.error(f"--triton-configs: BLOCK_V:warps or BLOCK_V:warps:loops, comma-separated, got {c!r}")
     sizes = args.batch_sizes or ([1, 2] if args.quick else [1, 8, 16])
     if min(sizes) < 1:
         parser.error(f"--batch-sizes must be >= 1, got {sizes}")
@@ -132,7 +135,8 @@ def main(argv=None) -> int:
         paths = (["fla"] if kernels.fla_available() else []) + ["triton"] + [f"triton {c}" for c in configs]
         shape, dtype = (16, 32, 128), torch.bfloat16
     else:
-        paths = ["torch"] + (["triton"] if interpreted() and triton_importable() else [])
+        paths = ["torch"] + (["triton"] + [f"triton {c}" for c in configs] if interpreted() and triton_importable()
+                             else [])
         shape, dtype = (1, 2, 16), torch.float32
     key_heads, value_heads, dim = shape
     rows = min(args.rows, 8) if args.quick else args.rows

@@ -62,6 +62,27 @@ def test_one_chunk_equals_the_per_token_reference(device, shape):
     torch.testing.assert_close(final.cpu().double(), want_state, **FP32_TOL)
 
 
+@pytest.mark.parametrize("shape, block_v, loops", [((2, 63, 2, 4, 32, 64), 16, 4), ((1, 40, 1, 2, 16, 80), 16, 2),
+                                                     ((2, 7, 2, 2, 32, 48), 16, 8)])
+def test_column_blocks_looped_in_one_program(device, shape, block_v, loops):
+    """`loops` column blocks per program, one after another from one inverse: the outputs and final state of a
+    program per block (each computing the inverse) and the float64 recurrence's; a V that the blocks do not divide
+    (80 = 5 x 16 columns in programs of 2 blocks: the last program's second block past V), more loops than blocks
+    (8 of 3)."""
+    from hf_raincheck.gdn_state.chunk_triton import chunk_gated_delta
+
+    q, k, v, g, beta, state = _rows(*shape, seed=sum(shape) + loops)
+    inputs = [x.to(device) for x in (q, k, v, g, beta, state)]
+    out, final = chunk_gated_delta(*inputs, block_v=block_v, loops=loops)
+    one_out, one_final = chunk_gated_delta(*inputs, block_v=block_v)
+    same = dict(atol=2e-5, rtol=1e-4)  # the same products on the same values (fp32 rounding apart)
+    torch.testing.assert_close(out, one_out, **same)
+    torch.testing.assert_close(final, one_final, **same)
+    want_out, want_state = naive_gated_delta(q, k, v, g, beta, state)
+    torch.testing.assert_close(out.cpu().double(), want_out, **FP32_TOL)
+    torch.testing.assert_close(final.cpu().double(), want_state, **FP32_TOL)
+
+
 @pytest.mark.parametrize("beta, spread, gate", [(0.99, 0.0, 0.0), (0.9, 0.3, -0.01)])
 def test_aligned_keys(device, beta, spread, gate):
     """Keys nearly one direction, beta near 1, little decay (neighbouring image tokens can look like this): the
@@ -227,6 +248,9 @@ def test_bad_inputs_name_what_is_allowed(device):
         chunk_gated_delta(q, k, v, g, beta, state, block_v=24)
     with pytest.raises(ValueError, match="warps"):
         chunk_gated_delta(q, k, v, g, beta, state, warps=3)
+    for loops in (0, 1.5, True):
+        with pytest.raises(ValueError, match="loops must be an int >= 1"):
+            chunk_gated_delta(q, k, v, g, beta, state, loops=loops)
 
 
 def test_equals_fla_chunked_function_at_the_9b_heads():
