@@ -5,8 +5,8 @@
     python benchmarks/gdn_layer_steps.py --device cuda --path batch1     # one conversation's compiled step
     python benchmarks/gdn_layer_steps.py --quick                         # tiny layer on the CPU (smoke run)
 
-A compiled Qwen3.5 batch step (`generation/shared_static.py`) runs `gdn_state.graph_layer.gdn_batch_forward_graph` in each
-of its GDN layers (24 in the 9B). A fused step (every row restores its window of deferred rows, then decodes) costs
+A compiled Qwen3.5 batch step (`generation/shared_static.py`) runs `gdn_state.graph_layer.gdn_batch_forward_graph`
+in each of its GDN layers (24 in the 9B). A fused step (every row restores its window of deferred rows, then decodes) costs
 a fixed amount of GPU work over a decode-only step whatever the rows carry (benchmarks page, "Batches"); this script
 measures that function alone, so that a change to it is measured in seconds of compile instead of a whole model's
 minutes: a layer of the shape (`shapes.py`, random weights, bf16 on CUDA), its states as a batch's buffers

@@ -527,8 +527,9 @@ def ttft_phases(bench: Bench, inputs, cache: str, calls: int) -> list[dict]:
     split by phase: each phase's function wrapped with a device sync before and after (so the phases add up to
     about the call, a little slower than unwrapped). The order rotates from call to call, so that no policy always
     runs right after the same one (with a fixed order, Raincheck's calls, each right after Full's long prefill, had
-    a vision phase ~2 ms longer than Hard's and Full's in all seven calls kept of a ten-call run on the H200). Where a first turn's time goes, call by call: a phase that
-    varies between calls shows here, where one profiled call cannot."""
+    a vision phase ~2 ms longer than Hard's and Full's in all seven calls kept of a ten-call run on the H200).
+    Where a first turn's time goes, call by call: a phase that varies between calls shows here, where one profiled
+    call cannot."""
     from hf_raincheck.cache.deferred_cache import DeferredPrefillCache
     from hf_raincheck.generation import enable as enable_module
     from hf_raincheck.generation import turn as turn_module
