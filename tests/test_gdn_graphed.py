@@ -148,6 +148,36 @@ def test_a_failed_capture_warns_once_and_calls_the_function(monkeypatch):
     assert not graphed._GRAPHS
 
 
+def test_a_failed_split_capture_leaves_the_two_calls_to_advance_split(monkeypatch):
+    """A split graph that cannot be captured warns once and returns None (no call is made); `ops.advance_split`
+    then makes the rows' two calls itself, with the per-token reference's outputs and states."""
+    from hf_raincheck.gdn_state import kernels, ops
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphed, "_Runner", broken)
+    chunk = functions("torch")[0]
+    factors = rows(100, seed=7)
+    with pytest.warns(RuntimeWarning, match="could not be captured"):
+        assert graphed.graphed_split(chunk, _torch_tail, *factors, None, 80, capture=False) is None
+    asked = []
+    monkeypatch.setattr(kernels, "split_graph_takes", lambda *a: True)
+    monkeypatch.setattr(kernels, "tail_kernel_takes", lambda *a: True)
+    monkeypatch.setattr(kernels, "gated_delta_split", lambda *a: asked.append(a[-1]) or graphed.graphed_split(
+        chunk, _torch_tail, *a[:-2], a[-2], a[-1], capture=False))
+    monkeypatch.setattr(kernels, "gated_delta_with_transition", _torch_tail)
+    out, boundary, live = ops.advance_split("torch", *factors, None, 80)
+    assert asked == [80] and not graphed._GRAPHS
+    torch.testing.assert_close(out.double(), naive_gated_delta(*factors, None)[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(boundary.double(), naive_gated_delta(*(x[:, :80] for x in factors), None)[1],
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(live[..., :V].double(), naive_gated_delta(*factors, None)[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(live[..., V:].double(),
+                               naive_transition(factors[1][:, 80:], factors[3][:, 80:], factors[4][:, 80:], HV),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_a_bucket_made_in_inference_mode_serves_calls_outside_it():
     """`generate` runs under ``no_grad``; a script may wrap it in ``inference_mode``: the bucket's static buffers are
     normal tensors either way, so the next call (outside inference mode) can write them."""

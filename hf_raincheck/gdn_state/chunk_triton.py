@@ -103,7 +103,9 @@ def _chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_ptr, ht_ptr,
                        input_precision="tf32")
     grow = tl.exp(c)
 
-    # the program's LOOPS blocks of BLOCK_V columns, one after another, from the one R (and row factors) above
+    # the program's LOOPS blocks of BLOCK_V columns, one after another, from the one R (and row factors) above;
+    # ``a`` (q k^T with the decays) is formed per block, where the single-block launch forms it after U: held across
+    # the loop it would be live next to R, and every launch already spills (tests/test_triton_compile.py)
     for block in tl.static_range(LOOPS):
         cols = (tl.program_id(0) * LOOPS + block) * BLOCK_V + tl.arange(0, BLOCK_V)
         in_v = cols < value_dim

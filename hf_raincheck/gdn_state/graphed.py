@@ -190,16 +190,11 @@ def graphed_split(chunk: Callable, tail: Callable, q, k, v, g, beta, state, cut:
     graph: `chunk` (as `graphed_chunk`) on rows ``:cut`` from `state`, then ``tail(q, k, v, g, beta, boundary) ->
     (o, [S_T | P_tail])`` (the one-chunk kernel from ``[S_b | I]``, `kernels.gated_delta_with_transition`) on the
     rows after it, padded to `TAIL_ROWS` inert rows. Returns ``(o [1, T, H_v, V], boundary [1, H_v, K, V], live [1,
-    H_v, K, V + K])``, new tensors, as `ops.advance_split`. One replay where the calls cost the host two launches
-    through fla's and Triton's Python."""
+    H_v, K, V + K])``, new tensors, as `ops.advance_split`; None where the graph could not be captured (the caller
+    makes the two calls itself). One replay where the calls cost the host two launches through fla's and Triton's
+    Python."""
     rows = -(-cut // BUCKET) * BUCKET
     key = _key("split", (chunk, tail), rows, q, k, v, g, beta, capture)
     with _LOCK:
         runner = _runner(key, lambda: _Runner(chunk, rows, q, k, v, g, beta, capture, tail))
-        if runner is not None:
-            return runner(q, k, v, g, beta, state, cut)
-    head, boundary = chunk(*(x[:, :cut] for x in (q, k, v, g, beta)), initial_state=state, output_final_state=True,
-                           use_qk_l2norm_in_kernel=True)
-    boundary = boundary.float()
-    out, live = tail(*(x[:, cut:] for x in (q, k, v, g, beta)), boundary)
-    return torch.cat([head, out], dim=1), boundary, live
+        return None if runner is None else runner(q, k, v, g, beta, state, cut)

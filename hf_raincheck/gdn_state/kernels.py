@@ -210,7 +210,8 @@ def split_graph_takes(backend: str, cut: int, tail: int, q) -> bool:
 def gated_delta_split(q, k, v, g, beta, state, cut: int):
     """Rows ``[1, T, ...]`` from `state` with a new boundary after row `cut` (where `split_graph_takes`): fla's
     chunked function on the rows before it and the one-chunk kernel from ``[S_b | I]`` on the tail, replayed from
-    one CUDA graph (`graphed.graphed_split`). Returns ``(o, boundary, [S_T | P_tail])`` as `ops.advance_split`."""
+    one CUDA graph (`graphed.graphed_split`). Returns ``(o, boundary, [S_T | P_tail])`` as `ops.advance_split`, or
+    None where that graph could not be captured."""
     return _graphed.graphed_split(functions("fla")[0], _chunk_kernel.chunk_gated_delta_with_transition,
                                   q, k, v, g, beta, state, cut)
 

@@ -207,7 +207,9 @@ def advance_split(backend: str, q, k, v, g, beta, state, cut: int):
         state = state.contiguous()
     short = kernels.tail_kernel_takes(backend, q.shape[1] - cut, key_dim, value_dim, q.device)
     if short and kernels.split_graph_takes(backend, cut, q.shape[1] - cut, q):
-        return kernels.gated_delta_split(q, k, v, g, beta, state, cut)  # both calls in one CUDA graph
+        split = kernels.gated_delta_split(q, k, v, g, beta, state, cut)  # both calls in one CUDA graph
+        if split is not None:  # (None: the graph could not be captured; the two calls below)
+            return split
     head, boundary = kernels.gated_delta(backend, *(x[:, :cut] for x in (q, k, v, g, beta)), state,
                                          kernels.FLA_EAGER_RECURRENT_MAX_ROWS, graphed=True)
     rows = [x[:, cut:] for x in (q, k, v, g, beta)]
