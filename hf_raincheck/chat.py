@@ -28,6 +28,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 from transformers.generation.streamers import BaseStreamer
 
+from . import transformers_coupling as hf
 from .cache import DeferredPrefillCache, TurnRestore
 from .config import RaincheckConfig
 from .conversation import next_turn_inputs
@@ -36,7 +37,7 @@ from .generation.state import raincheck_state
 from .images import eight_bit, open_image
 
 # generate() arguments the session sets itself
-_MANAGED = ("input_ids", "inputs", "past_key_values", "raincheck_config", "return_dict_in_generate", "streamer",
+_MANAGED = ("input_ids", "inputs", "past_key_values", "cache", "raincheck_config", "return_dict_in_generate", "streamer",
             "attention_mask", "pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw",
             "mm_token_type_ids")
 _DEFAULT_MAX_NEW_TOKENS = 256
@@ -290,8 +291,8 @@ class RaincheckChat:
         before = self._recorded
         try:
             out = self.model.generate(
-                **inputs, **kwargs, raincheck_config=self.config, past_key_values=self.cache, streamer=timer,
-                return_dict_in_generate=True,
+                **inputs, **kwargs, raincheck_config=self.config, streamer=timer,
+                return_dict_in_generate=True, **{hf.CACHE_ARGUMENT: self.cache},
             )
             answer_ids = out.sequences[0, prompt_len:]
             answer = self.processor.decode(answer_ids, skip_special_tokens=True)

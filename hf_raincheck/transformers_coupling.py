@@ -2,17 +2,20 @@
 it reaches on the way): the copied pieces of transformers code and the private names, in one module.
 
 The rest of the package imports from here; nothing else reaches a private transformers name or mirrors a
-transformers forward. Follows **transformers 5.23** (`SUPPORTED_TRANSFORMERS`, the pin of pyproject.toml;
-`check_transformers_version` enforces it at `enable_raincheck`). On a version bump, re-read each item below in the
-new transformers, adapt this module, then move the pin (here and in pyproject.toml; a test checks they agree).
+transformers forward. Follows **transformers 5.23 to 5.25** (`SUPPORTED_TRANSFORMERS`, the pin of pyproject.toml;
+`check_transformers_version` enforces it at `enable_raincheck`); what differs between them is decided here once
+(item 17). `hf_raincheck.serve` follows 5.23 only (`SUPPORTED_SERVING_TRANSFORMERS`, the ``serve`` extra's pin;
+`check_serving_version` at its import). On a version bump, re-read each item below in the new transformers, adapt
+this module, then move the pin (here and in pyproject.toml; a test checks they agree); CI runs the suite on the
+oldest and the newest supported version.
 
 Copied code (keep in step with the named transformers source):
 
 1. `text_decoder_forward`: the text model's loop of ``Qwen3VLTextModel.forward`` / ``Qwen3_5TextModel.forward`` /
    ``Qwen2_5_VLTextModel.forward`` (rotary embeddings, decoder layers, final norm), without its mask creation and
    with DeepStack added densely (``Qwen3VLTextModel._deepstack_process``). Check: the layer call's keyword
-   names (``attention_mask``, ``position_ids``, ``past_key_values``, ``position_embeddings``, ``use_cache``), that
-   layers return a tensor, and ``rotary_emb(hidden, position_ids)``.
+   names (``attention_mask``, ``position_ids``, the cache's (item 17), ``position_embeddings``, ``use_cache``),
+   that layers return a tensor, and ``rotary_emb(hidden, position_ids)``.
 2. `vision_attention_qk`: the q, k of ``Qwen3VLVisionAttention.forward`` (also Qwen2.5-VL's and Qwen3.5's vision
    attention): ``qkv`` reshaped to ``[P, 3, heads, -1]``, ``apply_rotary_pos_emb_vision`` (the family module's
    own function), ``scaling``. `vision_attention_sdpa_input` relies on that forward calling
@@ -38,7 +41,8 @@ Private or internal names reached:
    functions. Check: the attention modules still look their function up through ``self.config``.
 6. ``modeling_qwen3_5.torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule`` and their
    ``__wrapped__`` (`torch_gated_delta_rule_functions`): transformers' torch GDN kernels (decorated so that they
-   may resolve to hub kernels). Check the names, the keyword arguments and the state layout ``[B, H_v, K, V]``.
+   may resolve to hub kernels; from 5.25 the names are ``kernels`` ``Func`` modules closing over the decorated
+   function as ``func``). Check the names, the keyword arguments and the state layout ``[B, H_v, K, V]``.
 7. ``CompileConfig._compile_all_devices`` and ``CompileConfig()`` defaults (`compile_config_or_default`,
    `compiles_on_all_devices`): when transformers compiles a static-cache decode step, mirrored for Raincheck's
    own compiled steps. Check ``GenerationMixin._valid_auto_compile_criteria``.
@@ -48,7 +52,7 @@ Private or internal names reached:
    the processor, which drops them with a log line).
 10. Public but load-bearing: ``GenerationMixin.generate`` validates model kwargs against ``forward``'s signature
     (Raincheck's bound ``generate`` / ``forward`` show the originals' signatures), forwards ``disable_compile``,
-    ``past_key_values`` and ``attention_mask``; ``DynamicCache`` / ``DynamicLayer`` (subclassed by
+    the cache (item 17) and ``attention_mask``; ``DynamicCache`` / ``DynamicLayer`` (subclassed by
     ``hf_raincheck.cache``: ``layers``, ``lazy_initialization``, ``is_initialized``, ``get_mask_sizes``);
     ``GenerationConfig`` keeps unknown attributes (``raincheck_config``) and serialises dataclass values through
     their ``to_dict``; ``get_rope_index``, ``get_image_features`` / ``get_video_features`` (``pooler_output``,
@@ -68,6 +72,12 @@ torch and accelerate private names (not transformers, but the same kind of coupl
     from a call with another batch size that addition fails. Raincheck computes positions itself, so it clears
     them before each of its calls (transformers then computes text positions, which the Raincheck forward ignores).
 
+17. The cache's name (`CACHE_NAMES_CHANGED`, `CACHE_ARGUMENT`, `GDN_CACHE_ARGUMENT`, `given_cache`,
+    `pop_cache_argument`, `output_cache`): ``past_key_values`` in 5.23's ``generate`` / ``forward`` / decoder
+    layers and outputs (``cache_params`` in ``Qwen3_5GatedDeltaNet.forward``); ``cache`` everywhere from 5.24,
+    which still takes the old names with a deprecation warning (``past_key_values`` until 6.0). Raincheck's
+    ``generate`` / ``forward`` take the cache under the names the installed transformers takes.
+
 Off the inference path, kept where they are (tests/test_transformers_coupling.py lists them as the only exceptions):
 
 13. ``hf_raincheck.testing.torchvision_free`` (tests and ``--tiny-random``): torch-only subclasses of the Qwen video
@@ -80,6 +90,7 @@ Off the inference path, kept where they are (tests/test_transformers_coupling.py
 from __future__ import annotations
 
 import copy
+import inspect
 import sys
 import warnings
 
@@ -87,7 +98,11 @@ import torch
 import torch.nn.functional as F
 
 #: the transformers versions hf_raincheck follows (the pin of pyproject.toml's dependencies: a test checks they agree)
-SUPPORTED_TRANSFORMERS = ">=5.23,<5.24"
+SUPPORTED_TRANSFORMERS = ">=5.23,<5.26"
+#: the transformers versions `hf_raincheck.serve` follows (the pin of pyproject.toml's ``serve`` extra): it subclasses
+#: ``transformers serve``'s handler and model manager as 5.23 has them; 5.24 moved generation out of them and 5.25
+#: runs each model in an engine process of its own
+SUPPORTED_SERVING_TRANSFORMERS = ">=5.23,<5.24"
 
 
 # --------------------------------------------------------------------------------------------------- version check
@@ -103,6 +118,74 @@ def transformers_version_supported(version: str | None = None) -> bool:
 
     version = installed_transformers_version() if version is None else version
     return SpecifierSet(SUPPORTED_TRANSFORMERS).contains(version, prereleases=True)
+
+
+def _cache_names_changed() -> bool:
+    from packaging.version import Version
+
+    return Version(installed_transformers_version()).release >= (5, 24)
+
+
+#: coupling point 17: whether the installed transformers takes the cache as ``cache`` (5.24 on: ``generate``,
+#: model ``forward``, decoder layers, ``Qwen3_5GatedDeltaNet.forward``, and the outputs' field) where 5.23 says
+#: ``past_key_values`` (``cache_params`` in the GDN module). From 5.24 the old names are still taken, with
+#: transformers' deprecation warning (``past_key_values`` until 6.0).
+CACHE_NAMES_CHANGED = _cache_names_changed()
+#: the keyword of the cache in the installed transformers' ``generate`` / ``forward`` / decoder layers, and the
+#: field of their outputs that holds it
+CACHE_ARGUMENT = "cache" if CACHE_NAMES_CHANGED else "past_key_values"
+#: the keyword of the cache in ``Qwen3_5GatedDeltaNet.forward``
+GDN_CACHE_ARGUMENT = "cache" if CACHE_NAMES_CHANGED else "cache_params"
+
+
+def given_cache(kwargs: dict):
+    """The cache among a ``generate`` / ``forward`` call's keyword arguments under either name (None when not
+    given), leaving them as they are."""
+    cache = kwargs.get(CACHE_ARGUMENT)
+    return kwargs.get("past_key_values") if cache is None and CACHE_NAMES_CHANGED else cache
+
+
+def pop_cache_argument(kwargs: dict, caller: str):
+    """Removes the cache from a ``generate`` / ``forward`` call's keyword arguments and returns it (None when not
+    given). From transformers 5.24 both names are taken, as transformers takes them: ``cache``, and
+    ``past_key_values`` with transformers' `FutureWarning`; both at once is an error (transformers' rule)."""
+    if not CACHE_NAMES_CHANGED:
+        return kwargs.pop("past_key_values", None)
+    old, new = kwargs.pop("past_key_values", None), kwargs.pop("cache", None)
+    if old is None:
+        return new
+    if new is not None:
+        raise ValueError(f"{caller}: cache and past_key_values are both set; pass the cache as cache only")
+    warnings.warn(f"{caller}: `past_key_values` is deprecated in transformers {installed_transformers_version()}; "
+                  "pass the cache as `cache`", FutureWarning, stacklevel=4)  # (the caller of generate / forward)
+    return old
+
+
+def output_cache(output):
+    """The cache a transformers generate / forward output holds (``cache`` from 5.24, ``past_key_values`` before),
+    read without transformers' deprecation message."""
+    return getattr(output, CACHE_ARGUMENT)
+
+
+def serving_version_supported(version: str | None = None) -> bool:
+    """Whether `version` (default: the installed transformers) is within `SUPPORTED_SERVING_TRANSFORMERS`."""
+    from packaging.specifiers import SpecifierSet
+
+    version = installed_transformers_version() if version is None else version
+    return SpecifierSet(SUPPORTED_SERVING_TRANSFORMERS).contains(version, prereleases=True)
+
+
+def check_serving_version(version: str | None = None) -> None:
+    """Raises `ImportError` (naming the version and the fix) when `version` (default: the installed transformers)
+    is outside `SUPPORTED_SERVING_TRANSFORMERS`: `hf_raincheck.serve` is built on that version's serving code."""
+    version = installed_transformers_version() if version is None else version
+    if not serving_version_supported(version):
+        raise ImportError(
+            f"hf_raincheck.serve needs transformers {SUPPORTED_SERVING_TRANSFORMERS}, found {version}: the Raincheck "
+            "server is built on that version's `transformers serve` (its chat handler and model manager), which "
+            "later versions replaced. Install it with pip install 'hf_raincheck[serve]' (the extra pins it); the "
+            f"rest of hf_raincheck works with transformers {SUPPORTED_TRANSFORMERS}"
+        )
 
 
 def check_transformers_version(force: bool = False, caller: str = "enable_raincheck") -> None:
@@ -186,10 +269,10 @@ def text_decoder_forward(text, embeds, positions, layer_mask, cache, deepstack, 
             hidden,
             attention_mask=layer_mask(i),
             position_ids=None,
-            past_key_values=cache,
             position_embeddings=position_embeddings,
             use_cache=True,
             raincheck_backend=backend,
+            **{CACHE_ARGUMENT: cache},
         )
         if deepstack is not None and i < len(deepstack):
             feature = deepstack[i].to(hidden.device, hidden.dtype)
@@ -311,9 +394,17 @@ def torch_gated_delta_rule_functions():
     decorated names may resolve to hub kernels, e.g. fla, when installed)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
-    chunk = getattr(m.torch_chunk_gated_delta_rule, "__wrapped__", m.torch_chunk_gated_delta_rule)
-    recurrent = getattr(m.torch_recurrent_gated_delta_rule, "__wrapped__", m.torch_recurrent_gated_delta_rule)
-    return chunk, recurrent
+    return _torch_function(m.torch_chunk_gated_delta_rule), _torch_function(m.torch_recurrent_gated_delta_rule)
+
+
+def _torch_function(decorated):
+    """The torch function under transformers' hub-kernel decorators: from 5.25, with the ``kernels`` package (a
+    dependency of transformers then), ``use_kernel_forward_from_hub`` makes the name a ``Func`` module of
+    ``kernels`` whose ``forward`` calls the function it closes over (``func``); under it, and in 5.23, the function
+    transformers wrapped with ``functools.wraps`` (``__wrapped__``)."""
+    if isinstance(decorated, torch.nn.Module):
+        decorated = inspect.getclosurevars(type(decorated).forward).nonlocals.get("func", decorated)
+    return getattr(decorated, "__wrapped__", decorated)
 
 
 # --------------------------------------------------------------------------------------------------- compiled steps

@@ -12,6 +12,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from reference_qwen3_vl import Conversation  # noqa: E402
 
+from hf_raincheck import transformers_coupling as hf  # noqa: E402
+
 
 #: marks of the Triton kernels' tests: ``gpu`` + ``triton`` (CI deselects them; they run on CUDA, and on the CPU
 #: under Triton's interpreter, see conftest.py). The interpreter evaluates masked-off lanes too (log2(0), exp2
@@ -50,7 +52,7 @@ def generate(model, inputs, n, cfg=None, past=None, **kw):
     if cfg is not None:
         kwargs["raincheck_config"] = cfg
     if past is not None:
-        kwargs["past_key_values"] = past
+        kwargs[hf.CACHE_ARGUMENT] = past  # (the name the installed transformers takes the cache under)
     with torch.no_grad():
         return model.generate(**inputs, **kwargs)
 

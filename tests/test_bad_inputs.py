@@ -11,6 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
+from hf_raincheck import transformers_coupling as hf
 from hf_raincheck import DeferredPrefillCache, RaincheckChat, RaincheckConfig, enable_raincheck
 from hf_raincheck.images import eight_bit, open_image
 from hf_raincheck.testing import load_tiny_qwen3_5, load_tiny_qwen3_vl, make_image
@@ -77,7 +78,7 @@ def test_a_cache_for_another_layer_count_is_refused_naming_num_layers(hybrid, wr
     assert layers == 4
     inputs = chat_inputs(processor, [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
     cache = DeferredPrefillCache(layers + wrong)
-    with pytest.raises(ValueError, match=rf"past_key_values: DeferredPrefillCache\(num_layers={layers + wrong}\) does "
+    with pytest.raises(ValueError, match=rf"{hf.CACHE_ARGUMENT}: DeferredPrefillCache\(num_layers={layers + wrong}\) does "
                                          rf"not fit this model, which has {layers} decoder layers; build it with "
                                          rf"num_layers={layers}"):
         model.generate(**inputs, past_key_values=cache, raincheck_config=CFG, max_new_tokens=2)

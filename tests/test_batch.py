@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import TextStreamer
 
+from hf_raincheck import transformers_coupling as hf
 from hf_raincheck import DeferredPrefillCache, RaincheckConfig, enable_raincheck
 from hf_raincheck.cache.batched import BatchedDeferredPrefillCache
 from hf_raincheck.conversation import batch_inputs, next_turn_inputs
@@ -351,7 +352,7 @@ def test_unsupported_batches_raise(family):
         (dict(num_beams=2), "beam search is not supported"),
         (dict(num_return_sequences=2, do_sample=True, past_key_values=BatchedDeferredPrefillCache([None, None])),
          "num_return_sequences > 1 starts new conversations"),
-        (dict(past_key_values=DeferredPrefillCache(2)), "past_key_values must be a BatchedDeferredPrefillCache"),
+        (dict(past_key_values=DeferredPrefillCache(2)), f"{hf.CACHE_ARGUMENT} must be a BatchedDeferredPrefillCache"),
         (dict(past_key_values=BatchedDeferredPrefillCache([None])), "holds 1 rows but input_ids has 2"),
     ]:
         with pytest.raises(ValueError, match=message):
@@ -401,8 +402,8 @@ def test_pipeline_batch_size_two(tiny_vl_path):
     cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion="blocking")
     kw = dict(generate_kwargs={"raincheck_config": cfg, "do_sample": False, "max_new_tokens": 6})
     texts = [CONVERSATIONS[0], CONVERSATIONS[3]]
-    processor.tokenizer.padding_side = "right"
     pipe = enable_raincheck(pipeline("image-text-to-text", model=model, processor=processor))
+    processor.tokenizer.padding_side = "right"  # (after the pipeline is built: from 5.25 it sets left itself)
     with pytest.raises(ValueError, match="not left-padded"):
         pipe(text=texts, batch_size=2, **kw)
     processor.tokenizer.padding_side = "left"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -15,6 +16,7 @@ from helpers import generate, new_tokens, plan_of  # noqa: E402
 from reference_qwen3_vl import build_schedule, plan_boundary, reference_logits  # noqa: E402
 
 from hf_raincheck import DeferredPrefillCache, RaincheckConfig, complete_deferred, enable_raincheck  # noqa: E402
+from hf_raincheck import transformers_coupling as hf  # noqa: E402
 
 TOL = dict(atol=2e-5, rtol=1e-4)
 
@@ -290,6 +292,34 @@ def test_later_turn_may_pass_only_its_new_media(model):
             conv2["image_grid_thw"] = torch.cat([inputs["image_grid_thw"], img2["image_grid_thw"]])
         logits.append(torch.stack(generate(model, conv2, 4, cfg, past=out.past_key_values).logits))
     torch.testing.assert_close(logits[0], logits[1], **TOL)
+
+
+def test_the_cache_under_either_name(model):
+    """generate takes the cache under the names the installed transformers takes (coupling point 17):
+    ``past_key_values`` in 5.23; ``cache`` from 5.24, where ``past_key_values`` still works with a `FutureWarning`
+    and the two at once are refused. The next turn is the same whichever name carried the cache."""
+    cfg = RaincheckConfig(retention=0.3, chunk_size=2, guard_tokens=1, completion="next_turn")
+    inputs = two_images()
+    names = ["past_key_values", "cache"] if hf.CACHE_NAMES_CHANGED else ["past_key_values"]
+    logits = []
+    for name in names:
+        out = generate(model, inputs, 4, cfg)
+        cache = hf.output_cache(out)
+        assert isinstance(cache, DeferredPrefillCache) and cache.pending > 0
+        conv2 = _extend(_extend(inputs, out.sequences[0, inputs["input_ids"].shape[1]:]), [5, 6, 7])
+        warns = pytest.warns(FutureWarning, match="`past_key_values` is deprecated") if (
+            hf.CACHE_NAMES_CHANGED and name == "past_key_values") else contextlib.nullcontext()
+        with warns, torch.no_grad():
+            out2 = model.generate(**conv2, raincheck_config=cfg, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                                  output_logits=True, return_dict_in_generate=True, **{name: cache})
+        assert hf.output_cache(out2) is cache and cache.plans[0].deferred.numel() > 0
+        logits.append(torch.stack(out2.logits))
+    for other in logits[1:]:
+        torch.testing.assert_close(other, logits[0], rtol=0, atol=0)
+    if hf.CACHE_NAMES_CHANGED:
+        with pytest.raises(ValueError, match="generate: cache and past_key_values are both set"):
+            model.generate(**conv2, raincheck_config=cfg, max_new_tokens=2, cache=cache,
+                           past_key_values=DeferredPrefillCache(1))
 
 
 def test_prompt_longer_than_the_initial_slot_buffer(model):

@@ -171,11 +171,11 @@ def test_inner_model_is_refused_with_a_clear_error(tiny_vl_path):
 
 def test_unsupported_transformers_version(tiny_vl_path, monkeypatch):
     model, _ = load_tiny_qwen3_vl(tiny_vl_path)
-    monkeypatch.setattr(transformers_coupling, "installed_transformers_version", lambda: "5.24.0")
-    with pytest.raises(RuntimeError, match=r"supports transformers >=5\.23,<5\.24, found 5\.24\.0.*force=True"):
+    monkeypatch.setattr(transformers_coupling, "installed_transformers_version", lambda: "5.26.0")
+    with pytest.raises(RuntimeError, match=r"supports transformers >=5\.23,<5\.26, found 5\.26\.0.*force=True"):
         enable_raincheck(model)
     assert "_raincheck_state" not in vars(model)
-    with pytest.warns(UserWarning, match=r"found 5\.24\.0.*force=True"):
+    with pytest.warns(UserWarning, match=r"found 5\.26\.0.*force=True"):
         enable_raincheck(model, force=True)
     assert "_raincheck_state" in vars(model)
 
@@ -185,7 +185,8 @@ def test_supported_transformers_version_passes_silently():
         warnings.simplefilter("error")
         transformers_coupling.check_transformers_version()
     assert transformers_coupling.transformers_version_supported()
-    # as pip reads the pin: 5.24's pre-releases are 5.24, 5.23's development builds are before 5.23
+    # as pip reads the pin: 5.26's pre-releases are 5.26, 5.23's development builds are before 5.23
     for version, ok in [("5.23.0", True), ("5.23.4", True), ("5.23.1rc1", True), ("5.23.0.dev0", False),
-                        ("5.22.9", False), ("5.24.0", False), ("5.24.0.dev0", False), ("6.0.0", False)]:
+                        ("5.24.0", True), ("5.25.0", True), ("5.25.3", True), ("5.22.9", False), ("5.26.0", False),
+                        ("5.26.0.dev0", False), ("6.0.0", False)]:
         assert transformers_coupling.transformers_version_supported(version) is ok, version

@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from handmade import _conv, _extend, _tiny_model  # noqa: E402
 
+from hf_raincheck import transformers_coupling as hf  # noqa: E402
 from hf_raincheck import DeferredPrefillCache, RaincheckConfig, complete_deferred, enable_raincheck  # noqa: E402
 
 
@@ -123,7 +124,7 @@ def test_cache_that_does_not_extend_the_conversation(model, inputs):
     out = _gen(model, inputs, return_dict_in_generate=True)
     other = _conv([(1, 8, 8)], [3, 4], seed=9)
     other = _extend(other, [1, 2, 3, 4])
-    with pytest.raises(ValueError, match="past_key_values does not extend this conversation.*differs from them at index 0"):
+    with pytest.raises(ValueError, match=f"{hf.CACHE_ARGUMENT} does not extend this conversation.*differs from them at index 0"):
         _gen(model, other, past_key_values=out.past_key_values)
     # the same conversation without anything new
     same = dict(input_ids=out.sequences[:, :-1])
@@ -134,7 +135,7 @@ def test_cache_that_does_not_extend_the_conversation(model, inputs):
 def test_foreign_cache_types(model, inputs):
     from transformers import DynamicCache
 
-    with pytest.raises(ValueError, match="past_key_values must be a DeferredPrefillCache"):
+    with pytest.raises(ValueError, match=f"{hf.CACHE_ARGUMENT} must be a DeferredPrefillCache"):
         _gen(model, inputs, past_key_values=DynamicCache())
     with pytest.raises(ValueError, match="complete_deferred: cache must be a DeferredPrefillCache"):
         complete_deferred(model, DynamicCache())

@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from helpers import encode_qwen2_5_vl, generate, new_tokens, plan_of, whole_conversation  # noqa: E402
 from reference_qwen3_vl import build_schedule, run_reference  # noqa: E402
 
+from hf_raincheck import transformers_coupling as hf  # noqa: E402
 from hf_raincheck import DeferredPrefillCache, RaincheckConfig, complete_deferred, enable_raincheck  # noqa: E402
 from hf_raincheck.conversation import next_turn_inputs  # noqa: E402
 from hf_raincheck.pruning import SelectionContext  # noqa: E402
@@ -377,6 +378,6 @@ def test_errors_through_the_processor(vl, tiny_qwen2_5_vl_path):
     forked = out.sequences.clone()
     forked[0, -2] = (forked[0, -2] + 1) % processor.tokenizer.vocab_size  # y_2: cached (y_3 is not)
     turn2_forked = next_turn_inputs(processor, forked, [{"role": "user", "content": "Why?"}])
-    with pytest.raises(ValueError, match="past_key_values does not extend this conversation"):
+    with pytest.raises(ValueError, match=f"{hf.CACHE_ARGUMENT} does not extend this conversation"):
         generate(model, turn2_forked, 2, cfg, past=out.past_key_values)
     generate(model, turn2, 2, cfg, past=out.past_key_values)  # the right conversation still works

@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -79,6 +81,68 @@ def test_pin_agrees_with_pyproject():
         text = f.read()
     pins = re.findall(r'"transformers([<>=!~][^"]*)"', text)
     assert pins == [hf.SUPPORTED_TRANSFORMERS]
+
+
+def test_serving_pin_agrees_with_pyproject():
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        text = f.read()
+    assert re.findall(r'"transformers\[serving\]([<>=!~][^"]*)"', text) == [hf.SUPPORTED_SERVING_TRANSFORMERS]
+
+
+def test_serving_version_check_names_the_version_and_the_fix():
+    hf.check_serving_version("5.23.0")
+    assert hf.serving_version_supported("5.23.0") and not hf.serving_version_supported("5.25.0")
+    with pytest.raises(ImportError, match=r"hf_raincheck.serve needs transformers >=5.23,<5.24, found 5.25.0.*"
+                                          r"pip install 'hf_raincheck\[serve\]'"):
+        hf.check_serving_version("5.25.0")
+
+
+def test_importing_serve_under_another_transformers_says_why():
+    """Run where the installed transformers is outside the serving pin (CI's newest-transformers venv): the
+    package's import raises the check's message, not an ImportError from inside transformers."""
+    if hf.serving_version_supported():
+        pytest.skip("the installed transformers is the serving pin's (CI runs this in its newest-transformers venv)")
+    code = "import hf_raincheck.serve"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "ImportError: hf_raincheck.serve needs transformers" in result.stderr
+
+
+def test_cache_argument_names():
+    """The cache's keyword follows the installed transformers (5.24 renamed it)."""
+    from packaging.version import Version
+
+    renamed = Version(hf.installed_transformers_version()).release >= (5, 24)
+    assert hf.CACHE_NAMES_CHANGED is renamed
+    assert (hf.CACHE_ARGUMENT, hf.GDN_CACHE_ARGUMENT) == (("cache", "cache") if renamed
+                                                          else ("past_key_values", "cache_params"))
+    import inspect
+
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import (Qwen3VLForConditionalGeneration,
+                                                                Qwen3VLTextDecoderLayer)
+
+    assert hf.CACHE_ARGUMENT in inspect.signature(Qwen3VLTextDecoderLayer.forward).parameters
+    assert hf.CACHE_ARGUMENT in inspect.signature(Qwen3VLForConditionalGeneration.forward).parameters
+    assert hf.GDN_CACHE_ARGUMENT in inspect.signature(Qwen3_5GatedDeltaNet.forward).parameters
+    assert hf.CACHE_ARGUMENT in GenerateDecoderOnlyOutput.__dataclass_fields__
+
+
+def test_pop_cache_argument():
+    cache = object()
+    kwargs = {hf.CACHE_ARGUMENT: cache, "x": 1}
+    assert hf.given_cache(kwargs) is cache and hf.pop_cache_argument(kwargs, "generate") is cache
+    assert kwargs == {"x": 1}
+    assert hf.pop_cache_argument({}, "generate") is None
+    if not hf.CACHE_NAMES_CHANGED:
+        return
+    with pytest.warns(FutureWarning, match="generate: `past_key_values` is deprecated"):
+        assert hf.pop_cache_argument({"past_key_values": cache}, "generate") is cache
+    assert hf.given_cache({"past_key_values": cache}) is cache
+    assert hf.pop_cache_argument({"past_key_values": None, "cache": cache}, "generate") is cache
+    with pytest.raises(ValueError, match="generate: cache and past_key_values are both set"):
+        hf.pop_cache_argument({"past_key_values": cache, "cache": object()}, "generate")
 
 
 def test_documented_coupling_points_exist():

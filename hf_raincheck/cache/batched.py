@@ -16,7 +16,7 @@ from .slot_layer import _GROWTH
 
 
 class BatchedDeferredPrefillCache(RunningCall, DynamicCache):
-    """What a batched ``generate(raincheck_config=...)`` takes and returns as ``past_key_values``: one batch-1
+    """What a batched ``generate(raincheck_config=...)`` takes and returns as its cache: one batch-1
     `DeferredPrefillCache` per row, padding removed (see `DeferredPrefillCache`'s "Batches" section).
 
     Each row has its own plan, boundary, pending set and accounting, exactly as if it had been generated alone.

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import DynamicCache
 
+from .. import transformers_coupling as hf
 from ..gdn_state.state import GDNLayerState
 from .buffer_pool import POOL, CacheBuffers, copy_pairs
 from .forward_context import ForwardContext, RunningCall
@@ -411,7 +412,7 @@ class DeferredPrefillCache(RunningCall, DynamicCache):
         if self._unusable is not None:
             raise RuntimeError(
                 f"{caller}: this DeferredPrefillCache cannot continue: {self._unusable}; start a new conversation "
-                "(no past_key_values) with the conversation so far"
+                f"(no {hf.CACHE_ARGUMENT}) with the conversation so far"
             )
 
     def tidy(self) -> None:
@@ -589,22 +590,22 @@ class DeferredPrefillCache(RunningCall, DynamicCache):
             expected = getattr(text_config, "num_hidden_layers", None)
             if expected is not None and len(self.layers) != expected:
                 raise ValueError(
-                    f"past_key_values: DeferredPrefillCache(num_layers={len(self.layers)}) does not fit this model, "
+                    f"{hf.CACHE_ARGUMENT}: DeferredPrefillCache(num_layers={len(self.layers)}) does not fit this model, "
                     f"which has {expected} decoder layers; build it with num_layers={expected} (or pass no "
-                    "past_key_values: generate builds the cache)"
+                    f"{hf.CACHE_ARGUMENT}: generate builds the cache)"
                 )
             self._model_ref = weakref.ref(model)
             return
         owner = self._model_ref()
         if owner is None:
             raise ValueError(
-                "past_key_values is a DeferredPrefillCache whose model was freed; start a new conversation "
-                "(no past_key_values)"
+                f"{hf.CACHE_ARGUMENT} is a DeferredPrefillCache whose model was freed; start a new conversation "
+                f"(no {hf.CACHE_ARGUMENT})"
             )
         if owner is not model:
             raise ValueError(
-                "past_key_values is a DeferredPrefillCache built by a different model; "
-                "start a new conversation (no past_key_values) for this model"
+                f"{hf.CACHE_ARGUMENT} is a DeferredPrefillCache built by a different model; "
+                f"start a new conversation (no {hf.CACHE_ARGUMENT}) for this model"
             )
 
     def reserve(self, needed: int, device: torch.device) -> None:

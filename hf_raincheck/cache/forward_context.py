@@ -1,10 +1,10 @@
 """`ForwardContext`: what one Raincheck forward tells the cache and the patched layers it runs through.
 
-transformers' decoder layers call ``past_key_values.update(keys, values, layer_idx)`` and Gated DeltaNet modules
-get ``cache_params``; the cache object is the only channel from the generation code to them. So each forward
-builds one `ForwardContext` and installs it on the cache for the length of the forward
-(`DeferredPrefillCache.begin_forward` / `end_forward`); `update` and the GDN patch read it from
-``cache.forward_context``. Outside a forward there is none, and a write to the cache is refused.
+transformers' decoder layers call ``update(keys, values, layer_idx)`` on the cache they are given and Gated DeltaNet
+modules get the cache too (``past_key_values`` / ``cache_params`` in transformers 5.23, ``cache`` from 5.24); the
+cache object is the only channel from the generation code to them. So each forward builds one `ForwardContext` and
+installs it on the cache for the length of the forward (`DeferredPrefillCache.begin_forward` / `end_forward`);
+`update` and the GDN patch read it from ``cache.forward_context``. Outside a forward there is none, and a write to the cache is refused.
 """
 
 from __future__ import annotations

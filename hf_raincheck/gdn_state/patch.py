@@ -10,22 +10,23 @@ from __future__ import annotations
 
 import functools
 
-from ..transformers_coupling import hooked_forward_name
+from ..transformers_coupling import GDN_CACHE_ARGUMENT, hooked_forward_name
 from .graph_layer import GDNBatchGraphStep, GDNGraphStep, gdn_batch_forward_graph, gdn_rows_forward_graph
 from .layer import gdn_rows_forward
 from .shared_layer import SharedGDNSteps, gdn_shared_forward
 
 
-def _raincheck_gdn_forward(original, glue, module, hidden_states, cache_params=None, attention_mask=None, **kwargs):
-    context = getattr(cache_params, "forward_context", None)  # a Raincheck forward's (`ForwardContext`)
+def _raincheck_gdn_forward(original, glue, module, hidden_states, *args, **kwargs):
+    cache = kwargs.get(GDN_CACHE_ARGUMENT)  # (the decoder layer passes it by keyword)
+    context = getattr(cache, "forward_context", None)  # a Raincheck forward's (`ForwardContext`)
     step = context.gdn_step if context is not None else None
     if step is None:
-        return original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+        return original(hidden_states, *args, **kwargs)
     if isinstance(step, SharedGDNSteps):  # a batch's rows in one forward, each on its own row cache's states
         return gdn_shared_forward(glue, module, hidden_states, step)
     if isinstance(step, GDNBatchGraphStep):  # a compiled static batch step: every row's states in batch buffers
         return gdn_batch_forward_graph(glue, module, hidden_states, step.layers[module.layer_idx], step)
-    layer = cache_params.gdn_state(module.layer_idx)
+    layer = cache.gdn_state(module.layer_idx)
     if isinstance(step, GDNGraphStep):
         return gdn_rows_forward_graph(glue, module, hidden_states, layer, step)
     return gdn_rows_forward(glue, module, hidden_states, layer, step)

@@ -15,7 +15,8 @@ A static cache (``cache_implementation="static"``) runs the shared engine on a s
 DeltaNet layers with every row's states in batch buffers, `BatchedDeferredPrefillCache.sync_gdn_states`) where
 transformers compiles a static cache's steps (accelerators, or a compile config that compiles everywhere).
 
-``past_key_values`` (given and returned) is a `BatchedDeferredPrefillCache` of batch-1 row caches. What is not
+The cache (given and returned; ``past_key_values``, ``cache`` from transformers 5.24) is a
+`BatchedDeferredPrefillCache` of batch-1 row caches. What is not
 supported raises a `ValueError` (`check_batch_supported`).
 """
 
@@ -53,12 +54,12 @@ def check_batch_supported(model, state, kwargs: dict, gen_config, cache_implemen
     where = "generate(raincheck_config=...) with a batch of more than one row"
     if past is not None and not isinstance(past, BatchedDeferredPrefillCache):
         raise ValueError(
-            f"{where}: past_key_values must be a BatchedDeferredPrefillCache (one row cache per row, None for a "
+            f"{where}: {hf.CACHE_ARGUMENT} must be a BatchedDeferredPrefillCache (one row cache per row, None for a "
             f"new conversation), got {type(past).__name__}"
         )
     if past is not None and past.batch_size != batch_size:
         raise ValueError(
-            f"{where}: past_key_values holds {past.batch_size} rows but input_ids has {batch_size}"
+            f"{where}: {hf.CACHE_ARGUMENT} holds {past.batch_size} rows but input_ids has {batch_size}"
         )
     unsupported = dict(_UNSUPPORTED_ALWAYS)
     if not shared:
@@ -186,17 +187,16 @@ def shared_steps_supported(state, cache_implementation, backend: str, past) -> s
 
 
 @torch.no_grad()  # as transformers' generate: without it the vision tower's and the prefill's activations stay alive
-def generate_batch(model, state, raincheck_config, kwargs: dict, gen_config, cache_implementation):
+def generate_batch(model, state, raincheck_config, kwargs: dict, gen_config, cache_implementation, past):
     """A left-padded batch (B > 1 rows, or one row with ``num_return_sequences > 1``): each row its own
     conversation, in shared forwards (`shared_batch`) where supported, else one row after the other through the
-    batch-1 path (module docstring)."""
-    past = kwargs.pop("past_key_values", None)
+    batch-1 path (module docstring). `past`: the cache given (None: new conversations)."""
     input_ids = kwargs.pop("input_ids")
     n_return = gen_config.num_return_sequences or 1
     if n_return > 1 and past is not None:
         raise ValueError(
             "generate(raincheck_config=...): num_return_sequences > 1 starts new conversations; it cannot continue "
-            "past_key_values (continue each returned row through BatchedDeferredPrefillCache.split())"
+            f"{hf.CACHE_ARGUMENT} (continue each returned row through BatchedDeferredPrefillCache.split())"
         )
     backend = state.backend(raincheck_config)
     why_not_shared = shared_steps_supported(state, cache_implementation, backend, past)
@@ -250,7 +250,7 @@ def _generate_shared(model, state, config, kwargs: dict, gen_config, input_ids, 
         row.check_usable("generate")
     kwargs["input_ids"] = input_ids
     kwargs["attention_mask"] = mask.to(device=input_ids.device, dtype=torch.long)
-    kwargs["past_key_values"] = past
+    kwargs[hf.CACHE_ARGUMENT] = past
     kwargs.pop("compile_config", None)
     kwargs["disable_compile"] = True
     with contextlib.ExitStack() as locks:
@@ -334,10 +334,10 @@ def _generate_one_by_one(model, raincheck_config, kwargs: dict, gen_config, inpu
         row = dict(kwargs)
         row.update(inputs)
         if past is not None and past.rows[i] is not None:
-            row["past_key_values"] = past.rows[i]
+            row[hf.CACHE_ARGUMENT] = past.rows[i]
         out = model.generate(**row, raincheck_config=raincheck_config, return_dict_in_generate=True)
         new_parts.append(out.sequences[0, inputs["input_ids"].numel():])
-        caches.append(out.past_key_values)
+        caches.append(hf.output_cache(out))
     longest = max(p.numel() for p in new_parts)
     new = torch.full((len(rows), longest), pad, dtype=input_ids.dtype, device=input_ids.device)
     for i, part in enumerate(new_parts):
@@ -345,4 +345,4 @@ def _generate_one_by_one(model, raincheck_config, kwargs: dict, gen_config, inpu
     sequences = torch.cat([input_ids, new], dim=1)
     if not return_dict:
         return sequences
-    return GenerateDecoderOnlyOutput(sequences=sequences, past_key_values=BatchedDeferredPrefillCache(caches))
+    return GenerateDecoderOnlyOutput(sequences=sequences, **{hf.CACHE_ARGUMENT: BatchedDeferredPrefillCache(caches)})

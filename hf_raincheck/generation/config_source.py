@@ -4,10 +4,10 @@ transformers users set on generation configs.
 Order (first found wins):
 
 1. ``generate(..., raincheck_config=cfg)``; an explicit ``raincheck_config=None`` asks for plain generation
-   (unless ``past_key_values`` is a `DeferredPrefillCache` or a `BatchedDeferredPrefillCache`, which only
+   (unless the cache given is a `DeferredPrefillCache` or a `BatchedDeferredPrefillCache`, which only
    Raincheck fills: then its last config);
 2. ``generate(..., generation_config=GenerationConfig(raincheck_config=cfg))``;
-3. the config of a `DeferredPrefillCache` passed as ``past_key_values`` (the conversation's last call; for a
+3. the config of a `DeferredPrefillCache` passed as the cache (the conversation's last call; for a
    `BatchedDeferredPrefillCache`, its first row that has one);
 4. ``model.generation_config.raincheck_config`` (saved in generation_config.json by ``save_pretrained``, in
    `RaincheckConfig.to_dict` form, and back with ``from_pretrained``).
@@ -17,6 +17,7 @@ Generation-config values may be a `RaincheckConfig` or its dict; None there mean
 
 from __future__ import annotations
 
+from .. import transformers_coupling as hf
 from ..cache import DeferredPrefillCache
 from ..cache.batched import BatchedDeferredPrefillCache
 from ..config import RaincheckConfig
@@ -66,7 +67,7 @@ def resolve(model, explicit, generation_config, past) -> RaincheckConfig | None:
         config = from_generation_config(getattr(model, "generation_config", None), "model.generation_config")
     if config is None and deferred_past is not None:
         raise ValueError(
-            f"generate: past_key_values is a {type(deferred_past).__name__} that no Raincheck call has used yet; "
+            f"generate: {hf.CACHE_ARGUMENT} is a {type(deferred_past).__name__} that no Raincheck call has used yet; "
             "pass raincheck_config=RaincheckConfig(...)"
         )
     return config

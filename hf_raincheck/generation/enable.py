@@ -100,10 +100,11 @@ def _validate(model, input_ids, kwargs: dict, gen_config) -> None:
 
 def _generate(model, *args, raincheck_config: RaincheckConfig | None = config_source.UNSET, **kwargs):
     state = raincheck_state(model, "generate")
-    past = kwargs.get("past_key_values")
+    past = hf.given_cache(kwargs)
     raincheck_config = config_source.resolve(model, raincheck_config, kwargs.get("generation_config"), past)
     if raincheck_config is None:
         return state.original_generate(*args, **kwargs)
+    past = hf.pop_cache_argument(kwargs, "generate")
     if args:
         if "input_ids" in kwargs or "inputs" in kwargs:
             raise ValueError("generate: input_ids given twice")
@@ -122,17 +123,17 @@ def _generate(model, *args, raincheck_config: RaincheckConfig | None = config_so
     if input_ids.shape[0] > 1 or (gen_config.num_return_sequences or 1) > 1:  # rows: generation/batch.py
         if args:
             raise ValueError("generate(raincheck_config=...) with a batch: pass generate's arguments by keyword")
-        return generate_batch(model, state, raincheck_config, kwargs, gen_config, cache_implementation)
+        return generate_batch(model, state, raincheck_config, kwargs, gen_config, cache_implementation, past)
 
     if past is None:
         static = cache_implementation == "static"
         past = DeferredPrefillCache(state.adapter.num_cache_layers(), static=static)
     elif not isinstance(past, DeferredPrefillCache):
         raise ValueError(
-            "generate(raincheck_config=...): past_key_values must be a DeferredPrefillCache returned by an "
+            f"generate(raincheck_config=...): {hf.CACHE_ARGUMENT} must be a DeferredPrefillCache returned by an "
             f"earlier Raincheck generate (or None), got {type(past).__name__}"
         )
-    kwargs["past_key_values"] = past
+    kwargs[hf.CACHE_ARGUMENT] = past
     past.bind_model(model)
     state.register_cache(past)  # disable_raincheck stops its background worker
     # a background worker still completing the previous turn gives way (within one chunk); what it left pending
@@ -194,14 +195,17 @@ def _generate_locked(model, state: RaincheckState, past: DeferredPrefillCache, r
     return output
 
 
-def _forward(model, *args, past_key_values=None, **kwargs):
+def _forward(model, *args, **kwargs):
     state = getattr(model, _STATE_ATTR)
+    past_key_values = hf.given_cache(kwargs)
+    if isinstance(past_key_values, (BatchedDeferredPrefillCache, DeferredPrefillCache)):
+        hf.pop_cache_argument(kwargs, "forward")
     if isinstance(past_key_values, BatchedDeferredPrefillCache):
         if past_key_values.active_turn is None:
             raise ValueError("a BatchedDeferredPrefillCache is filled by a batched generate(raincheck_config=...) only")
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         logits = shared_step(state.adapter, past_key_values, past_key_values.active_turn, input_ids)
-        return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
+        return CausalLMOutputWithPast(logits=logits, **{hf.CACHE_ARGUMENT: past_key_values})
     turn: Turn | None = past_key_values.active_turn if isinstance(past_key_values, DeferredPrefillCache) else None
     if turn is None:
         if isinstance(past_key_values, DeferredPrefillCache):
@@ -209,10 +213,10 @@ def _forward(model, *args, past_key_values=None, **kwargs):
                 "a DeferredPrefillCache is filled by generate(raincheck_config=...) only; "
                 "a direct forward on it would break its logical-slot layout"
             )
-        return state.original_forward(*args, past_key_values=past_key_values, **kwargs)
+        return state.original_forward(*args, **kwargs)
     input_ids = kwargs.get("input_ids", args[0] if args else None)
     logits = _turn_step(state, past_key_values, turn, input_ids)
-    return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
+    return CausalLMOutputWithPast(logits=logits, **{hf.CACHE_ARGUMENT: past_key_values})
 
 
 @torch.no_grad()

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import transformers_coupling as hf
 from ..cache import DeferralPlan, DeferredPrefillCache, TurnRestore
 from ..config import RaincheckConfig
 from ..models import ModelAdapter
@@ -125,14 +126,14 @@ def prepare_turn(
     if ids[:old] != cached:
         mismatch = next((i for i, (a, b) in enumerate(zip(ids, cached)) if a != b), min(len(ids), old))
         raise ValueError(
-            "past_key_values does not extend this conversation: the cache holds "
+            f"{hf.CACHE_ARGUMENT} does not extend this conversation: the cache holds "
             f"{old} tokens and input_ids differs from them at index {mismatch} (input_ids has {len(ids)} tokens). "
             "Pass the whole conversation so far (e.g. the previous output's `sequences` plus the new turn), "
-            "or start a new conversation without past_key_values"
+            f"or start a new conversation without {hf.CACHE_ARGUMENT}"
         )
     if len(ids) <= old:
         raise ValueError(
-            f"input_ids ({len(ids)} tokens) holds nothing beyond the {old} tokens already in past_key_values"
+            f"input_ids ({len(ids)} tokens) holds nothing beyond the {old} tokens already in {hf.CACHE_ARGUMENT}"
         )
     attention_mask = model_inputs.get("attention_mask")
     if attention_mask is not None and not bool(attention_mask.bool().all()):
@@ -146,7 +147,7 @@ def prepare_turn(
     spans = _split_runs(runs, {"image": image_counts, "video": [n for v in video_frame_counts for n in v]})
     for span in spans:
         if span.start < old < span.stop:
-            raise ValueError("past_key_values ends inside an image or video span of input_ids")
+            raise ValueError(f"{hf.CACHE_ARGUMENT} ends inside an image or video span of input_ids")
     new_spans = [s for s in spans if s.start >= old]
     if ids[-1] in (adapter.image_token_id, adapter.video_token_id):
         raise ValueError(

@@ -15,11 +15,17 @@
 * :mod:`.stats` — the ``usage.raincheck`` extension.
 
 Needs the ``serve`` extra (``pip install "hf_raincheck[serve]"``: fastapi, uvicorn, openai via
-``transformers[serving]``).
+``transformers[serving]``), which pins transformers to the serving code it is built on
+(`transformers_coupling.SUPPORTED_SERVING_TRANSFORMERS`; importing this package under another version raises an
+`ImportError` that says so).
 """
 
-from .app import RaincheckServer
-from .models import DEFAULT_MODEL
-from .pool import ConversationPool
+from ..transformers_coupling import check_serving_version
+
+check_serving_version()  # (before the modules that import transformers' serving code)
+
+from .app import RaincheckServer  # noqa: E402
+from .models import DEFAULT_MODEL  # noqa: E402
+from .pool import ConversationPool  # noqa: E402
 
 __all__ = ["RaincheckServer", "ConversationPool", "DEFAULT_MODEL"]
