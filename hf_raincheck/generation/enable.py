@@ -197,26 +197,26 @@ def _generate_locked(model, state: RaincheckState, past: DeferredPrefillCache, r
 
 def _forward(model, *args, **kwargs):
     state = getattr(model, _STATE_ATTR)
-    past_key_values = hf.given_cache(kwargs)
-    if isinstance(past_key_values, (BatchedDeferredPrefillCache, DeferredPrefillCache)):
+    cache = hf.given_cache(kwargs)
+    if isinstance(cache, (BatchedDeferredPrefillCache, DeferredPrefillCache)):
         hf.pop_cache_argument(kwargs, "forward")
-    if isinstance(past_key_values, BatchedDeferredPrefillCache):
-        if past_key_values.active_turn is None:
+    if isinstance(cache, BatchedDeferredPrefillCache):
+        if cache.active_turn is None:
             raise ValueError("a BatchedDeferredPrefillCache is filled by a batched generate(raincheck_config=...) only")
         input_ids = kwargs.get("input_ids", args[0] if args else None)
-        logits = shared_step(state.adapter, past_key_values, past_key_values.active_turn, input_ids)
-        return CausalLMOutputWithPast(logits=logits, **{hf.CACHE_ARGUMENT: past_key_values})
-    turn: Turn | None = past_key_values.active_turn if isinstance(past_key_values, DeferredPrefillCache) else None
+        logits = shared_step(state.adapter, cache, cache.active_turn, input_ids)
+        return CausalLMOutputWithPast(logits=logits, **{hf.CACHE_ARGUMENT: cache})
+    turn: Turn | None = cache.active_turn if isinstance(cache, DeferredPrefillCache) else None
     if turn is None:
-        if isinstance(past_key_values, DeferredPrefillCache):
+        if isinstance(cache, DeferredPrefillCache):
             raise ValueError(
                 "a DeferredPrefillCache is filled by generate(raincheck_config=...) only; "
                 "a direct forward on it would break its logical-slot layout"
             )
         return state.original_forward(*args, **kwargs)
     input_ids = kwargs.get("input_ids", args[0] if args else None)
-    logits = _turn_step(state, past_key_values, turn, input_ids)
-    return CausalLMOutputWithPast(logits=logits, **{hf.CACHE_ARGUMENT: past_key_values})
+    logits = _turn_step(state, cache, turn, input_ids)
+    return CausalLMOutputWithPast(logits=logits, **{hf.CACHE_ARGUMENT: cache})
 
 
 @torch.no_grad()
