@@ -83,6 +83,13 @@ def test_pin_agrees_with_pyproject():
     assert pins == [hf.SUPPORTED_TRANSFORMERS]
 
 
+def test_space_requirements_pin_the_supported_versions():
+    """examples/space/requirements.txt (a Space running the demo) pins transformers as the package does."""
+    with open(os.path.join(ROOT, "examples", "space", "requirements.txt")) as f:
+        pins = [line.strip()[len("transformers"):] for line in f if line.startswith("transformers")]
+    assert pins == [hf.SUPPORTED_TRANSFORMERS]
+
+
 def test_serving_pin_agrees_with_pyproject():
     with open(os.path.join(ROOT, "pyproject.toml")) as f:
         text = f.read()
