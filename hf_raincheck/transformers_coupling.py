@@ -114,10 +114,15 @@ def installed_transformers_version() -> str:
 
 def transformers_version_supported(version: str | None = None) -> bool:
     """Whether `version` (default: the installed transformers) is within `SUPPORTED_TRANSFORMERS`."""
+    return _within(SUPPORTED_TRANSFORMERS, version)
+
+
+def _within(specifier: str, version: str | None) -> bool:
+    """Whether `version` (default: the installed transformers) is within `specifier`, as pip reads it."""
     from packaging.specifiers import SpecifierSet
 
     version = installed_transformers_version() if version is None else version
-    return SpecifierSet(SUPPORTED_TRANSFORMERS).contains(version, prereleases=True)
+    return SpecifierSet(specifier).contains(version, prereleases=True)
 
 
 def _cache_names_changed() -> bool:
@@ -169,10 +174,7 @@ def output_cache(output):
 
 def serving_version_supported(version: str | None = None) -> bool:
     """Whether `version` (default: the installed transformers) is within `SUPPORTED_SERVING_TRANSFORMERS`."""
-    from packaging.specifiers import SpecifierSet
-
-    version = installed_transformers_version() if version is None else version
-    return SpecifierSet(SUPPORTED_SERVING_TRANSFORMERS).contains(version, prereleases=True)
+    return _within(SUPPORTED_SERVING_TRANSFORMERS, version)
 
 
 def check_serving_version(version: str | None = None) -> None:
@@ -264,6 +266,7 @@ def text_decoder_forward(text, embeds, positions, layer_mask, cache, deepstack, 
     """
     hidden = embeds
     position_embeddings = text.rotary_emb(hidden, positions)
+    given = {CACHE_ARGUMENT: cache}  # (item 17)
     for i, layer in enumerate(text.layers[: text.config.num_hidden_layers]):
         hidden = layer(
             hidden,
@@ -272,7 +275,7 @@ def text_decoder_forward(text, embeds, positions, layer_mask, cache, deepstack, 
             position_embeddings=position_embeddings,
             use_cache=True,
             raincheck_backend=backend,
-            **{CACHE_ARGUMENT: cache},
+            **given,
         )
         if deepstack is not None and i < len(deepstack):
             feature = deepstack[i].to(hidden.device, hidden.dtype)
