@@ -1,18 +1,18 @@
-"""A compiled fused step's Gated DeltaNet window, per call: the one-chunk Triton kernel
-(`hf_raincheck.gdn_state.chunk_triton`) against fla-core's chunked function (`kernels.gated_delta` picks between
-them: `kernels.one_chunk_kernel_takes`).
+"""A fused step's Gated DeltaNet window, per call: the one-chunk Triton kernel (`hf_raincheck.gdn_state.chunk_triton`)
+against fla-core's chunked function (`kernels.gated_delta` picks between them and the kernel's launch:
+`kernels.one_chunk_block_columns`).
 
-    python benchmarks/gdn_chunk.py --device cuda --save          # Qwen3.5-9B's GDN heads, B = 1, 8, 16, 63 rows
+    python benchmarks/gdn_chunk.py --device cuda --save          # Qwen3.5-9B's GDN heads, B = 1, 2, 4, 8, 16, 63 rows
     python benchmarks/gdn_chunk.py --quick                       # tiny shapes on the CPU (smoke run)
 
 For each batch size B, a window of `--rows` rows (the default chunk of models with GDN layers, 63) from a state
 ``[B, 32, 128, 128]`` fp32 (Qwen3.5-9B: 16 key / 32 value heads of 128; bf16 rows, fp32 gates):
 
 * ``fla``: fla-core's ``chunk_gated_delta_rule`` (seven kernels), called as `kernels.gated_delta` calls it;
-* ``triton``: `chunk_triton.chunk_gated_delta` (one kernel); ``--triton-configs 16:4,64:8,32:4:4``: also with
-  other launch configurations (V columns per block : warps, and optionally : column blocks per program, which share
-  one inverse: ``32:4:4`` is one program per batch row and value head, where the default's four programs each
-  compute it);
+* ``package`` (CUDA): `kernels.gated_delta("fla", ...)`, what the package runs (``columns``: the kernel's V columns
+  per program, 0 where fla's function runs);
+* ``triton``: `chunk_triton.chunk_gated_delta`'s default launch (32 V columns per program);
+  ``--triton-configs 16:4,64:8``: also with other launch configurations (V columns per program : warps);
 * ``torch`` (``--quick`` only): transformers' torch chunked function, the CPU's path.
 
 Each is captured `--reps` times in one CUDA graph (the 24 GDN layers of a step), replayed `--iters` times after a
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -59,15 +60,15 @@ def window(batch, rows, key_heads, value_heads, dim, device, dtype, seed=0):
 
 
 def path_fn(name: str):
+    if name == "package":
+        return functools.partial(kernels.gated_delta, "fla")
     if name.startswith("triton"):
-        import functools
-
         from hf_raincheck.gdn_state.chunk_triton import chunk_gated_delta
 
         if name == "triton":
             return chunk_gated_delta
-        block_v, warps, *loops = (int(x) for x in name.split(" ")[1].split(":"))
-        return functools.partial(chunk_gated_delta, block_v=block_v, warps=warps, loops=loops[0] if loops else 1)
+        block_v, warps = (int(x) for x in name.split(" ")[1].split(":"))
+        return functools.partial(chunk_gated_delta, block_v=block_v, warps=warps)
     chunk = kernels.functions("fla" if name == "fla" else "torch")[0]
 
     def call(q, k, v, g, beta, state):
@@ -105,14 +106,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU (smoke run)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="default 1 8 16 (--quick: 1 2)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="default 1 2 4 8 16 (--quick: 1 2)")
     parser.add_argument("--rows", type=int, default=hf_raincheck.RaincheckConfig.CHUNK_GDN,
                         help="rows of the window (default: the chunk of models with GDN layers)")
     parser.add_argument("--reps", type=int, default=24, help="calls per captured CUDA graph (a step's GDN layers)")
     parser.add_argument("--iters", type=int, default=50, help="graph replays timed")
     parser.add_argument("--triton-configs", default="",
-                        help="more launch configurations of the kernel, BLOCK_V:warps[:loops] comma-separated (e.g. "
-                             "16:4,64:8,32:4:4; loops: column blocks per program, from one inverse)")
+                        help="more launch configurations of the kernel, BLOCK_V:warps comma-separated (e.g. 16:4,64:8)")
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -124,19 +124,18 @@ def main(argv=None) -> int:
         parser.error("--reps and --iters must be >= 1")
     configs = [c for c in args.triton_configs.split(",") if c]
     for c in configs:
-        if not re.fullmatch(r"\d+:\d+(:\d+)?", c):
-            parser.error(f"--triton-configs: BLOCK_V:warps or BLOCK_V:warps:loops, comma-separated, got {c!r}")
-    sizes = args.batch_sizes or ([1, 2] if args.quick else [1, 8, 16])
+        if not re.fullmatch(r"\d+:\d+", c):
+            parser.error(f"--triton-configs: BLOCK_V:warps pairs comma-separated, got {c!r}")
+    sizes = args.batch_sizes or ([1, 2] if args.quick else [1, 2, 4, 8, 16])
     if min(sizes) < 1:
         parser.error(f"--batch-sizes must be >= 1, got {sizes}")
     device = torch.device("cpu" if args.quick else args.device)
     cuda = device.type == "cuda"
     if cuda:
-        paths = (["fla"] if kernels.fla_available() else []) + ["triton"] + [f"triton {c}" for c in configs]
+        paths = (["fla", "package"] if kernels.fla_available() else []) + ["triton"] + [f"triton {c}" for c in configs]
         shape, dtype = (16, 32, 128), torch.bfloat16
     else:
-        paths = ["torch"] + (["triton"] + [f"triton {c}" for c in configs] if interpreted() and triton_importable()
-                             else [])
+        paths = ["torch"] + (["triton"] if interpreted() and triton_importable() else [])
         shape, dtype = (1, 2, 16), torch.float32
     key_heads, value_heads, dim = shape
     rows = min(args.rows, 8) if args.quick else args.rows
@@ -152,6 +151,10 @@ def main(argv=None) -> int:
             base = base or us
             error = max_error(fn, window(batch, rows, key_heads, value_heads, dim, device, dtype, seed=99))
             records.append(dict(batch_size=batch, rows=rows, path=name, us=us, vs_first=us / base, max_error=error))
+            if name == "package":
+                records[-1]["columns"] = kernels.one_chunk_block_columns(
+                    rows, batch, value_heads, dim, torch.cuda.get_device_properties(device).multi_processor_count)
+                name = f"package ({records[-1]['columns']} columns)"
             print(f"B={batch:<3} {rows} rows  {name:13s} {us:9.1f} us  x{us / base:.3f} of {paths[0]}  "
                   f"max err {error:.2e}", flush=True)
     print("\n| B | rows | path | us per call | / " + paths[0] + " | max err |\n| --- | --- | --- | --- | --- | --- |")

@@ -512,15 +512,13 @@ def test_gdn_join_quick_times_the_torch_join(tmp_path):
 
 def test_gdn_chunk_quick_runs_the_kernel_under_the_interpreter(tmp_path):
     """benchmarks/gdn_chunk.py --quick under Triton's interpreter: the torch chunked path and the one-chunk kernel
-    at B = 1 and 2, also with a launch configuration of two column blocks per program (``16:4:2``), each record's
-    error against the float64 recurrence at fp32 level."""
+    at B = 1 and 2, each record's error against the float64 recurrence at fp32 level."""
     pytest.importorskip("triton")
     out_file = tmp_path / "chunk.json"
-    out = run_script(["benchmarks/gdn_chunk.py", "--quick", "--triton-configs", "16:4:2", "--out", str(out_file)],
-                     tmp_path, TRITON_INTERPRET="1")
+    out = run_script(["benchmarks/gdn_chunk.py", "--quick", "--out", str(out_file)], tmp_path, TRITON_INTERPRET="1")
     records = json.loads(out_file.read_text())["records"]
-    assert [(r["batch_size"], r["path"]) for r in records] == [
-        (b, path) for b in (1, 2) for path in ("torch", "triton", "triton 16:4:2")]
+    assert [(r["batch_size"], r["path"]) for r in records] == [(1, "torch"), (1, "triton"), (2, "torch"),
+                                                                (2, "triton")]
     assert all(r["us"] > 0 and r["max_error"] < 1e-5 for r in records)
     assert f"wrote {out_file}" in out
 
@@ -530,8 +528,7 @@ def test_gdn_chunk_bad_arguments_name_the_option(capsys):
     import gdn_chunk
 
     for argv, option in [(["--rows", "65"], "--rows"), (["--reps", "0"], "--reps"),
-                         (["--batch-sizes", "0"], "--batch-sizes"), (["--triton-configs", "32"], "--triton-configs"),
-                         (["--triton-configs", "32:4:2:1"], "--triton-configs")]:
+                         (["--batch-sizes", "0"], "--batch-sizes"), (["--triton-configs", "32"], "--triton-configs")]:
         with pytest.raises(SystemExit):
             gdn_chunk.main(["--device", "cpu", *argv])
         assert f"error: {option}" in capsys.readouterr().err, argv

@@ -1,6 +1,5 @@
 """The one-chunk Gated DeltaNet kernel (`hf_raincheck.gdn_state.chunk_triton`) against the per-token float64
-reference (`naive.naive_gated_delta`) and, on a GPU with fla-core, against fla's chunked function it replaces at
-batch 1.
+reference (`naive.naive_gated_delta`) and, on a GPU with fla-core, against fla's chunked function it replaces.
 
 GPU tests (CI deselects them); they also run on the CPU under Triton's interpreter:
 ``TRITON_INTERPRET=1 python -m pytest -m triton tests/test_gdn_chunk_triton.py``.
@@ -62,25 +61,22 @@ def test_one_chunk_equals_the_per_token_reference(device, shape):
     torch.testing.assert_close(final.cpu().double(), want_state, **FP32_TOL)
 
 
-@pytest.mark.parametrize("shape, block_v, loops", [((2, 63, 2, 4, 32, 64), 16, 4), ((1, 40, 1, 2, 16, 80), 16, 2),
-                                                     ((2, 7, 2, 2, 32, 48), 16, 8)])
-def test_column_blocks_looped_in_one_program(device, shape, block_v, loops):
-    """`loops` column blocks per program, one after another from one inverse: the outputs and final state of a
-    program per block (each computing the inverse) and the float64 recurrence's; a V that the blocks do not divide
-    (80 = 5 x 16 columns in programs of 2 blocks: the last program's second block past V), more loops than blocks
-    (8 of 3)."""
-    from hf_raincheck.gdn_state.chunk_triton import chunk_gated_delta
+@pytest.mark.parametrize("shape", [(2, 63, 2, 4, 32, 128), (3, 20, 1, 2, 16, 64), (2, 9, 1, 1, 16, 96)])
+def test_wide_column_blocks_equal_the_reference(device, shape):
+    """The batches' launch (`chunk_triton.WIDE_BLOCK_V`, 64 V columns per program): outputs and final state within
+    `FP32_TOL` of the float64 recurrence and close to the default launch's (the same products on other column
+    blocks); two blocks of V = 128, one block of V = 64, a V of one and a half blocks (96)."""
+    from hf_raincheck.gdn_state.chunk_triton import WIDE_BLOCK_V, chunk_gated_delta
 
-    q, k, v, g, beta, state = _rows(*shape, seed=sum(shape) + loops)
+    q, k, v, g, beta, state = _rows(*shape, seed=sum(shape) + 1)
     inputs = [x.to(device) for x in (q, k, v, g, beta, state)]
-    out, final = chunk_gated_delta(*inputs, block_v=block_v, loops=loops)
-    one_out, one_final = chunk_gated_delta(*inputs, block_v=block_v)
-    same = dict(atol=2e-5, rtol=1e-4)  # the same products on the same values (fp32 rounding apart)
-    torch.testing.assert_close(out, one_out, **same)
-    torch.testing.assert_close(final, one_final, **same)
+    out, final = chunk_gated_delta(*inputs, block_v=WIDE_BLOCK_V)
     want_out, want_state = naive_gated_delta(q, k, v, g, beta, state)
     torch.testing.assert_close(out.cpu().double(), want_out, **FP32_TOL)
     torch.testing.assert_close(final.cpu().double(), want_state, **FP32_TOL)
+    narrow_out, narrow_final = chunk_gated_delta(*inputs)
+    torch.testing.assert_close(out, narrow_out, **FP32_TOL)
+    torch.testing.assert_close(final, narrow_final, **FP32_TOL)
 
 
 @pytest.mark.parametrize("beta, spread, gate", [(0.99, 0.0, 0.0), (0.9, 0.3, -0.01)])
@@ -248,9 +244,6 @@ def test_bad_inputs_name_what_is_allowed(device):
         chunk_gated_delta(q, k, v, g, beta, state, block_v=24)
     with pytest.raises(ValueError, match="warps"):
         chunk_gated_delta(q, k, v, g, beta, state, warps=3)
-    for loops in (0, 1.5, True):
-        with pytest.raises(ValueError, match="loops must be an int >= 1"):
-            chunk_gated_delta(q, k, v, g, beta, state, loops=loops)
 
 
 def test_equals_fla_chunked_function_at_the_9b_heads():
@@ -275,10 +268,11 @@ def test_equals_fla_chunked_function_at_the_9b_heads():
     assert ours[0] <= max(theirs[0], 1e-2) and ours[1] <= max(theirs[1], 1e-4), (ours, theirs)
 
 
-def test_fla_backend_routes_one_wave_to_the_kernel():
-    """On a GPU with fla-core: `kernels.gated_delta("fla", ...)` (what compiled fused steps call through the custom
-    op) runs the one-chunk kernel for a window at batch 1 (the kernel's outputs, bit for bit) and fla's chunked
-    function for a batch past one wave of the SMs."""
+def test_fla_backend_routes_windows_to_the_kernel():
+    """On a GPU with fla-core: `kernels.gated_delta("fla", ...)` (what fused steps call) runs the one-chunk kernel
+    for a window, with 32 V columns per program where they fit one wave of the SMs (batch 1) and 64 past it (a
+    batch): the kernel's outputs bit for bit; a V that 64 columns do not divide, past one wave, stays with fla's
+    chunked function."""
     from hf_raincheck.gdn_state import kernels
 
     if not (torch.cuda.is_available() and kernels.fla_available()):
@@ -287,14 +281,16 @@ def test_fla_backend_routes_one_wave_to_the_kernel():
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     heads = max(1, sms // 4)  # 4 blocks of 32 V columns per head: one wave at B = 1
-    rows = [x.cuda() for x in _rows(1, 63, 1, heads, 128, 128, seed=4, dtype=torch.bfloat16)]
-    out, final = kernels.gated_delta("fla", *rows)
-    want_out, want_final = chunk_gated_delta(*rows)
-    assert torch.equal(out, want_out) and torch.equal(final, want_final)
-    wide = [x.cuda() for x in _rows(2, 63, 1, heads, 128, 128, seed=4, dtype=torch.bfloat16)]
-    assert not kernels.one_chunk_kernel_takes(63, 2, heads, 128, sms)
-    fla_out, fla_final = kernels.functions("fla")[0](*wide[:3], g=wide[3], beta=wide[4], initial_state=wide[5],
-                                                     output_final_state=True, use_qk_l2norm_in_kernel=True)
-    out, final = kernels.gated_delta("fla", *wide)
+    for batch, columns in ((1, 32), (2, 64), (8, 64)):
+        assert kernels.one_chunk_block_columns(63, batch, heads, 128, sms) == columns
+        rows = [x.cuda() for x in _rows(batch, 63, 1, heads, 128, 128, seed=4, dtype=torch.bfloat16)]
+        out, final = kernels.gated_delta("fla", *rows)
+        want_out, want_final = chunk_gated_delta(*rows, block_v=columns)
+        assert torch.equal(out, want_out) and torch.equal(final, want_final), batch
+    ragged = [x.cuda() for x in _rows(8, 63, 1, heads, 128, 96, seed=4, dtype=torch.bfloat16)]
+    assert kernels.one_chunk_block_columns(63, 8, heads, 96, sms) == 0
+    fla_out, fla_final = kernels.functions("fla")[0](*ragged[:3], g=ragged[3], beta=ragged[4],
+                                                     initial_state=ragged[5], output_final_state=True,
+                                                     use_qk_l2norm_in_kernel=True)
+    out, final = kernels.gated_delta("fla", *ragged)
     assert torch.equal(out, fla_out) and torch.equal(final, fla_final.float())
-

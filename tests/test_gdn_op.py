@@ -204,16 +204,17 @@ def test_compiled_steps_hold_the_op_not_the_traced_kernels(hybrid):
     assert kernel_ops == [[] for _ in graphs]
 
 
-def test_one_chunk_kernel_takes_one_wave_of_a_chunk():
-    """fla backend, rows from a state: the one-chunk Triton kernel takes 2-64 rows whose programs (batch row x value
-    head x 32 V columns) fit the GPU's SMs; one row (the recurrent kernel's), longer windows and batches past one wave
-    stay with fla."""
+def test_one_chunk_kernel_takes_every_window():
+    """fla backend, rows from a state: the one-chunk Triton kernel takes 2-64 rows at every batch size, with 32 V
+    columns per program where its programs (batch row x value head x column block) fit the GPU's SMs and 64 past
+    that; one row (the recurrent kernel's), longer windows and V that the blocks do not divide stay with fla (0)."""
     pytest.importorskip("triton")  # the kernel's module (its tiling constants)
-    takes = kernels.one_chunk_kernel_takes
-    assert takes(63, 1, 32, 128, 132)  # Qwen3.5-9B's heads at batch 1 on an H200: 128 programs
-    assert takes(2, 1, 32, 128, 132) and takes(64, 1, 32, 128, 132)
-    assert not takes(1, 1, 32, 128, 132) and not takes(65, 1, 32, 128, 132)
-    assert not takes(63, 2, 32, 128, 132)  # 256 programs: two waves
-    assert not takes(63, 1, 32, 128, 100)  # a smaller GPU
-    assert takes(5, 4, 4, 16, 132)  # the tests' tiny Qwen3.5: 16 programs at B = 4
-    assert not takes(5, 1, 2, 48, 132)  # ragged column blocks (V = 48) stay with fla
+    columns = kernels.one_chunk_block_columns
+    assert columns(63, 1, 32, 128, 132) == 32  # Qwen3.5-9B's heads at batch 1 on an H200: 128 programs
+    assert columns(2, 1, 32, 128, 132) == 32 and columns(64, 1, 32, 128, 132) == 32
+    assert columns(1, 1, 32, 128, 132) == 0 and columns(65, 1, 32, 128, 132) == 0
+    assert columns(63, 2, 32, 128, 132) == 64 and columns(63, 16, 32, 128, 132) == 64  # past one wave
+    assert columns(63, 1, 32, 128, 100) == 64  # a smaller GPU
+    assert columns(5, 4, 4, 16, 132) == 16  # the tests' tiny Qwen3.5: one block of V = 16
+    assert columns(5, 1, 2, 48, 132) == 0  # ragged column blocks (V = 48) stay with fla
+    assert columns(63, 1, 32, 96, 132) == 32 and columns(63, 2, 32, 96, 132) == 0  # 3 x 32; 64 does not divide 96

@@ -42,7 +42,7 @@ JOIN_128 = dict(ROWS=128, BLOCK_V=32, BLOCK_K=32, PRECISION="tf32x3")
 CHUNK_ARGS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*bf16",
               "h0_ptr": "*fp32", "o_ptr": "*bf16", "ht_ptr": "*fp32", "scale": "fp32"}
 #: a Qwen3.5-9B fused step's GDN window (K = 128; `chunk_triton.chunk_gated_delta`'s defaults)
-CHUNK_128 = dict(KEY_DIM=128, BT=64, BLOCK_V=32, LEVELS=6, EPS=1e-6, LOOPS=1)
+CHUNK_128 = dict(KEY_DIM=128, BT=64, BLOCK_V=32, LEVELS=6, EPS=1e-6)
 DIVPRUNE_ARGS = {"sim_ptr": "*fp32", "nearest_ptr": "*fp32", "order_ptr": "*i64"}
 #: MMTok at 4096 tokens (`coverage_plan`: 64 programs of 64 columns, 8 warps; 24 question rows -> 32)
 MMTOK_4096 = dict(SPLITS=64, SPLITS_P2=64, BLOCK_C=64, BLOCK_M=32, BLOCK_N=4096, TILE_R=64, SPIN=1 << 22,
@@ -115,8 +115,9 @@ def kernels():
         "split-keys-combine": (split_keys_triton._combine_kernel, SPLIT_KEYS_ARGS, dict(HEAD_DIM=128, SPLITS=16), 4),
         "gdn-join-128": (join_triton._join_prefix_kernel, JOIN_ARGS, JOIN_128, 8),
         "gdn-chunk-128": (chunk_triton._chunk_kernel, CHUNK_ARGS, CHUNK_128, chunk_triton.WARPS),
-        # the same with the four column blocks of V = 128 in one program (one inverse per batch row and value head)
-        "gdn-chunk-128-loops": (chunk_triton._chunk_kernel, CHUNK_ARGS, dict(CHUNK_128, LOOPS=4), chunk_triton.WARPS),
+        # the batches' launch: 64 V columns per program (`chunk_triton.WIDE_BLOCK_V`)
+        "gdn-chunk-128-wide": (chunk_triton._chunk_kernel, CHUNK_ARGS,
+                               dict(CHUNK_128, BLOCK_V=chunk_triton.WIDE_BLOCK_V), chunk_triton.WARPS),
     }
     for kind in ("lse", "received"):
         block_m, block_n, warps, stages = attention_triton.CONFIGS[(kind, "16bit")]
@@ -138,7 +139,7 @@ def compile_case(case: str, tmp_path) -> str:
                                   "mmtok-lists", "mmtok-prepare",
                                   "divprune-4096", "grouped-softmax-4352",
                                   "grouped-softmax-long", "split-keys-128", "split-keys-combine", "gdn-join-128", "gdn-chunk-128",
-                                  "gdn-chunk-128-loops",
+                                  "gdn-chunk-128-wide",
                                   "attention-lse",
                                   "attention-received"])
 def test_kernel_compiles_for_hopper(case, tmp_path):

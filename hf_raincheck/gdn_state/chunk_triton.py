@@ -23,21 +23,19 @@ the report); full-fp32 ``"ieee"`` products (FMA loops) took ptxas 114 s at K = 3
 for sm_90a, so the products are TF32 only (Triton's interpreter computes them in fp32: the tests check the algorithm
 there at fp32 accuracy). Rows past the chunk's end (padding) read as ``g = beta = 0``, k = q = 0: the identity.
 
-A program computes the inverse once and applies it to ``LOOPS`` blocks of ``BLOCK_V`` columns, one after
-another (`chunk_gated_delta`'s ``loops``; 1 by default: a program per block, each computing the inverse, which fills
-the GPU at batch 1). More column blocks per program is a launch option for batches, where the default's programs
-each recompute the same inverse; ``benchmarks/gdn_chunk.py --triton-configs 32:4:4`` times it against fla.
-
-`kernels.gated_delta` calls it in place of fla's chunked function for 2-64 rows from a state when its programs fit
-one wave of the GPU (`kernels.one_chunk_kernel_takes`): a compiled fused step's window at batch 1. With ``CARRY = K``
-(`chunk_gated_delta_with_transition`) the state is ``[S | I]`` and the values ``[v | 0]`` without either being built
-(the identity's programs read no values and store no outputs): a Raincheck first prefill's tail after the boundary,
-the live state and P_tail in one launch (`kernels.tail_kernel_takes`), replayed with fla's call for the rows
-before the boundary from one CUDA graph (`graphed.graphed_split`; host times by path: `benchmarks/gdn_prefill_host.py`).
-For the compiled fused step's window, at
-Qwen3.5-9B's heads on an H200 (``benchmarks/gdn_chunk.py``, 24 calls in a CUDA graph), 15.8 us per call against
-fla's 37.1; from B = 4 on (several waves) fla's seven kernels were faster (B = 4 / 8 / 16: 53 / 78 / 128 us against
-58 / 116 / 228), so batches keep fla. Three products fewer than the plain WY form (20.7 us per call there): the
+`kernels.gated_delta` calls it in place of fla's chunked function for 2-64 rows from a state (a compiled or eager
+fused step's window, at every batch size), with `kernels.one_chunk_block_columns` columns per program. With
+``CARRY = K`` (`chunk_gated_delta_with_transition`) the state is ``[S | I]`` and the values ``[v | 0]`` without
+either being built (the identity's programs read no values and store no outputs): a Raincheck first prefill's tail
+after the boundary, the live state and P_tail in one launch (`kernels.tail_kernel_takes`), replayed with fla's call
+for the rows before the boundary from one CUDA graph (`graphed.graphed_split`; host times by path:
+`benchmarks/gdn_prefill_host.py`). For the fused step's window at Qwen3.5-9B's heads on an H200
+(``benchmarks/gdn_chunk.py``, 24 calls in a CUDA graph, us per call, fla's chunked function in brackets): B = 1
+15.7 (37.4) with 32 columns per program (128 programs: one wave), 18.2 with 64; from B = 2 on 64 columns (half the
+programs, each computing the rows' inverse once for twice the columns): B = 2 / 4 / 8 / 16 18.8 / 27.7 / 53.5 /
+104.7 (47.0 / 60.5 / 94.4 / 163.6), where 32 columns took 29.7 / 57.6 / 114.8 / 227.0 and 128 columns 31.7 / 36.3 /
+71.0 / 140.4. Looping a program over several column blocks from one inverse was slower than 64 columns at every B
+(CHANGELOG). Three products fewer than the plain WY form (20.7 us per call there): the
 inverse's first doubling level is closed-form, and U applies R to the program's ``[T, BLOCK_V]`` columns once, where
 fla's WY form applies it to ``[T, K]`` first (``W = R (beta exp(c) k)``, then ``U = R (beta v) - W S_0``).
 
@@ -60,6 +58,9 @@ CHUNK = 64
 #: with 8 warps, 18.3 with 64 columns and 26.4 with 16 (fla's chunked function: 37.1)
 BLOCK_V = 32
 WARPS = 4
+#: V columns per program where `BLOCK_V`'s programs fill more than one wave of the GPU (batches; see the module's
+#: docstring for the measurements)
+WIDE_BLOCK_V = 64
 _EPS = 1e-6  # the l2 norm's, as fla's and transformers' (``x / sqrt(sum(x^2) + eps)``)
 
 
@@ -68,7 +69,7 @@ def _chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_ptr, ht_ptr,
                   rows, key_heads, value_heads, value_dim, scale,
                   h0_b, h0_h, h0_k, h0_v, ht_b, ht_h, ht_k, ht_v,
                   KEY_DIM: tl.constexpr, BT: tl.constexpr, BLOCK_V: tl.constexpr, LEVELS: tl.constexpr,
-                  EPS: tl.constexpr, CARRY: tl.constexpr, LOOPS: tl.constexpr):
+                  EPS: tl.constexpr, CARRY: tl.constexpr):
     bh = tl.program_id(1).to(tl.int64)
     b = bh // value_heads
     h = bh % value_heads
@@ -76,6 +77,9 @@ def _chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_ptr, ht_ptr,
     t = tl.arange(0, BT)
     in_t = t < rows
     kd = tl.arange(0, KEY_DIM)
+    cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
+    in_v = cols < value_dim
+    in_c = cols < value_dim + CARRY  # the state's columns: S's V, then (CARRY = K) those of the transition map
 
     qk_at = ((b * rows + t[:, None]) * key_heads + hk) * KEY_DIM + kd[None, :]
     q = tl.load(q_ptr + qk_at, mask=in_t[:, None], other=0.0).to(tl.float32)
@@ -101,37 +105,29 @@ def _chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_ptr, ht_ptr,
         pair = (t[:, None] // (2 * size) == t[None, :] // (2 * size)) & (t[:, None] // size > t[None, :] // size)
         r = r - tl.dot(tl.dot(r, tl.where(pair, lower, 0.0), input_precision="tf32"), r,
                        input_precision="tf32")
+
     grow = tl.exp(c)
+    v_at = ((b * rows + t[:, None]) * value_heads + h) * value_dim + cols[None, :]
+    tv_mask = in_t[:, None] & in_v[None, :]
+    v = tl.load(v_ptr + v_at, mask=tv_mask, other=0.0).to(tl.float32)  # (the map's columns: v = 0)
+    s0 = tl.load(h0_ptr + b * h0_b + h * h0_h + kd[:, None] * h0_k + cols[None, :] * h0_v, mask=in_v[None, :],
+                 other=0.0)
+    if CARRY:  # the map's columns start from the identity
+        s0 += tl.where(kd[:, None] == (cols - value_dim)[None, :], 1.0, 0.0)
+    # U = R (beta v - beta exp(c) k S_0): R applied once, to [BT, BLOCK_V] (not to [BT, K] first, fla's W)
+    u = tl.dot(r, beta[:, None] * (v - grow[:, None] * tl.dot(k, s0, input_precision="tf32")), input_precision="tf32")
 
-    # the program's LOOPS blocks of BLOCK_V columns, one after another, from the one R (and row factors) above;
-    # ``a`` (q k^T with the decays) is formed per block, where the single-block launch forms it after U: held across
-    # the loop it would be live next to R, and every launch already spills (tests/test_triton_compile.py)
-    for block in tl.static_range(LOOPS):
-        cols = (tl.program_id(0) * LOOPS + block) * BLOCK_V + tl.arange(0, BLOCK_V)
-        in_v = cols < value_dim
-        in_c = cols < value_dim + CARRY  # the state's columns: S's V, then (CARRY = K) those of the transition map
-        v_at = ((b * rows + t[:, None]) * value_heads + h) * value_dim + cols[None, :]
-        tv_mask = in_t[:, None] & in_v[None, :]
-        v = tl.load(v_ptr + v_at, mask=tv_mask, other=0.0).to(tl.float32)  # (the map's columns: v = 0)
-        s0 = tl.load(h0_ptr + b * h0_b + h * h0_h + kd[:, None] * h0_k + cols[None, :] * h0_v, mask=in_v[None, :],
-                     other=0.0)
-        if CARRY:  # the map's columns start from the identity
-            s0 += tl.where(kd[:, None] == (cols - value_dim)[None, :], 1.0, 0.0)
-        # U = R (beta v - beta exp(c) k S_0): R applied once, to [BT, BLOCK_V] (not to [BT, K] first, fla's W)
-        u = tl.dot(r, beta[:, None] * (v - grow[:, None] * tl.dot(k, s0, input_precision="tf32")),
-                   input_precision="tf32")
+    a = tl.where(lower_eq, tl.dot(q, tl.trans(k), input_precision="tf32") * decay, 0.0)
+    o = grow[:, None] * tl.dot(q, s0, input_precision="tf32") + tl.dot(a, u, input_precision="tf32")
+    tl.store(o_ptr + v_at, o.to(o_ptr.dtype.element_ty), mask=tv_mask)
 
-        a = tl.where(lower_eq, tl.dot(q, tl.trans(k), input_precision="tf32") * decay, 0.0)
-        o = grow[:, None] * tl.dot(q, s0, input_precision="tf32") + tl.dot(a, u, input_precision="tf32")
-        tl.store(o_ptr + v_at, o.to(o_ptr.dtype.element_ty), mask=tv_mask)
-
-        last = tl.sum(tl.where(t == BT - 1, c, 0.0), 0)  # padding rows add nothing to c: c at the last real row
-        k_end = k * tl.exp(last - c)[:, None]
-        s = tl.exp(last) * s0 + tl.dot(tl.trans(k_end), u, input_precision="tf32")
-        tl.store(ht_ptr + b * ht_b + h * ht_h + kd[:, None] * ht_k + cols[None, :] * ht_v, s, mask=in_c[None, :])
+    last = tl.sum(tl.where(t == BT - 1, c, 0.0), 0)  # padding rows add nothing to c: c at the last real row
+    k_end = k * tl.exp(last - c)[:, None]
+    s = tl.exp(last) * s0 + tl.dot(tl.trans(k_end), u, input_precision="tf32")
+    tl.store(ht_ptr + b * ht_b + h * ht_h + kd[:, None] * ht_k + cols[None, :] * ht_v, s, mask=in_c[None, :])
 
 
-def _check(q, k, v, g, beta, state, block_v: int, warps: int, loops: int = 1) -> None:
+def _check(q, k, v, g, beta, state, block_v: int, warps: int) -> None:
     """The shapes, dtypes and launch options `chunk_gated_delta` takes."""
     batch, rows, key_heads, key_dim = k.shape
     value_heads, value_dim = v.shape[2], v.shape[3]
@@ -152,8 +148,6 @@ def _check(q, k, v, g, beta, state, block_v: int, warps: int, loops: int = 1) ->
         raise ValueError(f"block_v must be 0 (the default) or a power of two >= 16, got {block_v}")
     if warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"warps must be one of 1, 2, 4, 8, 16, got {warps}")
-    if isinstance(loops, bool) or not isinstance(loops, int) or loops < 1:
-        raise ValueError(f"loops must be an int >= 1 (column blocks per program), got {loops!r}")
 
 
 def block_columns(value_dim: int, block_v: int = 0) -> int:
@@ -162,34 +156,32 @@ def block_columns(value_dim: int, block_v: int = 0) -> int:
     return min(block_v or BLOCK_V, max(16, 1 << (value_dim - 1).bit_length()))
 
 
-def _launch(q, k, v, g, beta, h0, out, ht, block_v: int, warps: int, carry: int = 0, loops: int = 1) -> None:
-    """`_chunk_kernel` over (groups of `loops` column blocks, B x H_v) from state `h0` into `ht` (`carry` > 0:
-    ``[h0 | I]`` into `ht` ``[B, H_v, K, V + carry]``)."""
+def _launch(q, k, v, g, beta, h0, out, ht, block_v: int, warps: int, carry: int = 0) -> None:
+    """`_chunk_kernel` over (column blocks, B x H_v) from state `h0` into `ht` (`carry` > 0: ``[h0 | I]`` into
+    `ht` ``[B, H_v, K, V + carry]``)."""
     batch, rows, key_heads, key_dim = k.shape
     value_heads, value_dim = v.shape[2], v.shape[3]
     block_v = block_columns(value_dim, block_v)
-    loops = min(loops, triton.cdiv(value_dim + carry, block_v))  # (no program of column blocks past the state's)
-    grid = (triton.cdiv(value_dim + carry, block_v * loops), batch * value_heads)
+    grid = (triton.cdiv(value_dim + carry, block_v), batch * value_heads)
     _chunk_kernel[grid](q, k, v, g, beta, h0, out, ht, rows, key_heads, value_heads, value_dim, key_dim ** -0.5,
                         *h0.stride(), *ht.stride(), KEY_DIM=key_dim, BT=CHUNK, BLOCK_V=block_v,
-                        LEVELS=CHUNK.bit_length() - 1, EPS=_EPS, CARRY=carry, LOOPS=loops, num_warps=warps)
+                        LEVELS=CHUNK.bit_length() - 1, EPS=_EPS, CARRY=carry, num_warps=warps)
 
 
 def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                      state: torch.Tensor, block_v: int = 0, warps: int = WARPS, loops: int = 1,
+                      state: torch.Tensor, block_v: int = 0, warps: int = WARPS,
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``q, k [B, T, H_k, K]``, ``v [B, T, H_v, V]``, ``g`` (log decay, fp32), ``beta`` ``[B, T, H_v]`` from
     `state` ``[B, H_v, K, V]`` fp32 (q and k l2-normalised in the kernel, q scaled by ``K^-1/2``, as fla's
     ``use_qk_l2norm_in_kernel=True``), ``T <= CHUNK``. Returns ``(o [B, T, H_v, V]`` in v's dtype, the final state
-    ``[B, H_v, K, V]`` fp32). `block_v`: V columns per block (0: `BLOCK_V`); `warps` per program; `loops`: column
-    blocks per program, one after another from the one inverse (1: a program per block, each computing it)."""
-    _check(q, k, v, g, beta, state, block_v, warps, loops)
+    ``[B, H_v, K, V]`` fp32). `block_v`: V columns per program (0: `BLOCK_V`); `warps` per program."""
+    _check(q, k, v, g, beta, state, block_v, warps)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     out = torch.empty_like(v)
     final = torch.empty(state.shape, dtype=torch.float32, device=v.device)
     if not out.numel():
         return out, final.copy_(state)
-    _launch(q, k, v, g, beta, state, out, final, block_v, warps, loops=loops)
+    _launch(q, k, v, g, beta, state, out, final, block_v, warps)
     return out, final
 
 

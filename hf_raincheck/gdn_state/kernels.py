@@ -159,27 +159,31 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def one_chunk_kernel_takes(rows: int, batch: int, value_heads: int, value_dim: int, sm_count: int) -> bool:
-    """fla backend, `rows` from a state: whether `chunk_triton.chunk_gated_delta` takes the call instead of fla's
-    chunked function. It does for 2 to `chunk_triton.CHUNK` rows when its programs (one per batch row, value head
-    and block of V columns) fill at most one wave of the GPU's `sm_count` SMs: a compiled fused step's window at
-    batch 1 (Qwen3.5-9B, 63 rows: 128 programs on an H200's 132 SMs took 15.8 us per call against fla's 37.1). With
-    more programs each SM runs several in turn, and fla's seven kernels, which spread a chunk's work over more
-    programs, were faster (B = 4: 58 against 53 us, B = 8: 116 against 78; benchmarks page, "The one-chunk GDN
-    kernel"). Only for a V that its column blocks divide (every Qwen3.5 has V = 128): the kernel's first GPU test
-    run hit a CUDA illegal memory access at V = 48 (with 8 warps; not explained), so ragged column blocks stay with
-    fla."""
-    from .chunk_triton import CHUNK, block_columns
+def one_chunk_block_columns(rows: int, batch: int, value_heads: int, value_dim: int, sm_count: int) -> int:
+    """fla backend, `rows` from a state: the V columns per program with which `chunk_triton.chunk_gated_delta` takes
+    the call instead of fla's chunked function, or 0 where fla's function takes it. The kernel takes 2 to
+    `chunk_triton.CHUNK` rows at every batch size: `chunk_triton.BLOCK_V` (32) columns per program where its
+    programs (one per batch row, value head and block of columns) fit one wave of the GPU's `sm_count` SMs (a fused
+    step's window at batch 1 at Qwen3.5-9B's heads: 128 programs on an H200's 132 SMs), `chunk_triton.WIDE_BLOCK_V`
+    (64) past one wave (batches: half the programs, each computing the rows' inverse once for twice the columns).
+    On the H200, 63 rows: 15.7 us per call at B = 1, 18.8 / 27.7 / 53.5 / 104.7 at B = 2 / 4 / 8 / 16, against fla's
+    37.4 / 47.0 / 60.5 / 94.4 / 163.6 (`chunk_triton`'s docstring). Only for a V that its column blocks divide (every
+    Qwen3.5 has V = 128): the kernel's first GPU test run hit a CUDA illegal memory access at V = 48 (with 8 warps;
+    not explained), so ragged column blocks stay with fla."""
+    from .chunk_triton import BLOCK_V, CHUNK, WIDE_BLOCK_V, block_columns
 
-    block = block_columns(value_dim)
-    return (2 <= rows <= CHUNK and value_dim % block == 0
-            and batch * value_heads * (value_dim // block) <= sm_count)
+    if not 2 <= rows <= CHUNK:
+        return 0
+    block = block_columns(value_dim, BLOCK_V)
+    if batch * value_heads * -(-value_dim // block) > sm_count:
+        block = block_columns(value_dim, WIDE_BLOCK_V)
+    return block if value_dim % block == 0 else 0
 
 
-def _one_chunk_kernel_fits(q, v, state) -> bool:
+def _one_chunk_columns(q, v, state) -> int:
     if _chunk_kernel is None or state is None or state.dtype != torch.float32 or q.device.type != "cuda":
-        return False
-    return one_chunk_kernel_takes(q.shape[1], v.shape[0], v.shape[2], v.shape[3], _sm_count(q.device))
+        return 0
+    return one_chunk_block_columns(q.shape[1], v.shape[0], v.shape[2], v.shape[3], _sm_count(q.device))
 
 
 def tail_kernel_takes(backend: str, rows: int, key_dim: int, value_dim: int, device: torch.device) -> bool:
@@ -221,8 +225,8 @@ def gated_delta(backend: str, q, k, v, g, beta, state, recurrent_rows: int | Non
 
     Single rows with a state use the recurrent kernel, everything else the chunked one, as transformers does (fla:
     up to `recurrent_rows` rows from a state take the recurrent one, default `FLA_RECURRENT_MAX_ROWS`; one chunk of
-    rows from a state that `one_chunk_kernel_takes` accepts runs `chunk_triton`'s single kernel instead of fla's
-    chunked function: a compiled fused step's window at batch 1). fla's recurrent kernel is launched here
+    rows from a state runs `chunk_triton`'s single kernel instead of fla's chunked function, with
+    `one_chunk_block_columns` columns per program: a fused step's window). fla's recurrent kernel is launched here
     (`_launch_recurrent`, into a new final state) where the state is a contiguous float32 buffer: its public
     function's host work (autograd function, input checks) is what eager steps, host-bound on a GPU, pay per GDN
     layer and call. `graphed` (eager forwards): fla's chunked function through a CUDA graph of its bucket of rows
@@ -232,8 +236,9 @@ def gated_delta(backend: str, q, k, v, g, beta, state, recurrent_rows: int | Non
     chunk, recurrent = functions(backend)
     most = (FLA_RECURRENT_MAX_ROWS if recurrent_rows is None else recurrent_rows) if backend == "fla" else 1
     fn = recurrent if (state is not None and q.shape[1] <= most) else chunk
-    if fn is chunk and backend == "fla" and _one_chunk_kernel_fits(q, v, state):
-        return _chunk_kernel.chunk_gated_delta(q, k, v, g, beta, state)
+    columns = _one_chunk_columns(q, v, state) if fn is chunk and backend == "fla" else 0
+    if columns:
+        return _chunk_kernel.chunk_gated_delta(q, k, v, g, beta, state, block_v=columns)
     if fn is chunk and backend == "fla" and graphed and _graphed.takes(q.shape[1], q.shape[0], q.device):
         return _graphed.graphed_chunk(chunk, q, k, v, g, beta, state)
     if fn is recurrent and backend == "fla" and _kernel_state(state):
