@@ -159,6 +159,7 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=256)  # (called per GDN layer and forward: the answer of a few ints, kept)
 def one_chunk_block_columns(rows: int, batch: int, value_heads: int, value_dim: int, sm_count: int) -> int:
     """fla backend, `rows` from a state: the V columns per program with which `chunk_triton.chunk_gated_delta` takes
     the call instead of fla's chunked function, or 0 where fla's function takes it. The kernel takes 2 to
