@@ -15,6 +15,13 @@ For each batch size B, a window of `--rows` rows (the default chunk of models wi
   ``--triton-configs 16:4,64:8``: also with other launch configurations (V columns per program : warps);
 * ``torch`` (``--quick`` only): transformers' torch chunked function, the CPU's path.
 
+``--tail``: a Raincheck first prefill's tail after the boundary instead (``[state | I]``, the state and the
+transition product in one launch): ``tail`` = `kernels.gated_delta_with_transition` (the package's launch:
+`kernels.tail_block_columns` columns per program) and, with ``--triton-configs``, ``tail 32:4`` etc. (columns of
+``[state | I]`` per program : warps; the warps other than 4 are not used by the package).
+
+    python benchmarks/gdn_chunk.py --device cuda --tail --rows 30 --batch-sizes 1 2 --triton-configs 32:4,64:4
+
 Each is captured `--reps` times in one CUDA graph (the 24 GDN layers of a step), replayed `--iters` times after a
 warm-up; ``us`` = GPU time per call (CUDA events). ``max err``: the largest difference of the outputs and of the
 final state from the float64 recurrence (`naive.naive_gated_delta`, on batch row 0). On the CPU (``--quick``): the
@@ -42,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hf_raincheck  # noqa: E402
 from graph_timing import graph_us_per_call  # noqa: E402
 from hf_raincheck.gdn_state import kernels  # noqa: E402
-from hf_raincheck.gdn_state.naive import naive_gated_delta  # noqa: E402
+from hf_raincheck.gdn_state.naive import naive_gated_delta, naive_transition  # noqa: E402
 from hf_raincheck.triton_support import interpreted, triton_importable  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gdn_chunk.json")
@@ -60,6 +67,12 @@ def window(batch, rows, key_heads, value_heads, dim, device, dtype, seed=0):
 
 
 def path_fn(name: str):
+    if name.startswith("tail"):
+        from hf_raincheck.gdn_state.chunk_triton import chunk_gated_delta_with_transition
+
+        if name == "tail":
+            return kernels.gated_delta_with_transition
+        return functools.partial(chunk_gated_delta_with_transition, block_v=int(name.split(" ")[1].split(":")[0]))
     if name == "package":
         return functools.partial(kernels.gated_delta, "fla")
     if name.startswith("triton"):
@@ -80,11 +93,18 @@ def path_fn(name: str):
 
 
 def max_error(fn, inputs) -> float:
+    """The largest difference from the float64 recurrence on batch row 0: outputs, final state, and (a tail's
+    ``[state | P]``) the transition product."""
     out, final = fn(*inputs)
     one = [x[:1].cpu() for x in inputs]
     want_out, want_state = naive_gated_delta(*one)
-    return max((out[:1].cpu().double() - want_out).abs().max().item(),
-               (final[:1].cpu().double() - want_state).abs().max().item())
+    value_dim = want_state.shape[-1]
+    errors = [(out[:1].cpu().double() - want_out).abs().max().item(),
+              (final[:1, ..., :value_dim].cpu().double() - want_state).abs().max().item()]
+    if final.shape[-1] > value_dim:
+        want_p = naive_transition(one[1], one[3], one[4], one[2].shape[2])
+        errors.append((final[:1, ..., value_dim:].cpu().double() - want_p).abs().max().item())
+    return max(errors)
 
 
 def time_gpu(fn, layers, iters) -> float:
@@ -113,6 +133,8 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=50, help="graph replays timed")
     parser.add_argument("--triton-configs", default="",
                         help="more launch configurations of the kernel, BLOCK_V:warps comma-separated (e.g. 16:4,64:8)")
+    parser.add_argument("--tail", action="store_true",
+                        help="time a first prefill's tail from [state | I] (chunk_gated_delta_with_transition)")
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -126,17 +148,22 @@ def main(argv=None) -> int:
     for c in configs:
         if not re.fullmatch(r"\d+:\d+", c):
             parser.error(f"--triton-configs: BLOCK_V:warps pairs comma-separated, got {c!r}")
+        if args.tail and not c.endswith(":4"):
+            parser.error(f"--triton-configs: the tail's launch runs 4 warps (--tail: BLOCK_V:4), got {c!r}")
     sizes = args.batch_sizes or ([1, 2] if args.quick else [1, 2, 4, 8, 16])
     if min(sizes) < 1:
         parser.error(f"--batch-sizes must be >= 1, got {sizes}")
     device = torch.device("cpu" if args.quick else args.device)
     cuda = device.type == "cuda"
-    if cuda:
+    if args.tail and not (cuda or (interpreted() and triton_importable())):
+        parser.error("--tail runs the Triton kernel: --device cuda, or TRITON_INTERPRET=1 on the CPU")
+    if args.tail:
+        paths = ["tail"] + [f"tail {c}" for c in configs]
+    elif cuda:
         paths = (["fla", "package"] if kernels.fla_available() else []) + ["triton"] + [f"triton {c}" for c in configs]
-        shape, dtype = (16, 32, 128), torch.bfloat16
     else:
         paths = ["torch"] + (["triton"] if interpreted() and triton_importable() else [])
-        shape, dtype = (1, 2, 16), torch.float32
+    shape, dtype = ((16, 32, 128), torch.bfloat16) if cuda else ((1, 2, 16), torch.float32)
     key_heads, value_heads, dim = shape
     rows = min(args.rows, 8) if args.quick else args.rows
 
@@ -155,6 +182,10 @@ def main(argv=None) -> int:
                 records[-1]["columns"] = kernels.one_chunk_block_columns(
                     rows, batch, value_heads, dim, torch.cuda.get_device_properties(device).multi_processor_count)
                 name = f"package ({records[-1]['columns']} columns)"
+            if name == "tail" and cuda:
+                records[-1]["columns"] = kernels.tail_block_columns(
+                    batch, value_heads, dim, dim, torch.cuda.get_device_properties(device).multi_processor_count)
+                name = f"tail ({records[-1]['columns']} columns)"
             print(f"B={batch:<3} {rows} rows  {name:13s} {us:9.1f} us  x{us / base:.3f} of {paths[0]}  "
                   f"max err {error:.2e}", flush=True)
     print("\n| B | rows | path | us per call | / " + paths[0] + " | max err |\n| --- | --- | --- | --- | --- | --- |")
@@ -166,7 +197,7 @@ def main(argv=None) -> int:
         meta = dict(date=datetime.date.today().isoformat(),
                     device=torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
                     torch=torch.__version__, heads=shape, dtype=str(dtype), reps=args.reps, iters=args.iters,
-                    quick=args.quick)
+                    quick=args.quick, tail=args.tail)
         with open(out, "w") as f:
             json.dump(dict(meta=meta, records=records), f, indent=1)
         print(f"wrote {out}")

@@ -499,25 +499,69 @@ def test_batched_calls_build_no_autograd_graph(family):
         assert not any(t.requires_grad for layer in row.layers if layer.is_initialized for t in (layer.keys, layer.values))
 
 
+def _cache_distance(row, ref) -> float:
+    """The largest absolute difference between row cache `row` and batch-1 cache `ref` over what
+    `assert_same_cache` compares."""
+    n = ref.length
+    diffs = [float((a.keys[:, :, :n] - b.keys[:, :, :n]).abs().max()) for a, b in zip(row.layers, ref.layers)
+             if b.is_initialized]
+    diffs += [float((a.values[:, :, :n] - b.values[:, :, :n]).abs().max()) for a, b in zip(row.layers, ref.layers)
+              if b.is_initialized]
+    for idx, state in ref.gdn_states.items():
+        diffs += [float((row.gdn_states[idx].state - state.state).abs().max()),
+                  float((row.gdn_states[idx].conv - state.conv).abs().max())]
+    return max(diffs)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_shared_steps_on_cuda_equal_batch1(family):
-    """The shared engine on CUDA (SDPA's CUDA kernels, the grouped path for masked steps): every row's tokens and
-    cache equal its batch-1 run's on CUDA."""
+    """The shared engine on CUDA (SDPA's CUDA kernels, the grouped path for masked steps) with fp32 kernels in every
+    layer (Qwen3.5: transformers' torch GDN functions; fla-core's run TF32 products, next test): every row's tokens
+    and cache equal its batch-1 run's on CUDA."""
     model, processor = family
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion="blocking", gdn_backend="torch")
     model.cuda()
     try:
         batch = {k: v.cuda() for k, v in _inputs(processor, CONVERSATIONS).items()}
-        out = _gen(model, batch, CFG)
+        out = _gen(model, batch, cfg)
         width = batch["input_ids"].shape[1]
         for i, conversation in enumerate(CONVERSATIONS):
             alone = {k: v.cuda() for k, v in _inputs(processor, [conversation]).items()}
-            ref = _gen(model, alone, CFG)
+            ref = _gen(model, alone, cfg)
             ref_new = ref.sequences[0, alone["input_ids"].shape[1]:].tolist()
             assert out.sequences[i, width:width + len(ref_new)].tolist() == ref_new, f"row {i}"
             assert_same_cache(out.past_key_values.rows[i], ref.past_key_values)
     finally:
         model.cpu()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fla_batch_rows_stay_as_close_as_batch1(tiny_qwen3_5_path):
+    """Qwen3.5 with fla-core's GDN kernels on CUDA: their products are TF32, and a batch row's rows reach them at
+    other chunk offsets than alone (left padding and other rows' tails are inert rows), so a row's cache is its
+    batch-1 run's only to TF32 rounding. Every row: its batch-1 run's tokens, and a cache no farther from the fp32
+    batch-1 run (``gdn_backend="torch"``) than twice the batch-1 fla run is (plus fp32 rounding)."""
+    from hf_raincheck.gdn_state import kernels
+
+    if not kernels.fla_available():
+        pytest.skip("needs fla-core")
+    model, processor = load_tiny_qwen3_5(tiny_qwen3_5_path)
+    model = enable_raincheck(model).cuda()
+    fla = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion="blocking", gdn_backend="fla")
+    fp32 = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion="blocking", gdn_backend="torch")
+    batch = {k: v.cuda() for k, v in _inputs(processor, CONVERSATIONS).items()}
+    out = _gen(model, batch, fla)
+    width = batch["input_ids"].shape[1]
+    for i, conversation in enumerate(CONVERSATIONS):
+        alone = {k: v.cuda() for k, v in _inputs(processor, [conversation]).items()}
+        ref, exact = _gen(model, alone, fla), _gen(model, alone, fp32)
+        ref_new = ref.sequences[0, alone["input_ids"].shape[1]:].tolist()
+        assert out.sequences[i, width:width + len(ref_new)].tolist() == ref_new, f"row {i}"
+        alone_error = _cache_distance(ref.past_key_values, exact.past_key_values)
+        batch_error = _cache_distance(out.past_key_values.rows[i], exact.past_key_values)
+        assert batch_error <= 2 * alone_error + 2e-5, (i, batch_error, alone_error)
 
 
 def test_consecutive_calls_of_other_batch_sizes_continue(family):

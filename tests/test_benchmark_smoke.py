@@ -523,12 +523,25 @@ def test_gdn_chunk_quick_runs_the_kernel_under_the_interpreter(tmp_path):
     assert f"wrote {out_file}" in out
 
 
+def test_gdn_chunk_tail_times_the_first_prefills_tail(tmp_path):
+    """benchmarks/gdn_chunk.py --quick --tail under Triton's interpreter: the tail from ``[state | I]`` (the package's
+    launch and one given), each record's outputs, state and transition product against the float64 recurrence."""
+    pytest.importorskip("triton")
+    out_file = tmp_path / "tail.json"
+    run_script(["benchmarks/gdn_chunk.py", "--quick", "--tail", "--triton-configs", "16:4", "--batch-sizes", "1",
+                "--out", str(out_file)], tmp_path, TRITON_INTERPRET="1")
+    result = json.loads(out_file.read_text())
+    assert result["meta"]["tail"] and [r["path"] for r in result["records"]] == ["tail", "tail 16:4"]
+    assert all(r["us"] > 0 and r["max_error"] < 1e-5 for r in result["records"])
+
+
 def test_gdn_chunk_bad_arguments_name_the_option(capsys):
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import gdn_chunk
 
     for argv, option in [(["--rows", "65"], "--rows"), (["--reps", "0"], "--reps"),
-                         (["--batch-sizes", "0"], "--batch-sizes"), (["--triton-configs", "32"], "--triton-configs")]:
+                         (["--batch-sizes", "0"], "--batch-sizes"), (["--triton-configs", "32"], "--triton-configs"),
+                         (["--tail", "--triton-configs", "64:8"], "--triton-configs")]:
         with pytest.raises(SystemExit):
             gdn_chunk.main(["--device", "cpu", *argv])
         assert f"error: {option}" in capsys.readouterr().err, argv

@@ -149,6 +149,23 @@ def test_with_transition_runs_from_the_state_and_the_identity(device, shape):
                                naive_transition(k, g, beta, value_heads), **FP32_TOL)
 
 
+def test_with_transition_wide_column_blocks(device):
+    """`chunk_gated_delta_with_transition` with 64 columns of ``[state | I]`` per program (`kernels.tail_block_columns`
+    past one wave of the GPU): the float64 recurrence's outputs, state and transition product, and the 32-column
+    launch's, within `FP32_TOL`."""
+    from hf_raincheck.gdn_state.chunk_triton import chunk_gated_delta_with_transition
+
+    q, k, v, g, beta, state = _rows(1, 30, 1, 2, 64, 64, seed=12)
+    g = 0.05 * g
+    rows = [x.to(device) for x in (q, k, v, g, beta, state)]
+    out, final = chunk_gated_delta_with_transition(*rows, block_v=64)
+    narrow_out, narrow_final = chunk_gated_delta_with_transition(*rows, block_v=32)
+    torch.testing.assert_close(out.cpu().double(), naive_gated_delta(q, k, v, g, beta, state)[0], **FP32_TOL)
+    torch.testing.assert_close(final[..., 64:].cpu().double(), naive_transition(k, g, beta, 2), **FP32_TOL)
+    torch.testing.assert_close(out, narrow_out, **FP32_TOL)
+    torch.testing.assert_close(final, narrow_final, **FP32_TOL)
+
+
 @pytest.mark.parametrize("t, cut", [(90, 60), (90, 89), (40, 1), (130, 66), (140, 60)])
 @pytest.mark.parametrize("with_state", [True, False], ids=["state", "zeros"])
 def test_advance_split_with_a_short_tail_runs_it_in_the_kernel(device, t, cut, with_state):
@@ -294,3 +311,29 @@ def test_fla_backend_routes_windows_to_the_kernel():
                                                      use_qk_l2norm_in_kernel=True)
     out, final = kernels.gated_delta("fla", *ragged)
     assert torch.equal(out, fla_out) and torch.equal(final, fla_final.float())
+
+
+def test_first_prefill_tail_takes_one_wave_of_programs():
+    """On a GPU: a first prefill's tail (`kernels.gated_delta_with_transition`) at Qwen3.5-9B's heads runs 64
+    columns of ``[S_b | I]`` per program where 32 would take two waves of the SMs: the launch at the chosen columns
+    bit for bit, and the float64 recurrence's outputs, state and transition product within the GPU's `FP32_TOL`."""
+    from hf_raincheck.gdn_state import kernels
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from hf_raincheck.gdn_state.chunk_triton import chunk_gated_delta_with_transition
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    heads = 32  # Qwen3.5-9B: 8 blocks of 32 columns per head, 256 programs (past one wave of any GPU up to 255 SMs)
+    assert kernels.tail_block_columns(1, heads, 128, 128, sms) == (64 if heads * 8 > sms else 32)
+    q, k, v, g, beta, state = _rows(1, 30, 1, heads, 128, 128, seed=6, dtype=torch.bfloat16)
+    g = 0.05 * g
+    rows = [x.cuda() for x in (q, k, v, g, beta, state)]
+    out, final = kernels.gated_delta_with_transition(*rows)
+    want_out, want_final = chunk_gated_delta_with_transition(*rows, block_v=kernels.tail_block_columns(
+        1, heads, 128, 128, sms))
+    assert torch.equal(out, want_out) and torch.equal(final, want_final)
+    ref_out, ref_state = naive_gated_delta(q, k, v, g, beta, state)
+    torch.testing.assert_close(out.cpu().double(), ref_out, atol=1e-2, rtol=1e-2)  # bf16 outputs
+    torch.testing.assert_close(final[..., :128].cpu().double(), ref_state, **FP32_TOL)
+    torch.testing.assert_close(final[..., 128:].cpu().double(), naive_transition(k, g, beta, heads), **FP32_TOL)

@@ -218,3 +218,14 @@ def test_one_chunk_kernel_takes_every_window():
     assert columns(5, 4, 4, 16, 132) == 16  # the tests' tiny Qwen3.5: one block of V = 16
     assert columns(5, 1, 2, 48, 132) == 0  # ragged column blocks (V = 48) stay with fla
     assert columns(63, 1, 32, 96, 132) == 32 and columns(63, 2, 32, 96, 132) == 0  # 3 x 32; 64 does not divide 96
+
+
+def test_tail_kernel_columns_fill_one_wave():
+    """A first prefill's tail from ``[S_b | I]`` (V + K state columns): 32 columns per program where its programs
+    fit the GPU's SMs, 64 past that where 64 divide V and K, else 32 (the tail takes the kernel either way)."""
+    pytest.importorskip("triton")
+    columns = kernels.tail_block_columns
+    assert columns(1, 32, 128, 128, 132) == 64  # Qwen3.5-9B's heads: 256 programs of 32 columns, 128 of 64
+    assert columns(1, 16, 128, 128, 132) == 32  # 128 programs of 32: one wave
+    assert columns(1, 32, 128, 96, 132) == 32 and columns(1, 32, 96, 128, 132) == 32  # 64 divides neither
+    assert columns(1, 4, 16, 16, 132) == 16  # the tests' tiny Qwen3.5

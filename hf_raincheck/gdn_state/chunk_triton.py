@@ -27,7 +27,8 @@ there at fp32 accuracy). Rows past the chunk's end (padding) read as ``g = beta 
 fused step's window, at every batch size), with `kernels.one_chunk_block_columns` columns per program. With
 ``CARRY = K`` (`chunk_gated_delta_with_transition`) the state is ``[S | I]`` and the values ``[v | 0]`` without
 either being built (the identity's programs read no values and store no outputs): a Raincheck first prefill's tail
-after the boundary, the live state and P_tail in one launch (`kernels.tail_kernel_takes`), replayed with fla's call
+after the boundary, the live state and P_tail in one launch (`kernels.tail_kernel_takes`; `kernels.tail_block_columns`
+columns of ``[S | I]`` per program: 64 at Qwen3.5-9B's heads, where 32 make 256 programs), replayed with fla's call
 for the rows before the boundary from one CUDA graph (`graphed.graphed_split`; host times by path:
 `benchmarks/gdn_prefill_host.py`). For the fused step's window at Qwen3.5-9B's heads on an H200
 (``benchmarks/gdn_chunk.py``, 24 calls in a CUDA graph, us per call, fla's chunked function in brackets): B = 1
@@ -186,16 +187,18 @@ def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
 
 
 def chunk_gated_delta_with_transition(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                                      beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                                      beta: torch.Tensor, state: torch.Tensor, block_v: int = 0,
+                                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """`chunk_gated_delta` from ``[state | I]`` with values ``[v | 0]``, without building either: returns ``(o [B,
     T, H_v, V]`` in v's dtype, ``[S_T | P] [B, H_v, K, V + K]`` fp32)``, P the product of the rows' transitions
     (latest on the left). The programs of the K extra columns start from the identity's columns and read no
     values; only S's columns' outputs are stored. A Raincheck first prefill's tail after a new plan's boundary
-    (`ops.advance_split`): the live state and P_tail in one launch."""
-    _check(q, k, v, g, beta, state, 0, WARPS)
+    (`ops.advance_split`): the live state and P_tail in one launch. `block_v`: columns per program of ``[S |
+    I]`` (0: `BLOCK_V`)."""
+    _check(q, k, v, g, beta, state, block_v, WARPS)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     batch, value_heads, key_dim, value_dim = state.shape
     out = torch.empty_like(v)
     final = torch.empty(batch, value_heads, key_dim, value_dim + key_dim, dtype=torch.float32, device=v.device)
-    _launch(q, k, v, g, beta, state, out, final, 0, WARPS, carry=key_dim)
+    _launch(q, k, v, g, beta, state, out, final, block_v, WARPS, carry=key_dim)
     return out, final

@@ -190,8 +190,7 @@ def _one_chunk_columns(q, v, state) -> int:
 def tail_kernel_takes(backend: str, rows: int, key_dim: int, value_dim: int, device: torch.device) -> bool:
     """Whether `chunk_triton.chunk_gated_delta_with_transition` runs a Raincheck first prefill's `rows` after a new
     plan's boundary (`ops.advance_split`): fla backend on CUDA (or Triton's interpreter on the CPU: tests), 1 to
-    `chunk_triton.CHUNK` rows, V and K whole column blocks. Its programs may fill more than one wave of the GPU (the
-    Qwen3.5-9B shape: 256 at B = 1): the prefill is host-bound, and one launch is what counts there."""
+    `chunk_triton.CHUNK` rows, V and K whole column blocks (of `tail_block_columns` columns per program)."""
     if _chunk_kernel is None or not 1 <= rows <= _chunk_kernel.CHUNK:
         return False
     if not ((backend == "fla" and device.type == "cuda") or (device.type == "cpu" and interpreted())):
@@ -200,10 +199,30 @@ def tail_kernel_takes(backend: str, rows: int, key_dim: int, value_dim: int, dev
     return value_dim % block == 0 and key_dim % block == 0
 
 
+@functools.lru_cache(maxsize=64)
+def tail_block_columns(batch: int, value_heads: int, key_dim: int, value_dim: int, sm_count: int) -> int:
+    """Columns of ``[S | I]`` per program of `chunk_triton.chunk_gated_delta_with_transition` (where
+    `tail_kernel_takes`): `chunk_triton.BLOCK_V` where its programs fit one wave of `sm_count` SMs,
+    `chunk_triton.WIDE_BLOCK_V` past it where those divide V and K. At Qwen3.5-9B's heads (V + K = 256 columns,
+    32 value heads) 32 columns make 256 programs at batch 1, two waves of an H200's 132 SMs; 64 make one: a tail of
+    30 rows took 18.8 us per call against 25.8, bit for bit the same outputs (CHANGELOG)."""
+    from .chunk_triton import BLOCK_V, WIDE_BLOCK_V, block_columns
+
+    block = block_columns(value_dim, BLOCK_V)
+    wide = block_columns(value_dim, WIDE_BLOCK_V)
+    if batch * value_heads * -(-(value_dim + key_dim) // block) > sm_count and not (value_dim % wide or key_dim % wide):
+        return wide
+    return block
+
+
 def gated_delta_with_transition(q, k, v, g, beta, state):
-    """Rows ``[1, T, ...]`` from ``[state | I]`` with values ``[v | 0]`` in one Triton launch (where
-    `tail_kernel_takes`): ``(o [1, T, H_v, V], [S_T | P] [1, H_v, K, V + K] float32)``."""
-    return _chunk_kernel.chunk_gated_delta_with_transition(q, k, v, g, beta, state)
+    """Rows ``[B, T, ...]`` from ``[state | I]`` with values ``[v | 0]`` in one Triton launch (where
+    `tail_kernel_takes`), with `tail_block_columns` columns per program on a GPU: ``(o [B, T, H_v, V], [S_T | P]
+    [B, H_v, K, V + K] float32)``."""
+    columns = 0
+    if q.device.type == "cuda":
+        columns = tail_block_columns(v.shape[0], v.shape[2], k.shape[3], v.shape[3], _sm_count(q.device))
+    return _chunk_kernel.chunk_gated_delta_with_transition(q, k, v, g, beta, state, block_v=columns)
 
 
 def split_graph_takes(backend: str, cut: int, tail: int, q) -> bool:
@@ -217,8 +236,7 @@ def gated_delta_split(q, k, v, g, beta, state, cut: int):
     chunked function on the rows before it and the one-chunk kernel from ``[S_b | I]`` on the tail, replayed from
     one CUDA graph (`graphed.graphed_split`). Returns ``(o, boundary, [S_T | P_tail])`` as `ops.advance_split`, or
     None where that graph could not be captured."""
-    return _graphed.graphed_split(functions("fla")[0], _chunk_kernel.chunk_gated_delta_with_transition,
-                                  q, k, v, g, beta, state, cut)
+    return _graphed.graphed_split(functions("fla")[0], gated_delta_with_transition, q, k, v, g, beta, state, cut)
 
 
 def gated_delta(backend: str, q, k, v, g, beta, state, recurrent_rows: int | None = None, graphed: bool = False):
