@@ -24,7 +24,7 @@ import time
 import torch
 
 from hf_raincheck import BatchedDeferredPrefillCache, RaincheckConfig, enable_raincheck
-from hf_raincheck.conversation import batch_inputs, next_turn_inputs
+from hf_raincheck.conversation import batch_inputs, cache_argument, next_turn_inputs, output_cache
 
 
 def load(args):
@@ -78,11 +78,11 @@ def play(model, processor, conversations, config, max_new_tokens):
         past = BatchedDeferredPrefillCache([caches[i] for i in rows])
         start = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(**batch, past_key_values=past, raincheck_config=config, do_sample=False,
+            out = model.generate(**batch, **cache_argument(past), raincheck_config=config, do_sample=False,
                                  max_new_tokens=max_new_tokens, return_dict_in_generate=True)
         calls.append((len(rows), time.perf_counter() - start))
         for row, i in enumerate(rows):
-            cache = out.past_key_values.rows[row]
+            cache = output_cache(out).rows[row]
             prompt = int(inputs[row]["input_ids"].shape[1])
             fed = cache.length - prompt  # the answer's tokens the cache holds (all but the last one generated)
             new = out.sequences[row, batch["input_ids"].shape[1]:]

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor, TextIteratorStreamer
 
 from hf_raincheck import RaincheckConfig, enable_raincheck
-from hf_raincheck.conversation import next_turn_inputs
+from hf_raincheck.conversation import cache_argument, next_turn_inputs, output_cache
 
 
 def load(args):
@@ -88,12 +88,12 @@ def main(argv=None):
                                            return_tensors="pt").to(model.device)
     print("[turn 1] ", end="")
     out = stream_answer(model, processor, inputs, **kwargs)
-    cache = out.past_key_values
+    cache = output_cache(out)
     report(1, cache)
 
     turn2 = next_turn_inputs(processor, out.sequences, [{"role": "user", "content": "And at the bottom right?"}])
     print("[turn 2] ", end="")
-    out = stream_answer(model, processor, turn2.to(model.device), past_key_values=cache, **kwargs)
+    out = stream_answer(model, processor, turn2.to(model.device), **cache_argument(cache), **kwargs)
     report(2, cache)
     cache.wait()
     print(f"after the background worker: pending {cache.pending}, restored over the cache's life {cache.stats}")

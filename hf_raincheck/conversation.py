@@ -1,9 +1,14 @@
-"""Building the next turn's inputs from the exact tokens a cache holds, with the processor's chat template."""
+"""Building the next turn's inputs from the exact tokens a cache holds, with the processor's chat template, and
+passing the cache back to ``generate`` under the name the installed transformers takes."""
 
 from __future__ import annotations
 
 import torch
 from transformers import BatchFeature
+
+from .transformers_coupling import CACHE_ARGUMENT, output_cache
+
+__all__ = ["next_turn_inputs", "batch_inputs", "cache_argument", "output_cache"]
 
 _ANSWER = "RAINCHECK_PREVIOUS_ANSWER"
 
@@ -67,11 +72,20 @@ def next_turn_inputs(processor, sequences: torch.Tensor, new_messages: list[dict
     return BatchFeature(inputs)
 
 
+def cache_argument(cache) -> dict:
+    """``{name: cache}`` for ``model.generate(**inputs, **cache_argument(cache), ...)``: a returned cache passed back
+    under the name the installed transformers' ``generate`` takes (``past_key_values`` in 5.23, ``cache`` from
+    5.24, where the old name still works with a ``FutureWarning``). For scripts that run on either version;
+    `output_cache(out)` reads a returned cache the same way (``out.past_key_values`` / ``out.cache``)."""
+    return {CACHE_ARGUMENT: cache}
+
+
 def batch_inputs(rows: list, pad_token_id: int) -> BatchFeature:
     """One left-padded batch from per-row model inputs (e.g. each row's `next_turn_inputs`): ``input_ids``,
     ``attention_mask`` and ``mm_token_type_ids`` padded on the left (``pad_token_id``, 0), the media tensors
     (``pixel_values``, grids, ...) concatenated in row order, as the processor lays out a batch. Pass the result
-    to ``generate(..., past_key_values=BatchedDeferredPrefillCache(row_caches))`` to continue every row at once."""
+    to ``generate(..., past_key_values=BatchedDeferredPrefillCache(row_caches))`` (`cache_argument`) to continue
+    every row at once."""
     if not rows:
         raise ValueError("batch_inputs: rows must be a non-empty list of model inputs")
     width = max(int(r["input_ids"].shape[-1]) for r in rows)

@@ -322,6 +322,27 @@ def test_the_cache_under_either_name(model):
                            past_key_values=DeferredPrefillCache(1))
 
 
+def test_cache_argument_and_output_cache_work_on_either_version(model):
+    """`conversation.cache_argument` passes a returned cache back under the installed transformers' name and
+    `conversation.output_cache` reads it from an output, neither with a deprecation warning (the examples' way)."""
+    import warnings
+
+    from hf_raincheck.conversation import cache_argument, output_cache
+
+    cfg = RaincheckConfig(retention=0.3, chunk_size=2, guard_tokens=1, completion="next_turn")
+    inputs = two_images()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        out = generate(model, inputs, 4, cfg)
+        cache = output_cache(out)
+        assert cache_argument(cache) == {hf.CACHE_ARGUMENT: cache} and cache.pending > 0
+        conv2 = _extend(_extend(inputs, out.sequences[0, inputs["input_ids"].shape[1]:]), [5, 6, 7])
+        with torch.no_grad():
+            out2 = model.generate(**conv2, **cache_argument(cache), raincheck_config=cfg, max_new_tokens=2,
+                                  do_sample=False, return_dict_in_generate=True)
+    assert output_cache(out2) is cache and cache.length == conv2["input_ids"].shape[1] + 1
+
+
 def test_prompt_longer_than_the_initial_slot_buffer(model):
     """A prompt past the bookkeeping's initial 256 slots: decode steps grow it before using the next slot."""
     inputs = _conv([(1, 8, 8)], [290, 5])
