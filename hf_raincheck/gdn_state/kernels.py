@@ -171,14 +171,24 @@ def one_chunk_block_columns(rows: int, batch: int, value_heads: int, value_dim: 
     37.4 / 47.0 / 60.5 / 94.4 / 163.6 (`chunk_triton`'s docstring). Only for a V that its column blocks divide (every
     Qwen3.5 has V = 128): the kernel's first GPU test run hit a CUDA illegal memory access at V = 48 (with 8 warps;
     not explained), so ragged column blocks stay with fla."""
-    from .chunk_triton import BLOCK_V, CHUNK, WIDE_BLOCK_V, block_columns
+    from .chunk_triton import CHUNK
 
     if not 2 <= rows <= CHUNK:
         return 0
-    block = block_columns(value_dim, BLOCK_V)
-    if batch * value_heads * -(-value_dim // block) > sm_count:
-        block = block_columns(value_dim, WIDE_BLOCK_V)
+    block = _one_wave_columns(batch, value_heads, value_dim, value_dim, sm_count)
     return block if value_dim % block == 0 else 0
+
+
+def _one_wave_columns(batch: int, value_heads: int, value_dim: int, state_columns: int, sm_count: int) -> int:
+    """Columns per program of `chunk_triton`'s kernel over `state_columns` state columns (V, or V + K from ``[S |
+    I]``): `chunk_triton.BLOCK_V` where its programs (batch row x value head x block) fit one wave of `sm_count`
+    SMs, `chunk_triton.WIDE_BLOCK_V` past it (each at most V rounded up to a power of two: `block_columns`)."""
+    from .chunk_triton import BLOCK_V, WIDE_BLOCK_V, block_columns
+
+    block = block_columns(value_dim, BLOCK_V)
+    if batch * value_heads * -(-state_columns // block) > sm_count:
+        return block_columns(value_dim, WIDE_BLOCK_V)
+    return block
 
 
 def _one_chunk_columns(q, v, state) -> int:
@@ -202,17 +212,14 @@ def tail_kernel_takes(backend: str, rows: int, key_dim: int, value_dim: int, dev
 @functools.lru_cache(maxsize=64)
 def tail_block_columns(batch: int, value_heads: int, key_dim: int, value_dim: int, sm_count: int) -> int:
     """Columns of ``[S | I]`` per program of `chunk_triton.chunk_gated_delta_with_transition` (where
-    `tail_kernel_takes`): `chunk_triton.BLOCK_V` where its programs fit one wave of `sm_count` SMs,
-    `chunk_triton.WIDE_BLOCK_V` past it where those divide V and K. At Qwen3.5-9B's heads (V + K = 256 columns,
-    32 value heads) 32 columns make 256 programs at batch 1, two waves of an H200's 132 SMs; 64 make one: a tail of
-    30 rows took 18.8 us per call against 25.8, bit for bit the same outputs (CHANGELOG)."""
-    from .chunk_triton import BLOCK_V, WIDE_BLOCK_V, block_columns
+    `tail_kernel_takes`): as a window's (`_one_wave_columns`), 32 within one wave of the SMs and 64 past it, and 32
+    where 64 do not divide V and K. At Qwen3.5-9B's heads (V + K = 256 columns, 32 value heads) 32 columns make 256
+    programs at batch 1, two waves of an H200's 132 SMs; 64 make one: a tail of 30 rows took 18.8 us per call
+    against 25.8, bit for bit the same outputs (CHANGELOG)."""
+    from .chunk_triton import BLOCK_V, block_columns
 
-    block = block_columns(value_dim, BLOCK_V)
-    wide = block_columns(value_dim, WIDE_BLOCK_V)
-    if batch * value_heads * -(-(value_dim + key_dim) // block) > sm_count and not (value_dim % wide or key_dim % wide):
-        return wide
-    return block
+    block = _one_wave_columns(batch, value_heads, value_dim, value_dim + key_dim, sm_count)
+    return block if not (value_dim % block or key_dim % block) else block_columns(value_dim, BLOCK_V)
 
 
 def gated_delta_with_transition(q, k, v, g, beta, state):
