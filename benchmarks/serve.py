@@ -12,7 +12,9 @@ merged tokens; an LM head of the full vocabulary whose answers decode, re-encode
 early, so every answer has exactly ``--max-tokens`` tokens in both servers). The Raincheck server gets the model
 object (`RaincheckServer(model, processor=...)`); plain ``transformers serve`` gets a copy of it (made before
 Raincheck is enabled on the original) put into its model manager's cache of loaded models (this instance's
-``loaded_models``; transformers' code is not patched), requested by name like any model.
+``loaded_models``; transformers' code is not patched), requested by name like any model. That side needs
+transformers 5.23 or 5.24, whose ``transformers serve`` runs models in its own process (5.25 runs each in an engine
+process: there ``--servers plain`` is refused; ``--servers raincheck`` runs).
 
 Both servers run in this process at the same time, each on a free localhost port, driven through the `openai`
 client with streaming requests (greedy, ``max_tokens``), so the times are what a client sees. The measurements
@@ -58,6 +60,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "serve.json")
+
+from hf_raincheck.transformers_coupling import SERVING_ENGINE_PROCESS, installed_transformers_version  # noqa: E402
 
 #: defaults of the options left out, per mode: ``--random-weights qwen3-vl-8b`` fits one 540 s GPU call (model
 #: build, warm-up and both servers; see the benchmarks page)
@@ -415,6 +419,11 @@ def parse_args(argv=None):
             image_side(args.image_tokens)
         except ValueError as error:
             parser.error(str(error))
+    if "plain" in args.servers and SERVING_ENGINE_PROCESS:
+        parser.error(f"--servers plain: the plain side runs transformers serve in this process (its model object, the "
+                     f"package's torchvision-free processors), as transformers 5.23 and 5.24 do; transformers "
+                     f"{installed_transformers_version()} runs each model in an engine process of its own. Run it "
+                     "under transformers 5.23 or 5.24, or pass --servers raincheck")
     return args
 
 

@@ -4,10 +4,9 @@ it reaches on the way): the copied pieces of transformers code and the private n
 The rest of the package imports from here; nothing else reaches a private transformers name or mirrors a
 transformers forward. Follows **transformers 5.23 to 5.25** (`SUPPORTED_TRANSFORMERS`, the pin of pyproject.toml;
 `check_transformers_version` enforces it at `enable_raincheck`); what differs between them is decided here once
-(item 17). `hf_raincheck.serve` follows 5.23 only (`SUPPORTED_SERVING_TRANSFORMERS`, the ``serve`` extra's pin;
-`check_serving_version` at its import). On a version bump, re-read each item below in the new transformers, adapt
-this module, then move the pin (here and in pyproject.toml; a test checks they agree); CI runs the suite on the
-oldest and the newest supported version.
+(items 17 and 18). On a version bump, re-read each item below in the new transformers, adapt this module, then move
+the pin (here and in pyproject.toml, for the package and its ``serve`` extra; a test checks they agree); CI runs the
+suite on the oldest and the newest supported version.
 
 Copied code (keep in step with the named transformers source):
 
@@ -77,6 +76,18 @@ torch and accelerate private names (not transformers, but the same kind of coupl
     layers and outputs (``cache_params`` in ``Qwen3_5GatedDeltaNet.forward``); ``cache`` everywhere from 5.24,
     which still takes the old names with a deprecation warning (``past_key_values`` until 6.0). Raincheck's
     ``generate`` / ``forward`` take the cache under the names the installed transformers takes.
+18. ``transformers serve``'s code under `hf_raincheck.serve` (`SERVING_ENGINE_PROCESS`, `serving_app`,
+    `serving_generation_config`, `serving_load_model`): the server subclasses
+    ``transformers.cli.serving.chat_completion.ChatCompletionHandler`` for its request validation
+    (``_validate_request``), response and SSE builders (``_build_completion``, ``_build_chunk_sse``,
+    ``chunk_to_sse``) and generation settings, and builds its FastAPI app with ``server.build_server``; it keeps the
+    model in its own process, on its own scheduler thread (5.25 runs each model of ``transformers serve`` in an
+    engine process, which Raincheck's pooled caches cannot live in). What differs: 5.23 / 5.24 build the settings as
+    a ``GenerationConfig`` (``_build_generation_config``), 5.25 as ``generate`` keyword arguments
+    (``_build_generation_kwargs``); ``build_server`` takes ``generation_state`` before 5.25; models load through
+    ``ModelManager.load_model_and_processor`` before 5.25 and ``ModelLoader.load_model_and_processor`` from 5.25.
+    Check: those names and signatures, and the routes ``build_server`` adds (the server replaces
+    ``/v1/models``, ``/health``, ``/load_model`` and ``/reset``).
 
 Off the inference path, kept where they are (tests/test_transformers_coupling.py lists them as the only exceptions):
 
@@ -99,10 +110,6 @@ import torch.nn.functional as F
 
 #: the transformers versions hf_raincheck follows (the pin of pyproject.toml's dependencies: a test checks they agree)
 SUPPORTED_TRANSFORMERS = ">=5.23,<5.26"
-#: the transformers versions `hf_raincheck.serve` follows (the pin of pyproject.toml's ``serve`` extra): it subclasses
-#: ``transformers serve``'s handler and model manager as 5.23 has them; 5.24 moved generation out of them and 5.25
-#: runs each model in an engine process of its own
-SUPPORTED_SERVING_TRANSFORMERS = ">=5.23,<5.24"
 
 
 # --------------------------------------------------------------------------------------------------- version check
@@ -172,22 +179,62 @@ def output_cache(output):
     return getattr(output, CACHE_ARGUMENT)
 
 
-def serving_version_supported(version: str | None = None) -> bool:
-    """Whether `version` (default: the installed transformers) is within `SUPPORTED_SERVING_TRANSFORMERS`."""
-    return _within(SUPPORTED_SERVING_TRANSFORMERS, version)
+# ------------------------------------------------------------------------------------- transformers serve (item 18)
+def _serving_engine_process() -> bool:
+    from packaging.version import Version
+
+    return Version(installed_transformers_version()).release >= (5, 25)
 
 
-def check_serving_version(version: str | None = None) -> None:
-    """Raises `ImportError` (naming the version and the fix) when `version` (default: the installed transformers)
-    is outside `SUPPORTED_SERVING_TRANSFORMERS`: `hf_raincheck.serve` is built on that version's serving code."""
-    version = installed_transformers_version() if version is None else version
-    if not serving_version_supported(version):
-        raise ImportError(
-            f"hf_raincheck.serve needs transformers {SUPPORTED_SERVING_TRANSFORMERS}, found {version}: the Raincheck "
-            "server is built on that version's `transformers serve` (its chat handler and model manager), which "
-            "later versions replaced. Install it with pip install 'hf_raincheck[serve]' (the extra pins it); the "
-            f"rest of hf_raincheck works with transformers {SUPPORTED_TRANSFORMERS}"
-        )
+#: coupling point 18: whether the installed ``transformers serve`` runs each model in an engine process (5.25 on),
+#: which changed its handler's generation settings, its app factory and its model loading
+SERVING_ENGINE_PROCESS = _serving_engine_process()
+
+
+def serving_app(model_manager, chat_handler, refused_handler, generation_state):
+    """``transformers serve``'s FastAPI app (``build_server``) with `chat_handler` on ``/v1/chat/completions`` and
+    `refused_handler` on its other generation endpoints."""
+    from transformers.cli.serving.server import build_server
+
+    handlers = dict(completion_handler=refused_handler("/v1/completions"),
+                    response_handler=refused_handler("/v1/responses"),
+                    transcription_handler=refused_handler("/v1/audio/transcriptions"),
+                    systemone_handler=refused_handler("/v1/systemone"))
+    if not SERVING_ENGINE_PROCESS:
+        handlers["generation_state"] = generation_state
+    return build_server(model_manager, chat_handler, **handlers)
+
+
+def serving_generation_config(handler, body: dict, model_generation_config):
+    """The `GenerationConfig` of a chat request, as ``transformers serve``'s chat handler builds it (``temperature``,
+    ``top_p``, ``max_tokens`` / ``max_completion_tokens``, ``stop``, ``frequency_penalty``, ``logit_bias``,
+    ``generation_config``; the model's generation config beneath). Raises what transformers raises on a bad value."""
+    if not SERVING_ENGINE_PROCESS:
+        return handler._build_generation_config(body, model_generation_config)
+    generation_kwargs = handler._build_generation_kwargs(body, model_generation_config)
+    config = copy.deepcopy(model_generation_config)
+    unused = config.update(**generation_kwargs)
+    if unused:
+        raise ValueError(f"not generation settings: {sorted(unused)}")
+    return config
+
+
+def serving_load_model(name: str, device: str, dtype: str | None, attn_implementation: str | None,
+                       trust_remote_code: bool):
+    """Loads `name` (a Hub id, ``id@revision`` or a local path) and its processor in this process as ``transformers
+    serve`` loads a model (its device, dtype, attention and ``trust_remote_code`` options); returns
+    ``(model, processor)``."""
+    options = dict(device=device, dtype=dtype, attn_implementation=attn_implementation,
+                   trust_remote_code=trust_remote_code)
+    if SERVING_ENGINE_PROCESS:
+        from transformers.cli.serving.model_manager import ModelLoader
+        from transformers.cli.serving.utils import canonical_model_id
+
+        return ModelLoader(**options).load_model_and_processor(canonical_model_id(name))
+    from transformers.cli.serving.model_manager import ModelManager
+
+    manager = ModelManager(model_timeout=-1, **options)
+    return manager.load_model_and_processor(manager.process_model_name(name))
 
 
 def check_transformers_version(force: bool = False, caller: str = "enable_raincheck") -> None:

@@ -12,7 +12,6 @@ import time
 
 import pytest
 
-from hf_raincheck.transformers_coupling import SUPPORTED_SERVING_TRANSFORMERS, serving_version_supported
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD_KEYS = {"model", "workload", "policy", "chunk_size", "fused", "ttft_ms", "tpot_ms", "restore_step_ms",
@@ -288,8 +287,6 @@ def test_gdn_layer_steps_quick_times_both_step_kinds(tmp_path, path, batch_sizes
     assert f"{path} B={batch_sizes[-1]}   window 63: fused" in out
 
 
-@pytest.mark.skipif(not serving_version_supported(), reason="the server needs the serve extra's transformers "
-                    f"{SUPPORTED_SERVING_TRANSFORMERS} (CI runs this test in its transformers 5.23 venv)")
 def test_serve_memory_logs_every_batched_call(tmp_path):
     """benchmarks/serve_memory.py on a small shape: one JSON line per batched call of the real server (its rows, their
     cached and pending tokens, the pool's bytes equal to the live caches' own count), then the pool's snapshot."""

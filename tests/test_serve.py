@@ -15,10 +15,6 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
-from hf_raincheck.transformers_coupling import SUPPORTED_SERVING_TRANSFORMERS, serving_version_supported  # noqa: E402
-
-if not serving_version_supported():  # (the serve extra pins it; CI runs these tests in its transformers 5.23 venv)
-    pytest.skip(f"hf_raincheck.serve needs transformers {SUPPORTED_SERVING_TRANSFORMERS}", allow_module_level=True)
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -290,6 +286,11 @@ def test_other_endpoints_and_stats(server, client):
         stats = json.loads(response.read())
     assert {"conversations", "bytes", "budget_bytes", "hits", "misses", "evictions", "pending"} <= set(stats)
     assert [m.id for m in client.models.list()] == [DEFAULT_MODEL]
+    with urllib.request.urlopen(server.base_url.removesuffix("/v1") + "/health", timeout=10) as response:
+        assert json.loads(response.read()) == {"status": "ok"}
+    for path in ("/load_model", "/reset"):  # one model, loaded at start: transformers serve's loading routes refused
+        status, text = _post(server, {"model": "other/model"}, path=path)
+        assert status == 404 and "serves one model" in text, path
 
 
 def test_command_line(capsys):
@@ -423,6 +424,28 @@ def test_a_model_object_in_memory_is_served_under_its_name(reference):
                 client.chat.completions.create(model=DEFAULT_MODEL, messages=[user("hi")], max_tokens=2)
     finally:
         disable_raincheck(model)
+
+
+def test_a_model_saved_on_disk_is_loaded_as_transformers_serve_loads_it(reference, tmp_path):
+    """A local path: the model and its processor loaded through the installed transformers serve's own loader (its
+    device / dtype options), Raincheck enabled, its answers RaincheckChat's; the path is the model's name."""
+    import torch
+
+    import hf_raincheck.testing  # noqa: F401 - lets AutoProcessor build the Qwen3-VL processor without torchvision
+
+    model, processor = load_default()
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    image = gridqa_images([90])[90]
+    expected = chat_reference(reference[0], reference[1], CONFIG, [("what is in C3?", image)], 12)
+    with RaincheckServer(str(tmp_path), CONFIG, port=0, device="cpu", dtype="float32") as srv:
+        assert srv.model is not model and srv.model.dtype == torch.float32 and srv.model.device.type == "cpu"
+        client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list()] == [str(tmp_path)]
+        answer = client.chat.completions.create(
+            model=str(tmp_path), messages=[user("what is in C3?", data_url(image))], max_tokens=12,
+            temperature=0).choices[0].message.content
+        assert [answer] == expected
 
 
 def test_a_model_object_needs_its_processor_and_a_name():

@@ -20,10 +20,6 @@ import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
-from hf_raincheck.transformers_coupling import SUPPORTED_SERVING_TRANSFORMERS, serving_version_supported  # noqa: E402
-
-if not serving_version_supported():  # (the serve extra pins it; CI runs these tests in its transformers 5.23 venv)
-    pytest.skip(f"hf_raincheck.serve needs transformers {SUPPORTED_SERVING_TRANSFORMERS}", allow_module_level=True)
 
 openai = pytest.importorskip("openai")
 
@@ -241,15 +237,15 @@ def test_a_streamed_request_cancelled_inside_a_batch_drops_only_its_conversation
 
     from hf_raincheck.serve import handler
 
-    class HangsUp(handler.DirectStreamer):  # what the handler does when the client disconnects, at a set token
+    class HangsUp(handler.TextQueueStreamer):  # what the handler does when the client disconnects, at a set token
         def put(self, value):
-            if self._first:
-                self.hangs_up = "hang up" in self._tokenizer.decode(value.reshape(-1).tolist())
+            if not self._prompt_seen:
+                self.hangs_up = "hang up" in self._backend.decode(value.reshape(-1).tolist())
             elif self.hangs_up and self.total_tokens == 2:
                 self.cancel()
             super().put(value)
 
-    monkeypatch.setattr(handler, "DirectStreamer", HangsUp)
+    monkeypatch.setattr(handler, "TextQueueStreamer", HangsUp)
     model, processor = reference
     image = gridqa_images([90])[90]
     expected = chat_reference(model, processor, CONFIG, [("list row B.", image)], MAX_TOKENS)[0]
@@ -388,10 +384,10 @@ class Recorder:
         self.puts, self.ended, self.cancel_after = [], False, cancel_after
 
     def put(self, value):
-        from transformers.cli.serving.utils import _GenerationCancelled
+        from hf_raincheck.serve.errors import GenerationCancelled
 
         if self.cancel_after is not None and len(self.puts) > self.cancel_after:
-            raise _GenerationCancelled()
+            raise GenerationCancelled()
         self.puts.append(value.tolist())
 
     def end(self):
@@ -439,7 +435,7 @@ def test_fan_out_streamer_ends_each_row_at_its_own_limit():
 
 
 def test_fan_out_streamer_cancels_one_row_and_aborts_when_all_are_cancelled():
-    from transformers.cli.serving.utils import _GenerationCancelled
+    from hf_raincheck.serve.errors import GenerationCancelled
 
     from hf_raincheck.serve.streaming import FanOutStreamer
 
@@ -454,7 +450,7 @@ def test_fan_out_streamer_cancels_one_row_and_aborts_when_all_are_cancelled():
     assert rows[1].puts == [[[1, 1]], [4], [5], [6]] and rows[1].ended
     everyone = FanOutStreamer([Recorder(cancel_after=0), Recorder(cancel_after=0)], {9}, 0)
     everyone.put(torch.ones(2, 2, dtype=torch.long))
-    with pytest.raises(_GenerationCancelled):
+    with pytest.raises(GenerationCancelled):
         everyone.put(torch.tensor([4, 4]))
     with pytest.raises(ValueError, match=r"prompt \[2, length\]"):
         FanOutStreamer([None, None], {9}, 0).put(torch.ones(3))

@@ -7,8 +7,6 @@ from __future__ import annotations
 import ast
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -26,7 +24,8 @@ COUPLED_NAMES = {
     "_hf_hook", "_old_forward", "_sanitize_parameters", "_preprocess_params", "eager_attention_forward",
     "apply_rotary_pos_emb_vision", "causal_conv1d_fn", "causal_conv1d_update", "torch_chunk_gated_delta_rule",
     "torch_recurrent_gated_delta_rule", "get_vision_window_index", "AttentionInterface", "ALL_ATTENTION_FUNCTIONS",
-    "CompileConfig",
+    "CompileConfig", "_build_generation_config", "_build_generation_kwargs", "build_server", "ModelManager",
+    "ModelLoader", "DirectStreamer", "_GenerationCancelled", "_StreamError",
 }
 # test scaffolding and training code, not on the inference path (listed in transformers_coupling's docstring)
 EXEMPT = {
@@ -91,28 +90,34 @@ def test_space_requirements_pin_the_supported_versions():
 
 
 def test_serving_pin_agrees_with_pyproject():
+    """The serve extra's transformers[serving] takes the versions the package takes (the server follows each)."""
     with open(os.path.join(ROOT, "pyproject.toml")) as f:
         text = f.read()
-    assert re.findall(r'"transformers\[serving\]([<>=!~][^"]*)"', text) == [hf.SUPPORTED_SERVING_TRANSFORMERS]
+    assert re.findall(r'"transformers\[serving\]([<>=!~][^"]*)"', text) == [hf.SUPPORTED_TRANSFORMERS]
 
 
-def test_serving_version_check_names_the_version_and_the_fix():
-    hf.check_serving_version("5.23.0")
-    assert hf.serving_version_supported("5.23.0") and not hf.serving_version_supported("5.25.0")
-    with pytest.raises(ImportError, match=r"hf_raincheck.serve needs transformers >=5.23,<5.24, found 5.25.0.*"
-                                          r"pip install 'hf_raincheck\[serve\]'"):
-        hf.check_serving_version("5.25.0")
+def test_serving_generation_config_follows_the_installed_serving_code():
+    """A chat request's settings become one GenerationConfig on every supported version (5.23 / 5.24 build it,
+    5.25 builds generate's keyword arguments), on top of the model's generation config."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("openai")
+    from packaging.version import Version
+    from transformers import GenerationConfig
+    from transformers.cli.serving.chat_completion import ChatCompletionHandler
+    from transformers.cli.serving.utils import GenerationState
 
-
-def test_importing_serve_under_another_transformers_says_why():
-    """Run where the installed transformers is outside the serving pin (CI's newest-transformers venv): the
-    package's import raises the check's message, not an ImportError from inside transformers."""
-    if hf.serving_version_supported():
-        pytest.skip("the installed transformers is the serving pin's (CI runs this in its newest-transformers venv)")
-    code = "import hf_raincheck.serve"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0
-    assert "ImportError: hf_raincheck.serve needs transformers" in result.stderr
+    assert hf.SERVING_ENGINE_PROCESS is (Version(hf.installed_transformers_version()).release >= (5, 25))
+    handler = ChatCompletionHandler(model_manager=None, generation_state=GenerationState())
+    model_config = GenerationConfig(eos_token_id=[7, 9], pad_token_id=0, top_k=5, max_new_tokens=16)
+    body = {"messages": [], "temperature": 0, "max_tokens": 3, "stop": ["x"], "frequency_penalty": 0.5,
+            "logit_bias": {"4": -1.0}}
+    config = hf.serving_generation_config(handler, body, model_config)
+    assert isinstance(config, GenerationConfig) and config is not model_config
+    assert (config.max_new_tokens, config.do_sample, config.stop_strings) == (3, False, ["x"])
+    assert config.repetition_penalty == 1.5 and config.sequence_bias == {(4,): -1.0}
+    assert config.eos_token_id == [7, 9] and config.top_k == 5 and model_config.max_new_tokens == 16
+    sampled = hf.serving_generation_config(handler, {"messages": [], "temperature": 0.7, "top_p": 0.9}, model_config)
+    assert (sampled.temperature, sampled.top_p, sampled.max_new_tokens) == (0.7, 0.9, 1024)
 
 
 def test_cache_argument_names():

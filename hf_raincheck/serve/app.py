@@ -1,6 +1,8 @@
 """`RaincheckServer`: the FastAPI app of `transformers serve` (its `build_server`) with the Raincheck chat handler,
 the conversation pool and the model's scheduler; runs in the foreground (the CLI) or in a thread (tests,
-benchmarks)."""
+benchmarks). Of transformers' routes it keeps the middleware and ``/v1/chat/completions`` (the Raincheck handler);
+``/v1/models`` lists the one model, ``/health`` reports the model's scheduler, the other generation endpoints and
+``/load_model`` / ``/reset`` answer 404 with what to use instead."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import threading
 import time
 
 from ..config import RaincheckConfig
+from ..transformers_coupling import serving_app
 from .handler import RaincheckChatHandler, _Refused
 from .images import DEFAULT_CACHE_MB as DEFAULT_IMAGE_CACHE_MB
 from .images import ImageLoader
@@ -61,7 +64,6 @@ class RaincheckServer:
                  dtype: str | None = "auto", attn_implementation: str | None = None, trust_remote_code: bool = False,
                  log_level: str = "warning", processor=None, model_name: str | None = None):
         import uvicorn
-        from transformers.cli.serving.server import build_server
         from transformers.cli.serving.utils import GenerationState
 
         config = raincheck_config if raincheck_config is not None else RaincheckConfig()
@@ -100,11 +102,7 @@ class RaincheckServer:
         self.generation_state = GenerationState()
         self.chat_handler = RaincheckChatHandler(self.model_manager, self.generation_state, self.raincheck_config,
                                                  self.scheduler, ImageLoader(image_dirs, image_cache_mb))
-        self.app = build_server(
-            self.model_manager, self.chat_handler, completion_handler=_Refused("/v1/completions"),
-            response_handler=_Refused("/v1/responses"), transcription_handler=_Refused("/v1/audio/transcriptions"),
-            systemone_handler=_Refused("/v1/systemone"), generation_state=self.generation_state,
-        )
+        self.app = serving_app(self.model_manager, self.chat_handler, _Refused, self.generation_state)
         self._add_routes()
         self.host = host
         self.port = free_port(host) if port == 0 else port
@@ -117,19 +115,32 @@ class RaincheckServer:
 
     @property
     def model(self):
-        return self.model_manager.load_model_and_processor(self.model_manager.process_model_name(self.model_name))[0]
+        return self.model_manager.load_model_and_processor()[0]
 
     def _add_routes(self) -> None:
         from fastapi.responses import JSONResponse
 
-        pool, scheduler, name = self.pool, self.scheduler, self.model_name
-        # /v1/models lists the one model this server serves (transformers' lists the Hub cache's models)
-        self.app.router.routes[:] = [r for r in self.app.router.routes if getattr(r, "path", None) != "/v1/models"]
+        pool, scheduler, manager = self.pool, self.scheduler, self.model_manager
+        replaced = {"/v1/models", "/health", "/load_model", "/reset"}
+        self.app.router.routes[:] = [r for r in self.app.router.routes if getattr(r, "path", None) not in replaced]
 
         @self.app.get("/v1/models")
-        def list_models():
-            return JSONResponse({"object": "list", "data": [
-                {"id": name, "object": "model", "created": 0, "owned_by": "hf_raincheck"}]})
+        def list_models():  # the one model this server serves (transformers' lists the Hub cache's models)
+            return JSONResponse({"object": "list", "data": manager.list_models()})
+
+        @self.app.get("/health")
+        def health():
+            if not scheduler.running:
+                return JSONResponse({"status": "unhealthy", "reason": "the model's scheduler has stopped"},
+                                    status_code=503)
+            return JSONResponse({"status": "ok"})
+
+        @self.app.post("/load_model")
+        @self.app.post("/reset")
+        def fixed_model():
+            return JSONResponse({"detail": f"hf-raincheck serve serves one model, {manager.force_model!r}, loaded "
+                                           "when it starts; start another server for another model"},
+                                status_code=404)
 
         @self.app.get("/v1/raincheck/stats")
         def raincheck_stats():

@@ -12,9 +12,9 @@ streams while `STREAM_IN_BATCHES` is False.
 
 A batch (`run_batch`): each row is one conversation, continued from its pooled `DeferredPrefillCache` (its
 cached tokens + the new ones) or new (its whole chat); the rows are left-padded into one batch
-(`conversation.batch_inputs`) and run as ``model.generate(**batch, past_key_values=
-BatchedDeferredPrefillCache([cache or None, ...]), ...)``. Row i's answer is its new tokens up to its first
-end-of-sequence token or its own ``max_tokens`` (`turn.answer_length`); its cache is ``past_key_values.rows[i]``.
+(`conversation.batch_inputs`) and run as ``model.generate(**batch, **cache_argument(
+BatchedDeferredPrefillCache([cache or None, ...])), ...)``. Row i's answer is its new tokens up to its first
+end-of-sequence token or its own ``max_tokens`` (`turn.answer_length`); its cache is the returned cache's ``rows[i]``.
 Streaming rows get their tokens through a `FanOutStreamer` (which ends each row at its own limit too).
 
 A batched call that raises runs its requests again one at a time, so a bad request fails only itself: a row
@@ -34,11 +34,10 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
-from transformers.cli.serving.utils import _GenerationCancelled
 
 from ..cache.batched import BatchedDeferredPrefillCache
-from ..conversation import batch_inputs
-from .errors import RequestError
+from ..conversation import batch_inputs, cache_argument, output_cache
+from .errors import GenerationCancelled, RequestError
 from .pool import ConversationPool
 from .streaming import FanOutStreamer
 from .turn import (PreparedTurn, answer_length, cache_state, eos_ids, fail_turn, finish_turn, log_failure,
@@ -180,7 +179,7 @@ def run_alone(turn: PreparedTurn, pool: ConversationPool, stats: BatchStats) -> 
     job = turn.job
     kwargs = _call_kwargs(turn)
     if turn.conv is not None:
-        kwargs["past_key_values"] = turn.conv.cache
+        kwargs.update(cache_argument(turn.conv.cache))
     if job.streamer is not None:
         kwargs["streamer"] = job.streamer
     stats.count(1)
@@ -189,8 +188,8 @@ def run_alone(turn: PreparedTurn, pool: ConversationPool, stats: BatchStats) -> 
             torch.manual_seed(job.seed)
         out = job.model.generate(**_to_device(turn.inputs, job.model.device), **kwargs)
         answer_ids = out.sequences[0, turn.prompt_tokens:].tolist()
-        finish_turn(turn, pool, out.past_key_values, answer_ids, batch_size=1)
-    except _GenerationCancelled:  # the client went away mid-stream: the conversation is dropped
+        finish_turn(turn, pool, output_cache(out), answer_ids, batch_size=1)
+    except GenerationCancelled:  # the client went away mid-stream: the conversation is dropped
         fail_turn(turn, None)
     except Exception as error:  # noqa: BLE001 - reported to this request only; its conversation is dropped
         log_failure(logger, "generation failed")
@@ -223,8 +222,8 @@ def run_batch(turns: list[PreparedTurn], pool: ConversationPool, stats: BatchSta
         if len(set(limits)) > 1:
             kwargs["stopping_criteria"] = StoppingCriteriaList([RowTokenLimits(limits, width)])
         past = BatchedDeferredPrefillCache([t.conv.cache if t.conv is not None else None for t in turns])
-        out = model.generate(**_to_device(dict(batch), model.device), past_key_values=past, **kwargs)
-    except _GenerationCancelled:  # every row's client went away
+        out = model.generate(**_to_device(dict(batch), model.device), **cache_argument(past), **kwargs)
+    except GenerationCancelled:  # every row's client went away
         for turn in turns:
             fail_turn(turn, None)
         return
@@ -238,7 +237,7 @@ def run_batch(turns: list[PreparedTurn], pool: ConversationPool, stats: BatchSta
         stats.count_fallback()
         _one_at_a_time(turns, streamer, pool, stats)
         return
-    caches = out.past_key_values.split()
+    caches = output_cache(out).split()
     sequences = out.sequences[:, width:].tolist()
     for i, turn in enumerate(turns):
         if streamer is not None and streamer.cancelled[i]:

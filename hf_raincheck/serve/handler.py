@@ -1,11 +1,13 @@
 """`RaincheckChatHandler`: transformers' `/v1/chat/completions` handler, with Raincheck turns on pooled caches.
 
 It subclasses `transformers.cli.serving.chat_completion.ChatCompletionHandler` and keeps its request validation,
-model resolution (the server's pinned model), generation config (``temperature``, ``top_p``, ``max_tokens`` /
-``max_completion_tokens``, ``stop``, ``frequency_penalty``, ``logit_bias``, ``generation_config``), response and
-SSE chunk builders, and its `DirectStreamer`. What changes: the messages are parsed here (``image_url`` as
-``data:`` URLs or local files, refused clearly otherwise), each request is a `turn.TurnJob` for the scheduler,
-and the usage carries ``prompt_tokens_details.cached_tokens`` and the ``raincheck`` extension (`stats`).
+generation settings (``temperature``, ``top_p``, ``max_tokens`` / ``max_completion_tokens``, ``stop``,
+``frequency_penalty``, ``logit_bias``, ``generation_config``; `transformers_coupling.serving_generation_config`) and
+response and SSE chunk builders. What changes: the model is the server's own (`models.RaincheckModelManager`, in
+this process), the messages are parsed here (``image_url`` as ``data:`` URLs or local files, refused clearly
+otherwise), each request is a `turn.TurnJob` for the scheduler (streamed through a `streaming.TextQueueStreamer`),
+and the usage carries ``prompt_tokens_details.cached_tokens`` and the ``raincheck`` extension (`stats`), in the
+last chunk of a stream too.
 """
 
 from __future__ import annotations
@@ -13,18 +15,23 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 
 from fastapi import HTTPException
 from fastapi.responses import JSONResponse, StreamingResponse
+from openai.types.chat.chat_completion_chunk import ChatCompletionChunk, ChoiceDelta
+from openai.types.chat.chat_completion_chunk import Choice as ChoiceChunk
 from openai.types.completion_usage import CompletionUsage
 from transformers.cli.serving.chat_completion import ChatCompletionHandler
-from transformers.cli.serving.utils import DirectStreamer, _StreamError
 
 from ..config import RaincheckConfig
-from .errors import RequestError
+from ..transformers_coupling import serving_generation_config
+from .errors import RequestError, StreamError
 from .images import ImageLoader
 from .messages import parse_messages
+from .models import RaincheckModelManager
 from .scheduler import BatchingScheduler
+from .streaming import TextQueueStreamer
 from .turn import TurnJob, context_length
 
 logger = logging.getLogger("hf_raincheck.serve")
@@ -117,15 +124,16 @@ class RaincheckChatHandler(ChatCompletionHandler):
     """`/v1/chat/completions` with Raincheck (see the module docstring).
 
     Args:
-        model_manager / generation_state: as for `ChatCompletionHandler` (the model is the manager's pinned one).
+        model_manager: the server's `models.RaincheckModelManager` (its one model).
+        generation_state: transformers' serving ``GenerationState`` (as for `ChatCompletionHandler`).
         raincheck_config: the `RaincheckConfig` of every request (its ``completion`` is replaced by
             ``"next_turn"``: the scheduler restores deferred tokens between requests).
         scheduler: the `BatchingScheduler` running the turns.
         image_loader: the `ImageLoader` for ``image_url`` parts.
     """
 
-    def __init__(self, model_manager, generation_state, raincheck_config: RaincheckConfig, scheduler: BatchingScheduler,
-                 image_loader: ImageLoader):
+    def __init__(self, model_manager: RaincheckModelManager, generation_state, raincheck_config: RaincheckConfig,
+                 scheduler: BatchingScheduler, image_loader: ImageLoader):
         super().__init__(model_manager=model_manager, generation_state=generation_state)
         self.raincheck_config = raincheck_config
         self.scheduler = scheduler
@@ -143,12 +151,12 @@ class RaincheckChatHandler(ChatCompletionHandler):
         self._validate_request(body)  # unknown fields: 422
         if not self.scheduler.running:
             raise HTTPException(status_code=503, detail="the model's scheduler has stopped")
-        model_id, model, processor = self._resolve_model(body)  # another model than the pinned one: 400
+        model_id, model, processor = self._resolve_model(body)  # another model than the served one: 400
         messages = await asyncio.to_thread(parse_messages, body["messages"], self.image_loader)
         seed = body.get("seed")
         config_body = {k: v for k, v in body.items() if k != "seed"}
         try:
-            gen_config = self._build_generation_config(config_body, model.generation_config)
+            gen_config = serving_generation_config(self, config_body, model.generation_config)
             temperature = body.get("temperature")
             if temperature == 0:  # greedy (transformers' validation refuses a temperature without sampling)
                 gen_config.do_sample, gen_config.temperature = False, None
@@ -166,7 +174,7 @@ class RaincheckChatHandler(ChatCompletionHandler):
                       seed=seed)
         if body.get("stream"):
             job.stream_queue = asyncio.Queue()
-            job.streamer = DirectStreamer(processor.tokenizer._tokenizer, loop, job.stream_queue)
+            job.streamer = TextQueueStreamer(processor.tokenizer, loop, job.stream_queue)
         self.scheduler.submit(job)
         await job.prepared  # RequestError: a 4xx before anything is streamed
         if body.get("stream"):
@@ -179,6 +187,14 @@ class RaincheckChatHandler(ChatCompletionHandler):
         completion = self._build_completion(request_id, result.answer, model_id, finish_reason=result.finish_reason,
                                             usage=self._usage(result))
         return JSONResponse(completion, media_type="application/json")
+
+    def _resolve_model(self, body: dict) -> tuple:
+        """(name, model, processor) of the served model; a request naming another model is refused (400)."""
+        requested, name = body.get("model"), self.model_manager.force_model
+        if requested is not None and requested != name:
+            raise HTTPException(status_code=400, detail=f"Server is pinned to '{name}'; requested '{requested}'.")
+        model, processor = self.model_manager.load_model_and_processor()
+        return name, model, processor
 
     @staticmethod
     def _usage(result) -> CompletionUsage:
@@ -197,20 +213,33 @@ class RaincheckChatHandler(ChatCompletionHandler):
                 item = await job.stream_queue.get()
                 if item is None:
                     break
-                if isinstance(item, _StreamError):
+                if isinstance(item, StreamError):
                     job.done.add_done_callback(_retrieve)  # the error is reported here, in the stream
-                    yield f"data: {json.dumps({'error': {'message': item.msg, 'type': 'server_error'}})}\n\n"
+                    yield f"data: {json.dumps({'error': {'message': item.message, 'type': 'server_error'}})}\n\n"
                     return
                 yield self._build_chunk_sse(request_id, model=model_id, content=item)
             try:
                 result = await job.done
+            except asyncio.CancelledError:
+                if job.done.cancelled():  # the request was cancelled (its client went away): the stream just ends
+                    return
+                raise
             except Exception as error:  # noqa: BLE001
                 message = f"generation failed: {type(error).__name__}: {error}"
                 yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error'}})}\n\n"
                 return
-            yield self._build_chunk_sse(request_id, model=model_id, finish_reason=result.finish_reason,
-                                        usage=self._usage(result))
+            yield self._last_chunk_sse(request_id, model_id, result.finish_reason, self._usage(result))
             yield "data: [DONE]\n\n"
         except (GeneratorExit, asyncio.CancelledError):
             job.streamer.cancel()  # the client went away: generate stops at its next token
             raise
+
+    def _last_chunk_sse(self, request_id: str, model_id: str, finish_reason: str, usage: CompletionUsage) -> str:
+        """The stream's last chunk: its finish reason and its usage together (as transformers 5.23 sends them; from
+        5.25 `_build_chunk_sse` sends a usage chunk without choices, which clients that read ``choices[0]`` of
+        every chunk cannot take)."""
+        chunk = ChatCompletionChunk(
+            id=request_id, created=int(time.time()), model=model_id, object="chat.completion.chunk",
+            system_fingerprint="", usage=usage,
+            choices=[ChoiceChunk(delta=ChoiceDelta(), index=0, finish_reason=finish_reason)])
+        return self.chunk_to_sse(chunk)

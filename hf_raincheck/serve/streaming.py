@@ -1,4 +1,5 @@
-"""`FanOutStreamer`: one streamer for a batched `generate`, handing each row's tokens to that row's own streamer.
+"""The server's streamers: `TextQueueStreamer` (one request's answer, as text, into its SSE queue) and
+`FanOutStreamer` (one streamer for a batched `generate`, handing each row's tokens to that row's own streamer).
 
 transformers calls ``streamer.put(prompt)`` once with the prompt ``[B, L]``, then ``put(tokens)`` with the ``[B]``
 next tokens of each decode step, and ``end()`` once. A row that stopped early keeps receiving ``pad_token_id``
@@ -10,16 +11,65 @@ limit, shows it was part of the answer (a row ended by a stop string is followed
 ``end()``.
 
 A row's streamer sees nothing before its first token: until then the row can still be run again alone with the
-same streamer (``started(i)`` says whether it has seen anything). A row whose streamer raises transformers'
-serving ``_GenerationCancelled`` (its client went away) is cancelled alone: it receives nothing more and
+same streamer (``started(i)`` says whether it has seen anything). A row whose streamer raises
+`errors.GenerationCancelled` (its client went away) is cancelled alone: it receives nothing more and
 ``cancelled[i]`` is set; the batch goes on for the other rows, and is aborted (the exception raised) only when
 every row is cancelled.
 """
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import torch
-from transformers.cli.serving.utils import _GenerationCancelled
+
+from .errors import GenerationCancelled
+
+
+class TextQueueStreamer:
+    """A `generate` streamer for one request: its answer's tokens decoded as they come (the tokenizers library's
+    incremental ``DecodeStream``, special tokens skipped) and handed to `queue` on the event loop `loop`; ``None``
+    ends the stream. The first ``put`` (the prompt) is not streamed. `cancel` (the client went away, from the event
+    loop) makes the next ``put`` raise `GenerationCancelled`, which stops the generation.
+
+    Args:
+        tokenizer: the request's tokenizer (a fast tokenizer: its Rust ``backend_tokenizer`` decodes).
+        loop: the event loop the queue belongs to.
+        queue: the request's stream queue (text pieces, then ``None``; the server may end it with a
+            `errors.StreamError` instead).
+    """
+
+    def __init__(self, tokenizer, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
+        from tokenizers.decoders import DecodeStream
+
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError(f"TextQueueStreamer: tokenizer must be a fast tokenizer (with a backend_tokenizer), got "
+                             f"{type(tokenizer).__name__}")
+        self._backend, self._loop, self._queue = backend, loop, queue
+        self._decode = DecodeStream(skip_special_tokens=True)
+        self._prompt_seen = False
+        self._cancelled = threading.Event()
+        self.total_tokens = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        if self._cancelled.is_set():
+            raise GenerationCancelled()
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        for token in value.reshape(-1).tolist():
+            self.total_tokens += 1
+            text = self._decode.step(self._backend, token)
+            if text:
+                self._loop.call_soon_threadsafe(self._queue.put_nowait, text)
+
+    def end(self) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, None)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
 
 
 class FanOutStreamer:
@@ -84,14 +134,14 @@ class FanOutStreamer:
                 continue
             try:
                 self._give(row, [self.pad] * self._held[row] + [token])
-            except _GenerationCancelled:
+            except GenerationCancelled:
                 self.cancelled[row] = self._ended[row] = True
                 continue
             self._held[row] = 0
             if token in self.eos or at_limit:
                 self._ended[row] = True
         if all(self.cancelled):
-            raise _GenerationCancelled()
+            raise GenerationCancelled()
 
     def _give(self, row: int, tokens: list[int]) -> None:
         streamer = self.streamers[row]
@@ -108,7 +158,7 @@ class FanOutStreamer:
                 continue
             try:
                 self._give(row, [])
-            except _GenerationCancelled:
+            except GenerationCancelled:
                 self.cancelled[row] = True
                 continue
             streamer.end()

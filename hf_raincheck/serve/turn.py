@@ -23,7 +23,7 @@ import torch
 
 from ..config import RaincheckConfig
 from ..conversation import next_turn_inputs
-from .errors import RequestError
+from .errors import RequestError, StreamError
 from .messages import ParsedMessage, assistant_message
 from .pool import Conversation, ConversationPool
 from .stats import raincheck_usage
@@ -51,7 +51,7 @@ class TurnJob:
     max_tokens_given: bool
     context_length: int
     seed: int | None = None
-    streamer: object | None = None  # transformers' DirectStreamer for SSE
+    streamer: object | None = None  # a `streaming.TextQueueStreamer` for SSE
     stream_queue: asyncio.Queue | None = None  # the streamer's queue (an error or a cancellation ends it here)
     prepared: asyncio.Future = field(default=None)
     done: asyncio.Future = field(default=None)
@@ -78,9 +78,7 @@ class TurnJob:
         """Ends an SSE stream whose generation did not reach ``streamer.end()``: an error item, or the end."""
         if self.stream_queue is None:
             return
-        from transformers.cli.serving.utils import _StreamError
-
-        item = _StreamError(f"generation failed: {type(error).__name__}: {error}") if error is not None else None
+        item = StreamError(f"generation failed: {type(error).__name__}: {error}") if error is not None else None
         self.loop.call_soon_threadsafe(self.stream_queue.put_nowait, item)
 
 
