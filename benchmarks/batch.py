@@ -90,7 +90,7 @@ from shapes import SHAPES, build_inputs, build_model  # noqa: E402
 import hf_raincheck  # noqa: E402
 from hf_raincheck import FixedChunkSchedule, RaincheckConfig, enable_raincheck  # noqa: E402
 from hf_raincheck.config import parse_chunk_size  # noqa: E402
-from hf_raincheck.conversation import batch_inputs  # noqa: E402
+from hf_raincheck.conversation import batch_inputs, cache_argument, output_cache  # noqa: E402
 from hf_raincheck.generation.batch import shared_steps_supported  # noqa: E402
 from hf_raincheck.generation.schedule import carried_tokens  # noqa: E402
 from hf_raincheck.generation.shared_batch import carry_counts  # noqa: E402
@@ -233,7 +233,7 @@ class Bench:
             kwargs["streamer"] = streamer
         if method.config is None:
             if self.args.cache == "static":
-                kwargs["past_key_values"] = self.static_cache(batch)
+                kwargs.update(cache_argument(self.static_cache(batch)))
         else:
             config = method.config
             if first_token_only and config.policy == "raincheck":
@@ -312,7 +312,7 @@ def answer_run(bench: Bench, method: Method, batch: dict) -> dict:
     width = batch["input_ids"].shape[1]
     if out.sequences.shape != (size, width + n):
         raise RuntimeError(f"expected sequences of shape {(size, width + n)}, got {tuple(out.sequences.shape)}")
-    restored = restoration(bench, method, out.past_key_values, size, n - 1)
+    restored = restoration(bench, method, output_cache(out), size, n - 1)
     del out
     e2e = end - start
     run = dict(e2e_ms=1e3 * e2e, tokens_per_s=size * n / e2e, peak_mem_gib=peak, tpot_ms=None, answer_ttft_ms=None,

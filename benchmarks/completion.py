@@ -41,6 +41,7 @@ from latency import Timer  # noqa: E402
 from shapes import SHAPES, build_inputs, build_model  # noqa: E402
 
 from hf_raincheck import RaincheckConfig, complete_deferred, enable_raincheck  # noqa: E402
+from hf_raincheck.conversation import cache_argument, output_cache  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "completion.json")
 
@@ -50,7 +51,7 @@ def timed_generate(model, inputs, cfg, n, sync, past=None):
     timer = Timer(sync)
     sync()
     start = time.perf_counter()
-    out = model.generate(**inputs, raincheck_config=cfg, past_key_values=past, max_new_tokens=n, min_new_tokens=n,
+    out = model.generate(**inputs, raincheck_config=cfg, **cache_argument(past), max_new_tokens=n, min_new_tokens=n,
                          do_sample=False, streamer=timer, return_dict_in_generate=True)
     sync()
     end = time.perf_counter()
@@ -71,18 +72,18 @@ def run_request(model, inputs, question, n, configs, sync, arrivals_ms, device):
     row = dict(new_tokens=n)
     # blocking: response-ready includes the pending tokens' prefill; turn 2 then finds a complete cache
     out, _, row["ready_blocking_s"] = timed_generate(model, inputs, configs["blocking"], n, sync)
-    row["pending_at_answer_end"] = out.past_key_values.turn_stats[0].pending_at_answer_end
+    row["pending_at_answer_end"] = output_cache(out).turn_stats[0].pending_at_answer_end
     _, row["ttft2_after_blocking_s"], _ = timed_generate(model, second_turn_inputs(out, question, device),
-                                                         configs["blocking"], 1, sync, past=out.past_key_values)
+                                                         configs["blocking"], 1, sync, past=output_cache(out))
     # background, turn 2 after completion finished
     out, _, row["ready_background_s"] = timed_generate(model, inputs, configs["background"], n, sync)
-    assert out.past_key_values.wait()
+    assert output_cache(out).wait()
     _, row["ttft2_after_completion_s"], _ = timed_generate(model, second_turn_inputs(out, question, device),
-                                                           configs["background"], 1, sync, past=out.past_key_values)
+                                                           configs["background"], 1, sync, past=output_cache(out))
     # background, turn 2 arriving during completion
     for delay in arrivals_ms:
         out, _, _ = timed_generate(model, inputs, configs["background"], n, sync)
-        cache = out.past_key_values
+        cache = output_cache(out)
         if delay:
             time.sleep(delay / 1e3)
         _, ttft, _ = timed_generate(model, second_turn_inputs(out, question, device), configs["background"], 1, sync,
@@ -95,7 +96,7 @@ def run_request(model, inputs, question, n, configs, sync, arrivals_ms, device):
                          do_sample=False, return_dict_in_generate=True)
     sync()
     start = time.perf_counter()
-    restored = complete_deferred(model, out.past_key_values)
+    restored = complete_deferred(model, output_cache(out))
     sync()
     row["pending_prefill_s"] = time.perf_counter() - start
     assert restored == row["pending_at_answer_end"], (restored, row["pending_at_answer_end"])

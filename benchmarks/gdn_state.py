@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from shapes import SHAPES, build_inputs, build_model  # noqa: E402
 
 from hf_raincheck import RaincheckConfig, enable_raincheck  # noqa: E402
+from hf_raincheck.conversation import output_cache  # noqa: E402
 from hf_raincheck.gdn_state import GDNLayerState, PrefixCheckpoint, advance, resolve  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gdn_state.json")
@@ -163,7 +164,7 @@ def end_to_end(model, inputs, n):
             prompt_length=inputs["input_ids"].shape[1],
             first_logits_max_abs_diff=float((a[0] - b[0]).abs().max()),
             logits_scale=float(a[0].abs().max()),
-            restored_during_decode=out["fla"].past_key_values.stats.during_decode,
+            restored_during_decode=output_cache(out["fla"]).stats.during_decode,
         )
     return report
 

@@ -32,6 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
+from hf_raincheck.conversation import output_cache  # noqa: E402
 from hf_raincheck.gridqa import load_default, task  # noqa: E402
 
 
@@ -143,7 +144,7 @@ def alignment_report(model, processor, dialogues: int, selectors, retentions) ->
             for ret in retentions:
                 out = model.generate(**inputs, max_new_tokens=1, do_sample=False, return_dict_in_generate=True,
                                      raincheck_config=RaincheckConfig(policy="hard", retention=ret, pruning=sel))
-                keep = {int(k) - first for k in out.past_key_values.plan.kept}
+                keep = {int(k) - first for k in output_cache(out).plan.kept}
                 kept.setdefault(f"{group} {sel} {ret}", []).append(sum(a in keep for a in asked) / len(asked))
     report["asked_in_top_k"] = {g: {"share": float(np.mean(v)), "n": len(v)} for g, v in ranked.items()}
     report["asked_kept"] = {k: {"share": float(np.mean(v)), "n": len(v)} for k, v in sorted(kept.items())}

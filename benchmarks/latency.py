@@ -101,6 +101,7 @@ from shapes import SHAPES, build_inputs, build_model, build_video_inputs, defaul
 import hf_raincheck  # noqa: E402
 from hf_raincheck import FixedChunkSchedule, RaincheckConfig, enable_raincheck, release_static_buffers  # noqa: E402
 from hf_raincheck.config import parse_chunk_size  # noqa: E402
+from hf_raincheck.conversation import cache_argument, output_cache  # noqa: E402
 from hf_raincheck.generation.schedule import carried_tokens  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -309,7 +310,7 @@ class Bench:
             kwargs["stopping_criteria"] = StoppingCriteriaList([StopAfter(inputs["input_ids"].shape[1] + stop_after)])
         if policy.config is None:
             if cache == "static":
-                kwargs["past_key_values"] = self.plain_static_cache()
+                kwargs.update(cache_argument(self.plain_static_cache()))
         else:
             config = policy.config if stop_after is None else dataclasses.replace(policy.config, completion="next_turn")
             kwargs["raincheck_config"] = config
@@ -346,7 +347,7 @@ def restoration(out, policy: Policy, steps: int) -> tuple[list[int], int | None]
     """Per decode step carried counts and ``restored_at_token`` (checked against the cache's own stats)."""
     if policy.name != "raincheck":
         return [0] * steps, None
-    record = out.past_key_values.turn_stats[-1]
+    record = output_cache(out).turn_stats[-1]
     counts = carry_counts(policy.config, record.deferred, steps)
     if sum(counts) != record.restored_during_decode:
         print(f"  warning: the schedule carries {sum(counts)} deferred tokens, the cache counted "
@@ -457,7 +458,7 @@ def profile_steps(bench: Bench, inputs, cache: str) -> str:
     profilers, walls = {}, {}
     raincheck = raincheck_policy(args, args.chunk_size)
     out, _, _, _ = bench.generate(inputs, raincheck, cache, stop_after=args.guard_tokens + 4)  # warm-up
-    counts = carry_counts(raincheck.config, out.past_key_values.turn_stats[-1].deferred, 8 * args.new_tokens)
+    counts = carry_counts(raincheck.config, output_cache(out).turn_stats[-1].deferred, 8 * args.new_tokens)
     del out
     late = max((j for j, c in enumerate(counts, start=1) if c), default=args.guard_tokens) + 2
     runs = [(raincheck, {"decode-only": args.guard_tokens, "fused": args.guard_tokens + 2,

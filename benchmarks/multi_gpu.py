@@ -51,6 +51,7 @@ from shapes import SHAPES, build_model, dispatch  # noqa: E402
 import hf_raincheck  # noqa: E402
 from hf_raincheck import RaincheckConfig, enable_raincheck  # noqa: E402
 from hf_raincheck.config import parse_chunk_size  # noqa: E402
+from hf_raincheck.conversation import cache_argument, output_cache  # noqa: E402
 from hf_raincheck.models import get_adapter  # noqa: E402
 from hf_raincheck.models.base import execution_device  # noqa: E402
 
@@ -80,7 +81,7 @@ def sync_all(devices) -> None:
 def generate(model, inputs, n, cfg, past=None):
     extra = {} if cfg is None else dict(raincheck_config=cfg)
     with torch.no_grad():
-        return model.generate(**inputs, **extra, past_key_values=past, max_new_tokens=n, min_new_tokens=n,
+        return model.generate(**inputs, **extra, **cache_argument(past), max_new_tokens=n, min_new_tokens=n,
                               do_sample=False, output_logits=True, return_dict_in_generate=True)
 
 
@@ -92,11 +93,11 @@ def second_turn(out, question: torch.Tensor) -> dict:
 def conversation(model, inputs, question, n, cfg) -> dict:
     """Turn 1 and a text-only turn 2 on its cache: tokens, logits (on the CPU, fp32), the cache, stats."""
     out1 = generate(model, inputs, n, cfg)
-    wrong, checked = misplaced_tensors(model, out1.past_key_values)  # while deferred rows may still be pending
+    wrong, checked = misplaced_tensors(model, output_cache(out1))  # while deferred rows may still be pending
     turn2 = second_turn(out1, question)
-    out2 = generate(model, turn2, max(n // 4, 4), cfg, past=out1.past_key_values)
+    out2 = generate(model, turn2, max(n // 4, 4), cfg, past=output_cache(out1))
     prompt1, prompt2 = inputs["input_ids"].shape[1], turn2["input_ids"].shape[1]
-    cache = out2.past_key_values
+    cache = output_cache(out2)
     wrong2, checked2 = misplaced_tensors(model, cache)
     return dict(misplaced=wrong + wrong2, checked=checked + checked2,
         tokens1=out1.sequences[0, prompt1:].tolist(), tokens2=out2.sequences[0, prompt2:].tolist(),

@@ -89,7 +89,7 @@ def play(model, processor, dialogue, config, max_new_tokens, image=None, preempt
     answer (drawn from the dialogue's index, so a rerun draws the same delays): the worker still restoring the
     deferred tokens is preempted wherever it is, and the next prefill folds in what it left."""
     from hf_raincheck import complete_deferred
-    from hf_raincheck.conversation import next_turn_inputs
+    from hf_raincheck.conversation import cache_argument, next_turn_inputs, output_cache
     from hf_raincheck.gridqa import task
 
     image = image if image is not None else dialogue.image()
@@ -110,11 +110,11 @@ def play(model, processor, dialogue, config, max_new_tokens, image=None, preempt
         inputs = {k: v.to(model.device) for k, v in inputs.items()}
         kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True)
         if cache is not None:
-            kwargs["past_key_values"] = cache
+            kwargs.update(cache_argument(cache))
         if config is not None:
             kwargs["raincheck_config"] = config
         out = model.generate(**inputs, **kwargs)
-        cache = out.past_key_values
+        cache = output_cache(out)
         new = out.sequences[0, inputs["input_ids"].shape[1] :]
         answer = processor.decode(new, skip_special_tokens=True).strip()
         turns.append((answer, task.is_correct(answer, turn.answer), int(new.numel())))
