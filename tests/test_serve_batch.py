@@ -457,6 +457,43 @@ def test_fan_out_streamer_cancels_one_row_and_aborts_when_all_are_cancelled():
 
 
 @needs_model
+def test_text_queue_streamer_streams_the_answer_as_text(reference):
+    """The request streamer: the prompt is not streamed, a character split over several tokens comes out whole,
+    special tokens are skipped, the pieces join to the decoded answer, ``end`` queues None, and a cancelled stream
+    raises `GenerationCancelled` at its next token."""
+    import asyncio
+
+    from hf_raincheck.serve.errors import GenerationCancelled
+    from hf_raincheck.serve.streaming import TextQueueStreamer
+
+    tokenizer = reference[1].tokenizer
+    text = "a grid: 🙂 ∑ é"
+    ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)  # a character split over tokens (the emoji: 4)
+    loop = asyncio.new_event_loop()
+    try:
+        queue = asyncio.Queue()
+        streamer = TextQueueStreamer(tokenizer, loop, queue)
+        streamer.put(torch.tensor([[1, 2, 3]]))  # the prompt
+        for token in ids:
+            streamer.put(torch.tensor([token]))
+        streamer.end()
+        loop.run_until_complete(asyncio.sleep(0))  # runs the queued puts
+        pieces = []
+        while not queue.empty():
+            pieces.append(queue.get_nowait())
+        assert pieces[-1] is None and "".join(pieces[:-1]) == text and streamer.total_tokens == len(ids)
+        assert all("\ufffd" not in piece for piece in pieces[:-1])
+        streamer.cancel()
+        with pytest.raises(GenerationCancelled):
+            streamer.put(torch.tensor([ids[0]]))
+    finally:
+        loop.close()
+    with pytest.raises(ValueError, match="must be a fast tokenizer"):
+        TextQueueStreamer(object(), None, None)
+
+
+@needs_model
 def test_fan_out_streamer_in_transformers_batched_generate(reference):
     """transformers' own batched generate drives the fan-out as the Raincheck engine will: every row's
     stream is its answer (the tokens `answer_length` keeps)."""
