@@ -13,6 +13,7 @@ last chunk of a stream too.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -59,6 +60,14 @@ def _number(body: dict, name: str, low: float, high: float, low_open: bool = Fal
         raise RequestError(f"{name} must be in {'(' if low_open else '['}{low}, {high}], got {value}")
 
 
+@functools.cache
+def _generation_fields() -> frozenset:
+    """The fields of transformers' `GenerationConfig` (what a request's ``generation_config`` may set)."""
+    from transformers import GenerationConfig
+
+    return frozenset(GenerationConfig().to_dict())
+
+
 def check_parameters(body: dict) -> None:
     """Refuses unsupported, out-of-range and conflicting request parameters (`RequestError` naming them)."""
     for name, default in _REFUSED_UNLESS_DEFAULT.items():
@@ -96,9 +105,15 @@ def check_parameters(body: dict) -> None:
             raise RequestError(f"generation_config and {given} conflict: put those values in generation_config, "
                                "or leave generation_config out")
         try:
-            json.loads(body["generation_config"])
+            settings = json.loads(body["generation_config"])
         except (TypeError, ValueError) as error:
             raise RequestError(f"generation_config must be a JSON object string: {error}") from None
+        if not isinstance(settings, dict):
+            raise RequestError(f"generation_config must be a JSON object string, got {type(settings).__name__}")
+        unknown = sorted(set(settings) - _generation_fields())
+        if unknown:
+            raise RequestError(f"generation_config: {unknown} are not generation settings (GenerationConfig's fields "
+                               "only)")
     if body.get("chat_template_kwargs"):
         raise RequestError("chat_template_kwargs is not supported by the Raincheck server (the conversation's "
                            "cached tokens must render the same way in every request)")
