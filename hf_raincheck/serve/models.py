@@ -4,8 +4,6 @@ loads it (`transformers_coupling.serving_load_model`)."""
 
 from __future__ import annotations
 
-import threading
-
 from ..generation import enable_raincheck
 from ..transformers_coupling import serving_load_model
 
@@ -55,21 +53,14 @@ class RaincheckModelManager:
         self.force_model = force_model
         self.device, self.dtype = device, dtype
         self.attn_implementation, self.trust_remote_code = attn_implementation, trust_remote_code
-        self._lock = threading.Lock()
-        self._pair = None
-        if preloaded is not None:
-            self._pair = (enable_raincheck(preloaded[0]), preloaded[1])
-        else:
+        if preloaded is None:
             _torch_dtype(dtype)  # a bad dtype is refused before anything loads
-            self.load_model_and_processor()
+        model, processor = preloaded if preloaded is not None else self._load()
+        self._pair = (enable_raincheck(model), processor)
 
     def load_model_and_processor(self) -> tuple:
-        """``(model, processor)`` of the served model, loaded on the first call."""
-        with self._lock:
-            if self._pair is None:
-                model, processor = self._load()
-                self._pair = (enable_raincheck(model), processor)
-            return self._pair
+        """``(model, processor)`` of the served model (loaded when the manager was made)."""
+        return self._pair
 
     def _load(self) -> tuple:
         if self.force_model.split("@", 1)[0] == DEFAULT_MODEL:
