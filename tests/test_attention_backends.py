@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hf_raincheck.attention import naive_attention, naive_masked_softmax, sdpa, sdpa_attention
+from hf_raincheck.conversation import output_cache
 
 
 def _inputs(q, k, hq, hkv, d=16, batch=1, seed=0, dtype=torch.float32):
@@ -201,7 +202,7 @@ def test_every_eager_forward_sets_its_attention_backends(monkeypatch):
     inputs = _conv([(1, 8, 8)], [3, 2, 4])
     cfg = RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=2, pruning="uniform", completion="blocking")
     out = generate(model, inputs, 10, cfg)
-    deferred = out.past_key_values.turn_stats[0].deferred
+    deferred = output_cache(out).turn_stats[0].deferred
     assert deferred == 11
     # the prefill (the kept prompt tokens), two guard steps, fused steps carrying 5, 5 and 1 deferred rows, the rest
     assert seen == [inputs["input_ids"].shape[1] - deferred, 1, 1, 6, 6, 2, 1, 1, 1, 1]

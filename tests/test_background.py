@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from handmade import _conv, _extend, _text, _tiny_model  # noqa: E402
 
 from hf_raincheck import DeferredPrefillCache, RaincheckConfig, complete_deferred, enable_raincheck  # noqa: E402
+from hf_raincheck.conversation import cache_argument, output_cache  # noqa: E402
 from hf_raincheck.generation import background  # noqa: E402
 
 EXACT = dict(atol=1e-5, rtol=0)
@@ -43,7 +44,7 @@ def generate(model, inputs, n, cfg, past=None, **kw):
     kwargs = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, output_logits=True, return_dict_in_generate=True)
     kwargs.update(kw)
     if past is not None:
-        kwargs["past_key_values"] = past
+        kwargs.update(cache_argument(past))
     with torch.no_grad():
         return model.generate(**inputs, raincheck_config=cfg, **kwargs)
 
@@ -64,7 +65,7 @@ def spy_writes(cache):
 
 def turn_two(model, inputs, out, cfg):
     conv2 = _extend(inputs, out.sequences[0, inputs["input_ids"].shape[1]:].tolist() + QUESTION)
-    return conv2, generate(model, conv2, 3, cfg, past=out.past_key_values)
+    return conv2, generate(model, conv2, 3, cfg, past=output_cache(out))
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +74,7 @@ def blocking_reference(model):
     inputs = two_images()
     cfg = RaincheckConfig(completion="blocking", **CFG)
     out = generate(model, inputs, N1, cfg)
-    cache = out.past_key_values
+    cache = output_cache(out)
     assert cache.pending == 0 and cache.stats.during_decode == 4 and cache.stats.after_answer == 18
     _, out2 = turn_two(model, inputs, out, cfg)
     return out.sequences, torch.stack(out2.logits)
@@ -279,7 +280,7 @@ def test_interrupted_generate_leaves_a_consistent_cache(model, completion):
     conv2 = dict(input_ids=torch.tensor([cache.token_ids + QUESTION]))
     conv2["attention_mask"] = torch.ones_like(conv2["input_ids"])
     a = generate(model, conv2, 3, cfg, past=cache)
-    b = generate(model, conv2, 3, cfg, past=plain.past_key_values)
+    b = generate(model, conv2, 3, cfg, past=output_cache(plain))
     assert cache.pending == 0 and bool(cache.filled.all()) and sorted(writes) == list(range(L + 5 + 4 + 2))
     assert cache.turn_stats[1].restored_in_prefill == 16
     torch.testing.assert_close(torch.stack(a.logits), torch.stack(b.logits), **EXACT)
@@ -327,6 +328,7 @@ atexit.register(lambda: print("outcome:", state["worker"].outcome, "restored:", 
 import torch
 from handmade import _conv, _tiny_model
 from hf_raincheck import RaincheckConfig, enable_raincheck
+from hf_raincheck.conversation import output_cache
 from hf_raincheck.generation import background
 
 original = background.prefill_pending
@@ -341,9 +343,9 @@ model = enable_raincheck(_tiny_model("eager"))
 inputs = _conv([(1, 8, 8), (1, 8, 8)], [3, 2, 4])
 out = model.generate(**inputs, raincheck_config=RaincheckConfig(retention=0.3, chunk_size=2, guard_tokens=4,
                      completion_chunk_size=3), max_new_tokens=7, min_new_tokens=7, return_dict_in_generate=True)
-state["worker"] = out.past_key_values.completion_worker
+state["worker"] = output_cache(out).completion_worker
 assert first_chunk_done.wait(120)
-print("pending at exit:", out.past_key_values.pending, flush=True)
+print("pending at exit:", output_cache(out).pending, flush=True)
 """
 
 
@@ -410,7 +412,7 @@ def test_qwen3_5_forward_failing_half_way_leaves_the_gdn_state_untouched():
 
     # the worker fails in its second chunk
     blocking = RaincheckConfig(completion="blocking", pruning="uniform", **CFG)
-    reference = generate(hybrid, inputs, N1, blocking).past_key_values
+    reference = output_cache(generate(hybrid, inputs, N1, blocking))
     expected = second_turn(reference, blocking)
 
     def in_worker(cache):
@@ -434,6 +436,6 @@ def test_qwen3_5_forward_failing_half_way_leaves_the_gdn_state_untouched():
         generate(hybrid, inputs, N1, cfg, past=cache)
     assert cache.length == L + 5 and cache.plan.restored == 2 and not cache.completion_running
     check_consistent(cache)
-    same = generate(hybrid, inputs, 6, cfg).past_key_values  # an answer that ended right before step 6
+    same = output_cache(generate(hybrid, inputs, 6, cfg))  # an answer that ended right before step 6
     assert same.token_ids == cache.token_ids and same.plan.restored == 2
     torch.testing.assert_close(second_turn(cache, cfg), second_turn(same, cfg), **tol)

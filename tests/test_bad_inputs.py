@@ -13,6 +13,7 @@ from PIL import Image
 
 from hf_raincheck import transformers_coupling as hf
 from hf_raincheck import DeferredPrefillCache, RaincheckChat, RaincheckConfig, enable_raincheck
+from hf_raincheck.conversation import cache_argument
 from hf_raincheck.images import eight_bit, open_image
 from hf_raincheck.testing import load_tiny_qwen3_5, load_tiny_qwen3_vl, make_image
 
@@ -81,10 +82,10 @@ def test_a_cache_for_another_layer_count_is_refused_naming_num_layers(hybrid, wr
     with pytest.raises(ValueError, match=rf"{hf.CACHE_ARGUMENT}: DeferredPrefillCache\(num_layers={layers + wrong}\) does "
                                          rf"not fit this model, which has {layers} decoder layers; build it with "
                                          rf"num_layers={layers}"):
-        model.generate(**inputs, past_key_values=cache, raincheck_config=CFG, max_new_tokens=2)
+        model.generate(**inputs, **cache_argument(cache), raincheck_config=CFG, max_new_tokens=2)
     assert cache.length == 0
     right = DeferredPrefillCache(layers)
-    out = model.generate(**inputs, past_key_values=right, raincheck_config=CFG, max_new_tokens=2)
+    out = model.generate(**inputs, **cache_argument(right), raincheck_config=CFG, max_new_tokens=2)
     assert right.length == inputs["input_ids"].shape[1] + 1 and out.shape[1] == right.length + 1
 
 

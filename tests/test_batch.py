@@ -19,7 +19,7 @@ from transformers import TextStreamer
 from hf_raincheck import transformers_coupling as hf
 from hf_raincheck import DeferredPrefillCache, RaincheckConfig, enable_raincheck
 from hf_raincheck.cache.batched import BatchedDeferredPrefillCache
-from hf_raincheck.conversation import batch_inputs, next_turn_inputs
+from hf_raincheck.conversation import batch_inputs, cache_argument, next_turn_inputs, output_cache
 from hf_raincheck.testing import load_tiny_qwen2_5_vl, load_tiny_qwen3_5, load_tiny_qwen3_vl, make_image
 
 N = 10
@@ -101,7 +101,7 @@ def test_every_row_equals_its_batch1_run(family, pruning):
     batch = _inputs(processor, CONVERSATIONS)
     assert not bool(batch["attention_mask"][:, 0].all()) and bool(batch["attention_mask"][:, -1].all())  # left padding
     out = _gen(model, batch, cfg)
-    cache = out.past_key_values
+    cache = output_cache(out)
     assert isinstance(cache, BatchedDeferredPrefillCache) and cache.batch_size == len(CONVERSATIONS)
     width = batch["input_ids"].shape[1]
     assert torch.equal(out.sequences[:, :width], batch["input_ids"])
@@ -110,7 +110,7 @@ def test_every_row_equals_its_batch1_run(family, pruning):
         ref = _gen(model, alone, cfg, output_logits=True)
         ref_new = ref.sequences[0, alone["input_ids"].shape[1]:]
         assert out.sequences[i, width:width + ref_new.numel()].tolist() == ref_new.tolist(), f"row {i}"
-        row, ref_cache = cache.split()[i], ref.past_key_values
+        row, ref_cache = cache.split()[i], output_cache(ref)
         assert isinstance(row, DeferredPrefillCache)
         assert row.token_ids == ref_cache.token_ids
         assert [p.deferred.tolist() for p in cache.row_plans[i]] == [p.deferred.tolist() for p in ref_cache.plans]
@@ -130,7 +130,7 @@ def test_baselines_equal_plain_batched_generate(family, cfg):
     plain = _gen(model, batch, output_logits=True)
     ours = _gen(model, batch, cfg)
     assert torch.equal(ours.sequences, plain.sequences)
-    assert ours.past_key_values.row_total_deferred == [0] * len(CONVERSATIONS)
+    assert output_cache(ours).row_total_deferred == [0] * len(CONVERSATIONS)
 
 
 @pytest.mark.parametrize("completion", ["blocking", "background", "next_turn"])
@@ -145,7 +145,7 @@ def test_exactly_once_per_row_with_an_early_stop(family, completion):
     steps0 = new[0].index(stop) + 1
     pad = 0
     out = _gen(model, batch, cfg, eos_token_id=stop, pad_token_id=pad)
-    cache = out.past_key_values
+    cache = output_cache(out)
     seq = out.sequences[:, width:].tolist()
     assert seq[0][:steps0] == new[0][:steps0] and all(t == pad for t in seq[0][steps0:])
     assert seq[1] == new[1][: len(seq[1])] and len(seq[1]) == N
@@ -172,8 +172,8 @@ def test_exactly_once_per_row_with_an_early_stop(family, completion):
             row_seq = torch.cat([prompt, out.sequences[i, width:width + lengths[i]]])[None]
             assert row.token_ids == row_seq[0, :-1].tolist()  # (the last generated token is never fed)
             turn2 = next_turn_inputs(processor, row_seq, [{"role": "user", "content": "Why?"}])
-            out2 = _gen(model, turn2, cfg, n=2, past_key_values=row)
-            assert out2.past_key_values is row
+            out2 = _gen(model, turn2, cfg, n=2, **cache_argument(row))
+            assert output_cache(out2) is row
             assert row.turn_stats[1].restored_in_prefill == pending[i]
             assert row.turn_stats[0].restored_after_answer == 0
             assert row.pending == 0 and bool(row.filled_prefix(row.length).all())
@@ -185,7 +185,7 @@ def test_split_caches_continue_like_batch1(family):
     batch = _inputs(processor, CONVERSATIONS)
     width = batch["input_ids"].shape[1]
     out = _gen(model, batch, cfg)
-    for i, row in enumerate(out.past_key_values.split()):
+    for i, row in enumerate(output_cache(out).split()):
         alone = _inputs(processor, [CONVERSATIONS[i]])
         ref = _gen(model, alone, cfg)
         ref_seq = ref.sequences
@@ -195,12 +195,12 @@ def test_split_caches_continue_like_batch1(family):
         message = [{"role": "user", "content": [{"type": "image", "image": make_image(9)},
                                                 {"type": "text", "text": "And this one?"}]}]
         turn2 = next_turn_inputs(processor, row_seq, message)
-        a = _gen(model, turn2, cfg, past_key_values=row, output_logits=True)
-        b = _gen(model, turn2, cfg, past_key_values=ref.past_key_values, output_logits=True)
+        a = _gen(model, turn2, cfg, **cache_argument(row), output_logits=True)
+        b = _gen(model, turn2, cfg, **cache_argument(output_cache(ref)), output_logits=True)
         assert torch.equal(a.sequences, b.sequences), f"row {i}"
         for x, y in zip(a.logits, b.logits):
             torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-4)
-        assert row.turn_stats == ref.past_key_values.turn_stats
+        assert row.turn_stats == output_cache(ref).turn_stats
 
 
 @pytest.mark.parametrize("completion", ["next_turn", "blocking"])
@@ -215,7 +215,7 @@ def test_batched_next_turn_equals_each_row_alone(family, completion):
     out = _gen(model, batch, cfg, n=4)
     follow = [{"role": "user", "content": [{"type": "image", "image": make_image(9)},
                                            {"type": "text", "text": "And this one?"}]}]
-    rows = out.past_key_values.split()
+    rows = output_cache(out).split()
     refs, row_inputs = [], []
     for i, conversation in enumerate(first):
         alone = _inputs(processor, [conversation])
@@ -223,20 +223,20 @@ def test_batched_next_turn_equals_each_row_alone(family, completion):
         seq = ref.sequences
         assert seq[0, alone["input_ids"].shape[1]:].tolist() == out.sequences[i, width:width + 4].tolist()
         row_inputs.append(next_turn_inputs(processor, seq, follow))
-        refs.append(ref.past_key_values)
+        refs.append(output_cache(ref))
     row_inputs.append(_inputs(processor, [CONVERSATIONS[3]]))  # a new conversation joins the batch
     batch2 = batch_inputs(row_inputs, processor.tokenizer.pad_token_id)
-    out2 = _gen(model, batch2, cfg, n=4, past_key_values=BatchedDeferredPrefillCache(rows + [None]))
+    out2 = _gen(model, batch2, cfg, n=4, **cache_argument(BatchedDeferredPrefillCache(rows + [None])))
     width2 = batch2["input_ids"].shape[1]
-    assert out2.past_key_values.rows[:3] == rows  # the same row caches, continued
+    assert output_cache(out2).rows[:3] == rows  # the same row caches, continued
     for i, inputs in enumerate(row_inputs):
-        ref = _gen(model, inputs, cfg, n=4, past_key_values=refs[i] if i < 3 else None)
+        ref = _gen(model, inputs, cfg, n=4, **cache_argument(refs[i] if i < 3 else None))
         ref_new = ref.sequences[0, inputs["input_ids"].shape[1]:].tolist()
         assert out2.sequences[i, width2:width2 + len(ref_new)].tolist() == ref_new, f"row {i}"
-        assert out2.past_key_values.row_turn_stats[i] == ref.past_key_values.turn_stats, f"row {i}"
-        assert out2.past_key_values.rows[i].token_ids == ref.past_key_values.token_ids
+        assert output_cache(out2).row_turn_stats[i] == output_cache(ref).turn_stats, f"row {i}"
+        assert output_cache(out2).rows[i].token_ids == output_cache(ref).token_ids
         if completion == "blocking":
-            assert_same_cache(out2.past_key_values.rows[i], ref.past_key_values)
+            assert_same_cache(output_cache(out2).rows[i], output_cache(ref))
 
 
 def test_step_logits_and_expanded_rows_equal_batch1(family):
@@ -258,8 +258,8 @@ def test_step_logits_and_expanded_rows_equal_batch1(family):
             torch.testing.assert_close(a[i], b[0], atol=2e-5, rtol=1e-4, msg=f"row {i} step {step}")
         for copy in (2 * i, 2 * i + 1):
             assert expanded.sequences[copy, width:width + len(ref_new)].tolist() == ref_new, f"copy {copy}"
-            plans = expanded.past_key_values.row_plans[copy]
-            assert [p.deferred.tolist() for p in plans] == [p.deferred.tolist() for p in ref.past_key_values.plans]
+            plans = output_cache(expanded).row_plans[copy]
+            assert [p.deferred.tolist() for p in plans] == [p.deferred.tolist() for p in output_cache(ref).plans]
 
 
 def test_carry_counts_share_the_budget():
@@ -311,8 +311,8 @@ def test_a_binding_step_budget_equals_batch1_fed_the_same_counts(family, monkeyp
         ref = _gen(model, alone, replay)
         ref_new = ref.sequences[0, alone["input_ids"].shape[1]:].tolist()
         assert out.sequences[i, width:width + len(ref_new)].tolist() == ref_new, f"row {i}"
-        assert out.past_key_values.row_turn_stats[i] == ref.past_key_values.turn_stats, f"row {i}"
-        assert_same_cache(out.past_key_values.rows[i], ref.past_key_values)
+        assert output_cache(out).row_turn_stats[i] == output_cache(ref).turn_stats, f"row {i}"
+        assert_same_cache(output_cache(out).rows[i], output_cache(ref))
 
 
 def test_the_default_step_budget_is_the_models(family, monkeypatch):
@@ -332,7 +332,7 @@ def test_the_default_step_budget_is_the_models(family, monkeypatch):
     gdn = model._raincheck_state.adapter.gdn_glue is not None
     assert gdn == (model.config.model_type == "qwen3_5")
     assert budgets and set(budgets) == {1024 if gdn else 128}
-    assert out.past_key_values.rows[0].config.step_deferred_budget == "auto"
+    assert output_cache(out).rows[0].config.step_deferred_budget == "auto"
     budgets.clear()
     _gen(model, batch, RaincheckConfig(retention=0.3, chunk_size=4, guard_tokens=1, completion="blocking",
                                        step_deferred_budget=3))
@@ -345,15 +345,15 @@ def test_unsupported_batches_raise(family):
     static_rows = BatchedDeferredPrefillCache([DeferredPrefillCache(2, static=True, max_cache_len=64)
                                                for _ in range(2)])
     for kw, message in [
-        (dict(past_key_values=static_rows, output_logits=True),  # (rows of batch-1 static caches: one after the other)
+        (dict(**cache_argument(static_rows), output_logits=True),  # (rows of batch-1 static caches: one after the other)
          "output_logits .* not supported when the rows run"),
         (dict(streamer=TextStreamer(processor.tokenizer)), "only supports batch size 1"),  # (transformers' own)
         (dict(output_attentions=True), "output_attentions"),
         (dict(num_beams=2), "beam search is not supported"),
-        (dict(num_return_sequences=2, do_sample=True, past_key_values=BatchedDeferredPrefillCache([None, None])),
+        (dict(num_return_sequences=2, do_sample=True, **cache_argument(BatchedDeferredPrefillCache([None, None]))),
          "num_return_sequences > 1 starts new conversations"),
-        (dict(past_key_values=DeferredPrefillCache(2)), f"{hf.CACHE_ARGUMENT} must be a BatchedDeferredPrefillCache"),
-        (dict(past_key_values=BatchedDeferredPrefillCache([None])), "holds 1 rows but input_ids has 2"),
+        (cache_argument(DeferredPrefillCache(2)), f"{hf.CACHE_ARGUMENT} must be a BatchedDeferredPrefillCache"),
+        (cache_argument(BatchedDeferredPrefillCache([None])), "holds 1 rows but input_ids has 2"),
     ]:
         with pytest.raises(ValueError, match=message):
             _gen(model, batch, CFG, n=2, **kw)
@@ -375,20 +375,20 @@ def test_static_batches_equal_batch1(family):
     batch = _inputs(processor, conversations)
     out = _gen(model, batch, CFG, n=6, **kw)
     why = shared_steps_supported(raincheck_state(model, "test"), "static", "sdpa", None)
-    assert why is None and out.past_key_values.static and not any(r.static for r in out.past_key_values.rows)
+    assert why is None and output_cache(out).static and not any(r.static for r in output_cache(out).rows)
     width = batch["input_ids"].shape[1]
     for i, conversation in enumerate(conversations):
         alone = _inputs(processor, [conversation])
         ref = _gen(model, alone, CFG, n=6, **kw)
         ref_new = ref.sequences[0, alone["input_ids"].shape[1]:].tolist()
         assert out.sequences[i, width:width + len(ref_new)].tolist() == ref_new, f"row {i}"
-        assert out.past_key_values.row_turn_stats[i] == ref.past_key_values.turn_stats
+        assert output_cache(out).row_turn_stats[i] == output_cache(ref).turn_stats
 
 
 def test_batch1_cache_has_the_row_views(family):
     model, processor = family
     out = _gen(model, _inputs(processor, CONVERSATIONS[:1]), RaincheckConfig(retention=0.3, completion="next_turn"))
-    cache = out.past_key_values
+    cache = output_cache(out)
     assert isinstance(cache, DeferredPrefillCache) and cache.split() == [cache]
     assert cache.row_pending == [cache.pending] and cache.pending > 0
     assert cache.row_total_deferred == [cache.total_deferred]
@@ -442,8 +442,8 @@ def test_qwen2_5_vl_batch_with_videos_equals_batch1(tiny_qwen2_5_vl_path):
         ref = _gen(model, alone, CFG)
         ref_new = ref.sequences[0, alone["input_ids"].shape[1]:].tolist()
         assert out.sequences[i, width:width + len(ref_new)].tolist() == ref_new, f"row {i}"
-        assert out.past_key_values.row_turn_stats[i] == ref.past_key_values.turn_stats
-        row, ref_cache = out.past_key_values.rows[i], ref.past_key_values
+        assert output_cache(out).row_turn_stats[i] == output_cache(ref).turn_stats
+        row, ref_cache = output_cache(out).rows[i], output_cache(ref)
         assert row.rope_delta == ref_cache.rope_delta  # (the temporal positions move it)
         assert [p.deferred.tolist() for p in row.plans] == [p.deferred.tolist() for p in ref_cache.plans]
         for a, b in zip(row.layers, ref_cache.layers):
@@ -459,7 +459,7 @@ def test_complete_deferred_of_a_batch(family):
     conversations = [CONVERSATIONS[0], CONVERSATIONS[2], CONVERSATIONS[1]]
     cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion="next_turn")
     out = _gen(model, _inputs(processor, conversations), cfg, n=3)
-    group = out.past_key_values
+    group = output_cache(out)
     pending = group.row_pending
     assert pending[0] > 2 and pending[1] == 0 and pending[2] > 2
     assert complete_deferred(model, group, max_tokens=2) == 4
@@ -469,7 +469,7 @@ def test_complete_deferred_of_a_batch(family):
         ref = _gen(model, _inputs(processor, [conversation]), RaincheckConfig(
             retention=0.3, chunk_size=3, guard_tokens=2, completion="blocking"), n=3)
         assert group.rows[i].turn_stats[0].restored_after_answer == pending[i]
-        assert_same_cache(group.rows[i], ref.past_key_values)
+        assert_same_cache(group.rows[i], output_cache(ref))
 
 
 def test_batched_calls_build_no_autograd_graph(family):
@@ -490,12 +490,12 @@ def test_batched_calls_build_no_autograd_graph(family):
         cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion="next_turn")
         kw = dict(max_new_tokens=3, do_sample=False, return_dict_in_generate=True, raincheck_config=cfg)
         out = model.generate(**_inputs(processor, CONVERSATIONS[:2]), **kw)
-        assert complete_deferred(model, out.past_key_values) > 0
+        assert complete_deferred(model, output_cache(out)) > 0
     finally:
         for h in handles:
             h.remove()
     assert seen and not any(seen)
-    for row in out.past_key_values.rows:
+    for row in output_cache(out).rows:
         assert not any(t.requires_grad for layer in row.layers if layer.is_initialized for t in (layer.keys, layer.values))
 
 
@@ -531,7 +531,7 @@ def test_shared_steps_on_cuda_equal_batch1(family):
             ref = _gen(model, alone, cfg)
             ref_new = ref.sequences[0, alone["input_ids"].shape[1]:].tolist()
             assert out.sequences[i, width:width + len(ref_new)].tolist() == ref_new, f"row {i}"
-            assert_same_cache(out.past_key_values.rows[i], ref.past_key_values)
+            assert_same_cache(output_cache(out).rows[i], output_cache(ref))
     finally:
         model.cpu()
 
@@ -559,8 +559,8 @@ def test_fla_batch_rows_stay_as_close_as_batch1(tiny_qwen3_5_path):
         ref, exact = _gen(model, alone, fla), _gen(model, alone, fp32)
         ref_new = ref.sequences[0, alone["input_ids"].shape[1]:].tolist()
         assert out.sequences[i, width:width + len(ref_new)].tolist() == ref_new, f"row {i}"
-        alone_error = _cache_distance(ref.past_key_values, exact.past_key_values)
-        batch_error = _cache_distance(out.past_key_values.rows[i], exact.past_key_values)
+        alone_error = _cache_distance(output_cache(ref), output_cache(exact))
+        batch_error = _cache_distance(output_cache(out).rows[i], output_cache(exact))
         assert batch_error <= 2 * alone_error + 2e-5, (i, batch_error, alone_error)
 
 
@@ -571,14 +571,14 @@ def test_consecutive_calls_of_other_batch_sizes_continue(family):
     cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion="next_turn")
     batch = _inputs(processor, CONVERSATIONS[:3])
     out = _gen(model, batch, cfg, n=3)
-    rows = out.past_key_values.split()
+    rows = output_cache(out).split()
     follow = [{"role": "user", "content": "Why?"}]
     turn2 = _next_turn_batch(processor, batch, out, [0, 1], follow)
-    out2 = _gen(model, turn2, cfg, n=3, past_key_values=BatchedDeferredPrefillCache(rows[:2]))
+    out2 = _gen(model, turn2, cfg, n=3, **cache_argument(BatchedDeferredPrefillCache(rows[:2])))
     assert out2.sequences.shape[0] == 2 and rows[0].pending == 0 and rows[1].pending == 0
     alone = _history(turn2, out2, 0)
-    out3 = _gen(model, next_turn_inputs(processor, alone, follow), cfg, n=2, past_key_values=rows[0])
-    assert out3.past_key_values is rows[0] and len(rows[0].turn_stats) == 3
+    out3 = _gen(model, next_turn_inputs(processor, alone, follow), cfg, n=2, **cache_argument(rows[0]))
+    assert output_cache(out3) is rows[0] and len(rows[0].turn_stats) == 3
 
 
 def test_a_row_continued_alone_gets_its_own_buffers(family):
@@ -588,13 +588,13 @@ def test_a_row_continued_alone_gets_its_own_buffers(family):
     cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion="blocking")
     batch = _inputs(processor, CONVERSATIONS[:2])
     out = _gen(model, batch, cfg, n=3)
-    rows = out.past_key_values.split()
+    rows = output_cache(out).split()
     layer = next(i for i, a in enumerate(rows[0].layers) if a.is_initialized)
     shared = lambda t: t.untyped_storage().nbytes() > t.nbytes  # noqa: E731
     assert shared(rows[0].layers[layer].keys) and shared(rows[1].layers[layer].keys)
     before = rows[0].layers[layer].keys[:, :, : rows[0].length].clone()
     _gen(model, next_turn_inputs(processor, _history(batch, out, 0), [{"role": "user", "content": "Why?"}]), cfg, n=2,
-         past_key_values=rows[0])
+         **cache_argument(rows[0]))
     assert not shared(rows[0].layers[layer].keys) and shared(rows[1].layers[layer].keys)
     torch.testing.assert_close(rows[0].layers[layer].keys[:, :, : before.shape[2]], before)
 
@@ -629,7 +629,7 @@ def test_trimmed_rows_hold_their_own_right_sized_buffers_and_continue_like_batch
     width = batch["input_ids"].shape[1]
     out = _gen(model, batch, cfg, n=4)
     sequences = out.sequences
-    group = out.past_key_values
+    group = output_cache(out)
     rows = group.split()
     shared = [weakref.ref(t) for t in group.keys + group.values + [group.filled] if t is not None]
     assert len(shared) > 1
@@ -686,23 +686,23 @@ def test_trimmed_rows_hold_their_own_right_sized_buffers_and_continue_like_batch
     assert pending[0] > cfg.chunk_size + 1 and pending[1] == 0  # (folded into turn 2's prefill next to a short row)
     batch2 = batch_inputs(row_inputs, processor.tokenizer.pad_token_id)
     width2 = batch2["input_ids"].shape[1]
-    out2 = _gen(model, batch2, cfg, n=4, past_key_values=BatchedDeferredPrefillCache(rows))
+    out2 = _gen(model, batch2, cfg, n=4, **cache_argument(BatchedDeferredPrefillCache(rows)))
     assert max(widths) <= max(row.length for row in rows) + cfg.chunk_size + 1, widths
     for i, inputs in enumerate(row_inputs):
-        ref = _gen(model, inputs, cfg, n=4, past_key_values=refs[i].past_key_values)
+        ref = _gen(model, inputs, cfg, n=4, **cache_argument(output_cache(refs[i])))
         refs[i] = ref
         ref_new = ref.sequences[0, inputs["input_ids"].shape[1]:].tolist()
         assert out2.sequences[i, width2:width2 + len(ref_new)].tolist() == ref_new, f"row {i}"
-        assert rows[i].turn_stats == ref.past_key_values.turn_stats and rows[i].token_ids == \
-            ref.past_key_values.token_ids
+        assert rows[i].turn_stats == output_cache(ref).turn_stats and rows[i].token_ids == \
+            output_cache(ref).token_ids
     rows[0].trim()
     turn3 = next_turn_inputs(processor, refs[0].sequences, text_follow)
-    a = _gen(model, turn3, cfg, n=4, past_key_values=rows[0], output_logits=True)
-    b = _gen(model, turn3, cfg, n=4, past_key_values=refs[0].past_key_values, output_logits=True)
+    a = _gen(model, turn3, cfg, n=4, **cache_argument(rows[0]), output_logits=True)
+    b = _gen(model, turn3, cfg, n=4, **cache_argument(output_cache(refs[0])), output_logits=True)
     assert torch.equal(a.sequences, b.sequences)
     for x, y in zip(a.logits, b.logits):
         torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-4)
-    assert_same_cache(rows[0], b.past_key_values)
+    assert_same_cache(rows[0], output_cache(b))
 
 
 def test_a_batch_continued_without_raincheck_config_takes_its_rows_config(family):
@@ -712,13 +712,13 @@ def test_a_batch_continued_without_raincheck_config_takes_its_rows_config(family
     cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion="next_turn")
     batch = _inputs(processor, CONVERSATIONS[:2])
     out = _gen(model, batch, cfg, n=3)
-    rows = out.past_key_values.split()
+    rows = output_cache(out).split()
     turn2 = _next_turn_batch(processor, batch, out, [0, 1], [{"role": "user", "content": "Why?"}])
-    out2 = _gen(model, turn2, None, n=2, past_key_values=BatchedDeferredPrefillCache(rows))
+    out2 = _gen(model, turn2, None, n=2, **cache_argument(BatchedDeferredPrefillCache(rows)))
     assert all(len(r.turn_stats) == 2 and r.pending == 0 for r in rows)
-    assert out2.past_key_values.rows == rows
+    assert output_cache(out2).rows == rows
     with pytest.raises(ValueError, match="BatchedDeferredPrefillCache that no Raincheck call has used yet"):
-        _gen(model, batch, None, n=2, past_key_values=BatchedDeferredPrefillCache([None, None]))
+        _gen(model, batch, None, n=2, **cache_argument(BatchedDeferredPrefillCache([None, None])))
 
 
 def test_qwen3_5_decode_rows_share_one_gdn_call_per_layer(tiny_qwen3_5_path, monkeypatch):
@@ -754,7 +754,7 @@ def test_qwen3_5_decode_rows_share_one_gdn_call_per_layer(tiny_qwen3_5_path, mon
         assert out.sequences[i, width:width + len(ref_new)].tolist() == ref_new, f"row {i}"
         for step, (a, b) in enumerate(zip(out.logits, ref.logits)):
             torch.testing.assert_close(a[i], b[0], atol=2e-5, rtol=1e-4, msg=f"row {i} step {step}")
-        assert_same_cache(out.past_key_values.rows[i], ref.past_key_values)
+        assert_same_cache(output_cache(out).rows[i], output_cache(ref))
 
 
 def test_qwen3_5_prefill_rows_share_gdn_calls_per_layer(tiny_qwen3_5_path, monkeypatch):
@@ -787,7 +787,7 @@ def test_qwen3_5_prefill_rows_share_gdn_calls_per_layer(tiny_qwen3_5_path, monke
             ref = _gen(model, single, cfg, n=1, output_logits=True)
             assert out.sequences[i, width:].tolist() == ref.sequences[0, single["input_ids"].shape[1]:].tolist()
             torch.testing.assert_close(out.logits[0][i], ref.logits[0][0], atol=2e-5, rtol=1e-4, msg=f"row {i}")
-            assert_same_cache(out.past_key_values.rows[i], ref.past_key_values)
+            assert_same_cache(output_cache(out).rows[i], output_cache(ref))
 
 
 def test_qwen3_5_first_token_call_host_work_does_not_grow_per_row_and_gdn_layer(tiny_qwen3_5_path, monkeypatch):
@@ -867,7 +867,7 @@ def test_qwen3_5_first_token_call_host_work_does_not_grow_per_row_and_gdn_layer(
             single = _inputs(processor, [conversation])
             ref = _gen(model, single, cfg, n=1, output_logits=True)
             torch.testing.assert_close(out.logits[0][i], ref.logits[0][0], atol=2e-5, rtol=1e-4, msg=f"row {i}")
-            assert_same_cache(out.past_key_values.rows[i], ref.past_key_values)
+            assert_same_cache(output_cache(out).rows[i], output_cache(ref))
     for layer, (two, four) in enumerate(zip(counts[2], counts[4])):
         grown = {op: four[op] - two[op] for op in set(two) | set(four) if four[op] != two[op]}
         assert not grown, f"GDN layer {layer}: operators that grow with the rows: {grown}"

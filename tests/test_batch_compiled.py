@@ -19,6 +19,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from hf_raincheck import RaincheckConfig, enable_raincheck
 from hf_raincheck.cache.batched import BatchedDeferredPrefillCache
+from hf_raincheck.conversation import cache_argument, output_cache
 from hf_raincheck.generation.shared_static import StaticBatchStep
 from hf_raincheck.testing import load_tiny_qwen2_5_vl, load_tiny_qwen3_5, load_tiny_qwen3_vl, make_image
 from test_batch import CONVERSATIONS, _gen, _inputs, _messages, _next_turn_batch, assert_same_cache
@@ -131,7 +132,7 @@ def test_compiled_static_batch_equals_batch1_and_the_shared_engine(family, steps
     assert graphs() == before + 2
     fused = [s for s in steps if s[0] == len(CONVERSATIONS) and any(s[1])]
     assert len(steps) == N - 1 and fused  # every decode step of the batch ran compiled, fused ones among them
-    group = out.past_key_values
+    group = output_cache(out)
     assert isinstance(group, BatchedDeferredPrefillCache) and group.static
     eager = _gen(model, batch, cfg, n=N, output_logits=True)  # the dynamic shared engine
     assert torch.equal(out.sequences, eager.sequences)
@@ -139,31 +140,31 @@ def test_compiled_static_batch_equals_batch1_and_the_shared_engine(family, steps
     for i, (alone, ref) in enumerate(alone_runs):
         assert_rows_equal(out, ref, width, [i], alone["input_ids"].shape[1], [0])
         row = group.rows[i]
-        assert group.row_turn_stats[i] == ref.past_key_values.turn_stats == eager.past_key_values.row_turn_stats[i]
-        assert row.token_ids == ref.past_key_values.token_ids
-        assert_same_row(row, eager.past_key_values.rows[i])
-        assert_same_row(row, ref.past_key_values)
+        assert group.row_turn_stats[i] == output_cache(ref).turn_stats == output_cache(eager).row_turn_stats[i]
+        assert row.token_ids == output_cache(ref).token_ids
+        assert_same_row(row, output_cache(eager).rows[i])
+        assert_same_row(row, output_cache(ref))
         record = row.turn_stats[0]  # exactly once: carried during decode, or still pending
         assert record.deferred == record.restored_during_decode + record.pending_at_answer_end == row.total_deferred
-    assert group.row_pending == eager.past_key_values.row_pending and group.row_pending[1] > 0
+    assert group.row_pending == output_cache(eager).row_pending and group.row_pending[1] > 0
     capacity = group.capacity
 
-    # turn 2: every row continues (past_key_values=the batch cache), each with a new image
+    # turn 2: every row continues (the batch cache passed back), each with a new image
     rows = list(range(len(CONVERSATIONS)))
     turn2 = _next_turn_batch(processor, batch, out, rows, FOLLOW)
     pending = group.row_pending
-    out2 = compiled(model, turn2, cfg, past_key_values=group)
-    eager2 = _gen(model, turn2, cfg, n=N, output_logits=True, past_key_values=eager.past_key_values)
+    out2 = compiled(model, turn2, cfg, **cache_argument(group))
+    eager2 = _gen(model, turn2, cfg, n=N, output_logits=True, **cache_argument(output_cache(eager)))
     width2 = turn2["input_ids"].shape[1]
-    assert out2.past_key_values is group and group.capacity == capacity
+    assert output_cache(out2) is group and group.capacity == capacity
     assert torch.equal(out2.sequences, eager2.sequences)
     assert_rows_equal(out2, eager2, width2, rows)
-    assert group.row_turn_stats == eager2.past_key_values.row_turn_stats
+    assert group.row_turn_stats == output_cache(eager2).row_turn_stats
     for i, row in enumerate(group.rows):
         assert row.turn_stats[1].restored_in_prefill == pending[i]
-        ref_plans = eager2.past_key_values.row_plans[i]
+        ref_plans = output_cache(eager2).row_plans[i]
         assert [p.deferred.tolist() for p in row.plans] == [p.deferred.tolist() for p in ref_plans]
-        assert_same_row(row, eager2.past_key_values.rows[i])
+        assert_same_row(row, output_cache(eager2).rows[i])
     assert any(any(s[1]) for s in steps[len(fused):])
     assert graphs() == before + 2  # the same two graphs: other plans, another turn
     # one graph per step kind's function (`decode.CompiledByStepKind`: a decode step checks only its own guards)
@@ -177,10 +178,10 @@ def test_compiled_static_batch_equals_batch1_and_the_shared_engine(family, steps
     # ... and every row's turn 2 equals its batch-1 compiled conversation's turn 2 (graphs at B = 1 of their own)
     for i, (alone, ref) in enumerate(alone_runs):
         alone2 = _next_turn_batch(processor, alone, ref, [0], FOLLOW)
-        ref2 = compiled(model, alone2, cfg, past_key_values=ref.past_key_values)
+        ref2 = compiled(model, alone2, cfg, **cache_argument(output_cache(ref)))
         assert_rows_equal(out2, ref2, width2, [i], alone2["input_ids"].shape[1], [0])
-        assert group.row_turn_stats[i] == ref2.past_key_values.turn_stats
-        assert_same_row(group.rows[i], ref2.past_key_values)
+        assert group.row_turn_stats[i] == output_cache(ref2).turn_stats
+        assert_same_row(group.rows[i], output_cache(ref2))
     before = graphs()
 
     # new conversations of the same batch size and capacity (other images, other plans): still the same graphs
@@ -189,7 +190,7 @@ def test_compiled_static_batch_equals_batch1_and_the_shared_engine(family, steps
               _messages([make_image(8)], "Count the colours, please")]
     batch3 = _inputs(processor, others)
     out3 = compiled(model, batch3, cfg)
-    assert out3.past_key_values.capacity == capacity and graphs() == before
+    assert output_cache(out3).capacity == capacity and graphs() == before
     eager3 = _gen(model, batch3, cfg, n=N, output_logits=True)
     assert_rows_equal(out3, eager3, batch3["input_ids"].shape[1], range(len(others)))
 
@@ -219,7 +220,7 @@ def test_rows_stopping_early_keep_restoring_in_compiled_steps(family, steps, com
     assert any(sum(s[1]) == 4 and any(0 < c < 3 for c in s[1]) for s in steps)  # the budget did bind
     # each row carries at most ceil(4 / 3) = 2 a step, so the fused graph is [3, 2 + 1], not [3, chunk_size + 1]
     assert {s[3] for s in steps if any(s[1])} == {2} and max(max(s[1]) for s in steps) == 2
-    group, ref = out.past_key_values, eager.past_key_values
+    group, ref = output_cache(out), output_cache(eager)
     assert group.row_turn_stats == ref.row_turn_stats and group.row_pending == ref.row_pending
     for i, row in enumerate(group.rows):
         record = row.turn_stats[0]
@@ -248,7 +249,7 @@ def test_eager_steps_between_compiled_ones(family, steps):
     assert len(steps) < 9 and any(any(s[1]) for s in steps)  # some steps compiled, fused among them, some eager
     assert torch.equal(out.sequences, eager.sequences)
     assert_rows_equal(out, eager, batch["input_ids"].shape[1], range(len(CONVERSATIONS)))
-    group, ref = out.past_key_values, eager.past_key_values
+    group, ref = output_cache(out), output_cache(eager)
     assert group.row_turn_stats == ref.row_turn_stats
     for row, ref_row in zip(group.rows, ref.rows):
         assert_same_row(row, ref_row)
@@ -287,7 +288,7 @@ def test_an_interrupted_compiled_step_rolls_every_row_back(family, monkeypatch):
     monkeypatch.setattr(StaticBatchStep, "__call__", snapshot)
     monkeypatch.setattr(shared_static, "count_restored", interrupted_at_the_second_fused_step)
     with pytest.raises(KeyboardInterrupt):
-        compiled(model, batch, cfg, past_key_values=group)
+        compiled(model, batch, cfg, **cache_argument(group))
     assert len(before) == 2
     for row, (filled, restored, tokens, stats, turns) in zip(group.rows, before[-1]):
         assert torch.equal(row.filled_prefix(group.capacity), filled)
@@ -298,7 +299,7 @@ def test_an_interrupted_compiled_step_rolls_every_row_back(family, monkeypatch):
     assert group.active_turn is None and group.forward_context is None
     if model.config.model_type == "qwen3_5":  # rule 8's one exception: the step had updated GDN states in place
         with pytest.raises(RuntimeError, match="cannot continue: a compiled static batch step was interrupted"):
-            compiled(model, batch, cfg, past_key_values=group)
+            compiled(model, batch, cfg, **cache_argument(group))
 
 
 def test_a_new_static_batch_takes_a_freed_batchs_buffers(family):
@@ -313,23 +314,23 @@ def test_a_new_static_batch_takes_a_freed_batchs_buffers(family):
     batch = _inputs(processor, CONVERSATIONS)
     run = lambda: compiled(model, batch, cfg, n=6)  # noqa: E731
     out = run()
-    first = dict(out.past_key_values.pooled)  # (held: their memory cannot be reused by chance)
+    first = dict(output_cache(out).pooled)  # (held: their memory cannot be reused by chance)
     assert {"filled", "store.embeds"} <= first.keys() and any(k.endswith(".keys") for k in first)
-    assert out.past_key_values.store_buffers["embeds"] is first["store.embeds"]
-    kept = out.past_key_values.split()[1]
+    assert output_cache(out).store_buffers["embeds"] is first["store.embeds"]
+    kept = output_cache(out).split()[1]
     keys = next(layer.keys for layer in kept.layers if layer.is_initialized)
     before = keys[:, :, : kept.length].clone()
     del out
     gc.collect()
     again = run()
-    second = dict(again.past_key_values.pooled)
+    second = dict(output_cache(again).pooled)
     assert not any(second[k] is first[k] for k in second)  # row 1 still views the first batch's buffers
     torch.testing.assert_close(keys[:, :, : kept.length], before, atol=0, rtol=0)
     del kept, keys, again
     gc.collect()
     third = run()
-    assert all(t is second[k] or t is first[k] for k, t in third.past_key_values.pooled.items())
-    assert third.past_key_values.pooled.keys() == second.keys()
+    assert all(t is second[k] or t is first[k] for k, t in output_cache(third).pooled.items())
+    assert output_cache(third).pooled.keys() == second.keys()
 
 
 def test_a_row_still_viewing_a_freed_batchs_gdn_states_keeps_them(tiny_qwen3_5_path):
@@ -343,8 +344,8 @@ def test_a_row_still_viewing_a_freed_batchs_gdn_states_keeps_them(tiny_qwen3_5_p
     cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=1, completion="next_turn")
     batch = _inputs(processor, CONVERSATIONS)
     out = compiled(model, batch, cfg, n=6)
-    rows = out.past_key_values.split()
-    first = {name: t for name, t in out.past_key_values.pooled.items() if name.startswith("gdn")}
+    rows = output_cache(out).split()
+    first = {name: t for name, t in output_cache(out).pooled.items() if name.startswith("gdn")}
     assert first and all(any(s.state.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
                                  for t in first.values()) for s in rows[1].gdn_states.values())
     moved = BatchedDeferredPrefillCache(rows)  # (a dynamic batch: the rows' KV move to its buffers, GDN states not)
@@ -353,7 +354,7 @@ def test_a_row_still_viewing_a_freed_batchs_gdn_states_keeps_them(tiny_qwen3_5_p
     del out
     gc.collect()
     again = compiled(model, batch, cfg, n=6)
-    second = {name: t for name, t in again.past_key_values.pooled.items() if name.startswith("gdn")}
+    second = {name: t for name, t in output_cache(again).pooled.items() if name.startswith("gdn")}
     assert second.keys() == first.keys() and not any(second[k] is first[k] for k in second)
     for idx, (state, conv) in saved.items():
         assert torch.equal(rows[1].gdn_states[idx].state, state) and torch.equal(rows[1].gdn_states[idx].conv, conv)
@@ -362,7 +363,7 @@ def test_a_row_still_viewing_a_freed_batchs_gdn_states_keeps_them(tiny_qwen3_5_p
     del again
     gc.collect()
     third = compiled(model, batch, cfg, n=6)
-    assert all(t is first[k] or t is second[k] for k, t in third.past_key_values.pooled.items() if k in first)
+    assert all(t is first[k] or t is second[k] for k, t in output_cache(third).pooled.items() if k in first)
 
 
 class _CountingDict(dict):
@@ -384,7 +385,7 @@ def test_gdn_states_sync_skips_the_rows_until_a_state_is_rebound(tiny_qwen3_5_pa
     model = enable_raincheck(model)
     cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=1, completion="next_turn")
     out = compiled(model, _inputs(processor, CONVERSATIONS), cfg, n=6)
-    group = out.past_key_values
+    group = output_cache(out)
     buffers = group.sync_gdn_states()
     for row in group.rows:
         row.gdn_states = _CountingDict(row.gdn_states)
@@ -441,7 +442,7 @@ def test_a_first_token_call_of_a_static_qwen3_5_batch_runs_only_its_prefill(tiny
     out = compiled(model, batch, cfg, stopping_criteria=first)
     monkeypatch.setattr(kernels, "gated_delta", original)
     ref = _gen(model, batch, cfg, stopping_criteria=first)
-    group, ref_group = out.past_key_values, ref.past_key_values
+    group, ref_group = output_cache(out), output_cache(ref)
     assert out.sequences.tolist() == ref.sequences.tolist()
     assert steps == [] and group.store_buffers is None
     wide = [(batch_rows, rows, width) for batch_rows, rows, width in calls if width != value_dim]
@@ -460,8 +461,8 @@ def test_a_first_token_call_of_a_static_qwen3_5_batch_runs_only_its_prefill(tiny
         assert_same_row(row, ref_row)
     # the next call continues every row (its pending tokens folded into its prefill) through compiled steps
     nxt = _next_turn_batch(processor, batch, out, range(len(CONVERSATIONS)), FOLLOW)
-    again = compiled(model, nxt, cfg, past_key_values=group)
-    ref_again = _gen(model, nxt, cfg, n=N, past_key_values=ref_group, output_logits=True)
+    again = compiled(model, nxt, cfg, **cache_argument(group))
+    ref_again = _gen(model, nxt, cfg, n=N, **cache_argument(ref_group), output_logits=True)
     assert_rows_equal(again, ref_again, nxt["input_ids"].shape[1], range(len(CONVERSATIONS)))
     assert steps
 

@@ -62,7 +62,7 @@ from hf_raincheck import (  # noqa: E402
     complete_deferred,
     enable_raincheck,
 )
-from hf_raincheck.conversation import batch_inputs, next_turn_inputs  # noqa: E402
+from hf_raincheck.conversation import batch_inputs, cache_argument, next_turn_inputs, output_cache  # noqa: E402
 from hf_raincheck.testing import chat_inputs, make_image  # noqa: E402
 
 # the batched path: the batch entry, the shared steps and forwards, the row stops, the shared completion, the patched
@@ -215,7 +215,7 @@ def _config(completion: str) -> RaincheckConfig:
 def _generate(model, inputs: dict, cache, max_new_tokens: int, completion: str, **kwargs):
     with torch.no_grad():
         return model.generate(
-            **inputs, past_key_values=cache, raincheck_config=_config(completion), max_new_tokens=max_new_tokens,
+            **inputs, **cache_argument(cache), raincheck_config=_config(completion), max_new_tokens=max_new_tokens,
             min_new_tokens=max_new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
             **kwargs,
         )
@@ -275,7 +275,7 @@ def run_batched(model, processor, tracer=None) -> Outcome:
                     outcome.rows[b].replayed.append(Step(turn.phase, message, 0, "next_turn", skip=True))
                 histories[b] = list(row.token_ids) if row is not None and row.length else None
             continue
-        assert out.past_key_values is group
+        assert output_cache(out) is group
         logits = torch.stack(out.logits)  # [steps, B, V]
         for b in range(ROWS):
             n = turn.answer_length(b)

@@ -20,6 +20,7 @@ from test_compiled_steps import compile_config  # noqa: E402
 
 from hf_raincheck import RaincheckConfig, enable_raincheck, release_static_buffers  # noqa: E402
 from hf_raincheck.cache.buffer_pool import POOL, StaticBufferPool  # noqa: E402
+from hf_raincheck.conversation import output_cache  # noqa: E402
 
 CFG = RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=2, pruning="uniform", completion="blocking")
 
@@ -72,23 +73,23 @@ def test_pool_keeps_the_latest_buffer_per_role_and_zeroes_it():
 
 def test_next_conversation_reuses_a_freed_caches_buffers_and_equals_a_fresh_run(model):
     first = static_run(model, images(0))
-    used = addresses(first.past_key_values)
+    used = addresses(output_cache(first))
     assert {"filled", "scratch_slots", "store.embeds", "store.valid", "layer0.keys", "layer0.values"} <= set(used)
     del first
     assert POOL.nbytes() > 0  # freed by reference counting: given back at once
     second = static_run(model, images(1))
-    assert addresses(second.past_key_values) == used
+    assert addresses(output_cache(second)) == used
     # reused buffers start from zeros: the same tokens and logits as a run on new buffers
     reference_inputs = images(1)
     del second
     release_static_buffers()
     fresh = static_run(model, reference_inputs)
-    fresh_used, fresh_tokens = addresses(fresh.past_key_values), new_tokens(fresh, reference_inputs)
+    fresh_used, fresh_tokens = addresses(output_cache(fresh)), new_tokens(fresh, reference_inputs)
     fresh_logits = torch.stack(fresh.logits)
     del fresh
     static_run(model, images(0))  # a conversation in between, on the freed buffers; freed in turn
     reused = static_run(model, reference_inputs)
-    assert addresses(reused.past_key_values) == fresh_used
+    assert addresses(output_cache(reused)) == fresh_used
     assert new_tokens(reused, reference_inputs) == fresh_tokens
     torch.testing.assert_close(torch.stack(reused.logits), fresh_logits, atol=0, rtol=0)
 
@@ -96,14 +97,14 @@ def test_next_conversation_reuses_a_freed_caches_buffers_and_equals_a_fresh_run(
 def test_a_live_cache_keeps_its_buffers(model):
     first = static_run(model, images(0))
     second = static_run(model, images(1))
-    a, b = addresses(first.past_key_values), addresses(second.past_key_values)
+    a, b = addresses(output_cache(first)), addresses(output_cache(second))
     assert not set(a.values()) & set(b.values())
     assert POOL.nbytes() == 0  # nothing was freed
 
 
 def test_release_static_buffers_empties_the_pool(model):
     out = static_run(model, images(0))
-    cache = out.past_key_values
+    cache = output_cache(out)
     expected = sum(t.numel() * t.element_size() for t in cache.pooled_buffers.values())
     del out, cache
     assert POOL.nbytes() == expected
@@ -112,7 +113,7 @@ def test_release_static_buffers_empties_the_pool(model):
 
 def test_dynamic_caches_are_not_pooled(model):
     out = generate(model, images(0), 6, CFG)
-    assert out.past_key_values.pooled_buffers is None
+    assert output_cache(out).pooled_buffers is None
     del out
     assert POOL.nbytes() == 0
 

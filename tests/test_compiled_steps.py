@@ -17,6 +17,7 @@ from handmade import _conv, _extend, _tiny_model, _video_conv  # noqa: E402
 from helpers import generate, new_tokens  # noqa: E402
 
 from hf_raincheck import RaincheckConfig, enable_raincheck  # noqa: E402
+from hf_raincheck.conversation import output_cache  # noqa: E402
 
 TOL = dict(atol=2e-5, rtol=1e-4)
 
@@ -66,7 +67,7 @@ def test_compiled_static_equals_eager_dynamic(model, cfg, make_inputs):
     compiled = run(model, inputs, 12, cfg)
     assert new_tokens(compiled, inputs) == new_tokens(eager, inputs)
     torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(eager.logits), **TOL)
-    a, b = compiled.past_key_values, eager.past_key_values
+    a, b = output_cache(compiled), output_cache(eager)
     assert a.stats == b.stats and a.pending == b.pending
     assert torch.equal(a.filled, b.filled)  # padding rows never mark a slot
     # the next turn continues from either cache alike
@@ -95,7 +96,7 @@ def test_decode_and_fused_steps_each_check_only_their_own_graph(model):
 
     cfg = RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=2, pruning="uniform", completion="blocking")
     out = run(model, two_images(seed=0), 12, cfg)
-    assert out.past_key_values.stats.during_decode > 0  # fused steps ran (decode-only steps before them)
+    assert output_cache(out).stats.during_decode > 0  # fused steps ran (decode-only steps before them)
     for body in (decode._decode_step_graph, decode._fused_step_graph):
         assert len(_debug_get_cache_entry_list(body.__code__)) == 1, body.__name__
     assert _debug_get_cache_entry_list(decode._step_graph.__code__) == []  # traced inside them, never on its own
@@ -106,7 +107,7 @@ def test_later_turns_reuse_the_graphs_while_capacity_lasts(model):
     cfg = RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=2, pruning="uniform", completion="next_turn")
     inputs = two_images()
     out = run(model, inputs, 8, cfg)
-    cache = out.past_key_values
+    cache = output_cache(out)
     capacity = cache.layers[0].capacity
     assert capacity % 256 == 0
     conv = _extend(inputs, new_tokens(out, inputs))
@@ -163,7 +164,7 @@ def test_compiled_gdn_steps_equal_eager(hybrid, cfg):
     compiled = run(hybrid, inputs, 12, cfg)
     assert new_tokens(compiled, inputs) == new_tokens(eager, inputs)
     torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(eager.logits), **TOL)
-    a, b = compiled.past_key_values, eager.past_key_values
+    a, b = output_cache(compiled), output_cache(eager)
     assert a.stats == b.stats and a.pending == b.pending and graphs() == 2
     for i, state in b.gdn_states.items():
         torch.testing.assert_close(a.gdn_states[i].recurrent, state.recurrent, **TOL)
@@ -185,7 +186,7 @@ def test_compiled_unfused_control_equals_eager(model, hybrid, family):
     compiled = run(net, inputs, 12, cfg)
     assert new_tokens(compiled, inputs) == new_tokens(eager, inputs)
     torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(eager.logits), **TOL)
-    assert compiled.past_key_values.stats == eager.past_key_values.stats and graphs() == 2  # chunk-only + decode
+    assert output_cache(compiled).stats == output_cache(eager).stats and graphs() == 2  # chunk-only + decode
 
 
 def test_compiled_gdn_kernels_resolve_outside_the_trace(hybrid, monkeypatch):
@@ -250,13 +251,13 @@ def test_fused_steps_pass_the_same_static_store(model, hybrid, family, monkeypat
     cfg = RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=2, pruning="uniform", completion="next_turn")
     inputs = two_images()
     out = run(net, inputs, 12, cfg)
-    cache = out.past_key_values
+    cache = output_cache(out)
     # a second turn with a new image: a second plan, whose chunks come from the same buffers
     nxt = _extend(_extend(inputs, new_tokens(out, inputs)), [7, 8])
     out2 = run(net, _with_new_image(nxt), 12, cfg, past=cache)
     eager = run(net, inputs, 12, cfg, static=False)
     eager2 = run(net, _with_new_image(_extend(_extend(inputs, new_tokens(eager, inputs)), [7, 8])), 12, cfg,
-                 past=eager.past_key_values, static=False)
+                 past=output_cache(eager), static=False)
     torch.testing.assert_close(torch.stack(out2.logits), torch.stack(eager2.logits), **TOL)
     plans = {id(c[4]) for c in calls}
     assert len(calls) >= 4 and len(plans) == 2
@@ -297,10 +298,10 @@ def test_gdn_states_stay_in_the_same_buffers_across_turns(hybrid, monkeypatch):
     out = run(hybrid, inputs, 12, cfg)
     first_turn = len(seen)
     nxt = _with_new_image(_extend(_extend(inputs, new_tokens(out, inputs)), [7, 8]))
-    out2 = run(hybrid, nxt, 12, cfg, past=out.past_key_values)
+    out2 = run(hybrid, nxt, 12, cfg, past=output_cache(out))
     eager = run(hybrid, inputs, 12, cfg, static=False)
     eager2 = run(hybrid, _with_new_image(_extend(_extend(inputs, new_tokens(eager, inputs)), [7, 8])), 12, cfg,
-                 past=eager.past_key_values, static=False)
+                 past=output_cache(eager), static=False)
     torch.testing.assert_close(torch.stack(out2.logits), torch.stack(eager2.logits), **TOL)
     assert 0 < first_turn < len(seen) and any(fused for fused, _ in seen[first_turn:])
     reference = seen[0][1]

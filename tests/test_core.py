@@ -17,6 +17,7 @@ from reference_qwen3_vl import build_schedule, plan_boundary, reference_logits  
 
 from hf_raincheck import DeferredPrefillCache, RaincheckConfig, complete_deferred, enable_raincheck  # noqa: E402
 from hf_raincheck import transformers_coupling as hf  # noqa: E402
+from hf_raincheck.conversation import output_cache  # noqa: E402
 
 TOL = dict(atol=2e-5, rtol=1e-4)
 
@@ -40,7 +41,7 @@ def test_retention_one_and_full_reproduce_plain_generate(model, make_inputs, cfg
     rc = generate(model, inputs, 10, cfg)
     assert new_tokens(rc, inputs) == new_tokens(plain, inputs)
     torch.testing.assert_close(torch.stack(rc.logits), torch.stack(plain.logits), **TOL)
-    cache = rc.past_key_values
+    cache = output_cache(rc)
     assert isinstance(cache, DeferredPrefillCache)
     assert cache.total_deferred == 0 and cache.pending == 0 and bool(cache.filled.all())
 
@@ -51,14 +52,14 @@ def test_prompt_without_images_runs_as_plain_generation(model):
     plain = generate(model, inputs, 8)
     rc = generate(model, inputs, 8, RaincheckConfig())
     assert new_tokens(rc, inputs) == new_tokens(plain, inputs)
-    assert rc.past_key_values.plan is None
+    assert output_cache(rc).plan is None
 
 
 # ---------------------------------------------------------------- hard pruning
 def test_hard_equals_prefill_of_kept_tokens_with_logical_positions(model):
     inputs = two_images()
     out = generate(model, inputs, 6, RaincheckConfig(policy="hard", retention=0.3))
-    cache = out.past_key_values
+    cache = output_cache(out)
     deferred, boundary = plan_of(cache)
     assert cache.pending == 0 and cache.total_deferred == len(deferred) == 22
     # hand-built prefill of I_0 with logical positions: embeddings, DeepStack, M-RoPE ids of the full input
@@ -116,7 +117,7 @@ def test_step_and_next_turn_logits_match_reference(model, make_inputs, case):
     L = inputs["input_ids"].shape[1]
     n = spec["n"]
     out = generate(model, inputs, n, cfg)
-    cache = out.past_key_values
+    cache = output_cache(out)
     deferred, boundary = plan_of(cache)
     assert deferred and boundary == max(e for s, e in cache.plan.spans)
     gen1 = new_tokens(out, inputs)
@@ -143,7 +144,7 @@ def test_new_image_in_later_turn_gets_its_own_plan(model):
     inputs = _conv([(1, 8, 8)], [3, 4], seed=1)
     L = inputs["input_ids"].shape[1]
     out = generate(model, inputs, 6, cfg)
-    cache = out.past_key_values
+    cache = output_cache(out)
     d1, b1 = plan_of(cache)
     assert cache.pending > 0
     gen1 = new_tokens(out, inputs)
@@ -216,8 +217,8 @@ def test_deferred_entries_and_next_turn_do_not_depend_on_completion_chunks(model
                               completion_chunk_size=cchunk)
         out = generate(model, inputs, 6, cfg)
         conv2 = _extend(inputs, new_tokens(out, inputs) + question)
-        out2 = generate(model, conv2, 2, cfg, past=out.past_key_values)
-        cache = out.past_key_values
+        out2 = generate(model, conv2, 2, cfg, past=output_cache(out))
+        cache = output_cache(out)
         deferred = cache.plan.deferred
         results.append((torch.stack(out2.logits), [layer.keys[:, :, deferred] for layer in cache.layers]))
     for logits, keys in results[1:]:
@@ -226,8 +227,8 @@ def test_deferred_entries_and_next_turn_do_not_depend_on_completion_chunks(model
             torch.testing.assert_close(a, b, **TOL)
     # deferred entries do not depend on chunk_size / guard either (they see only the prefix)
     other = generate(model, inputs, 6, RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=0, completion="blocking"))
-    deferred = other.past_key_values.plan.deferred
-    for a, b in zip([layer.keys[:, :, deferred] for layer in other.past_key_values.layers], results[0][1]):
+    deferred = output_cache(other).plan.deferred
+    for a, b in zip([layer.keys[:, :, deferred] for layer in output_cache(other).layers], results[0][1]):
         torch.testing.assert_close(a, b, **TOL)
 
 
@@ -246,13 +247,13 @@ def test_static_cache_matches_dynamic(model):
     cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, completion="next_turn")
     dyn = generate(model, inputs, 8, cfg)
     sta = generate(model, inputs, 8, cfg, cache_implementation="static")
-    assert sta.past_key_values.static
+    assert output_cache(sta).static
     assert sta.sequences.tolist() == dyn.sequences.tolist()
     torch.testing.assert_close(torch.stack(sta.logits), torch.stack(dyn.logits), **TOL)
     question = [5, 6, 7]
     conv2 = _extend(inputs, new_tokens(dyn, inputs) + question)
-    a = generate(model, conv2, 3, cfg, past=dyn.past_key_values)
-    b = generate(model, conv2, 3, cfg, past=sta.past_key_values)
+    a = generate(model, conv2, 3, cfg, past=output_cache(dyn))
+    b = generate(model, conv2, 3, cfg, past=output_cache(sta))
     torch.testing.assert_close(torch.stack(a.logits), torch.stack(b.logits), **TOL)
 
 
@@ -290,7 +291,7 @@ def test_later_turn_may_pass_only_its_new_media(model):
         if whole:
             conv2["pixel_values"] = torch.cat([inputs["pixel_values"], img2["pixel_values"]])
             conv2["image_grid_thw"] = torch.cat([inputs["image_grid_thw"], img2["image_grid_thw"]])
-        logits.append(torch.stack(generate(model, conv2, 4, cfg, past=out.past_key_values).logits))
+        logits.append(torch.stack(generate(model, conv2, 4, cfg, past=output_cache(out)).logits))
     torch.testing.assert_close(logits[0], logits[1], **TOL)
 
 
@@ -349,5 +350,5 @@ def test_prompt_longer_than_the_initial_slot_buffer(model):
     plain = generate(model, inputs, 4)
     rc = generate(model, inputs, 4, RaincheckConfig(retention=0.5, guard_tokens=0, chunk_size=3, completion="blocking"))
     assert inputs["input_ids"].shape[1] > 256
-    assert rc.past_key_values.stats.during_decode == rc.past_key_values.total_deferred == 8
+    assert output_cache(rc).stats.during_decode == output_cache(rc).total_deferred == 8
     assert new_tokens(rc, inputs)[:1] == new_tokens(plain, inputs)[:1]

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from helpers import generate, new_tokens  # noqa: E402
 
 from hf_raincheck import RaincheckConfig, enable_raincheck  # noqa: E402
-from hf_raincheck.conversation import next_turn_inputs  # noqa: E402
+from hf_raincheck.conversation import next_turn_inputs, output_cache  # noqa: E402
 from hf_raincheck.models import get_adapter  # noqa: E402
 from hf_raincheck.models.base import execution_device  # noqa: E402
 from hf_raincheck.testing import chat_inputs, load_tiny_qwen3_vl, make_image  # noqa: E402
@@ -113,7 +113,7 @@ def test_same_tokens_and_next_turn_logits_as_the_plain_model(models, name):
     for model in (plain, mapped):
         out1 = generate(model, turn1, 8, cfg)
         turn2 = next_turn_inputs(processor, out1.sequences, _messages(make_image(2), "And this one?"))
-        out2 = generate(model, turn2, 4, cfg, past=out1.past_key_values)
+        out2 = generate(model, turn2, 4, cfg, past=output_cache(out1))
         runs.append((out1, turn2, out2))
     (a1, a_turn2, a2), (b1, b_turn2, b2) = runs
     assert new_tokens(b1, turn1) == new_tokens(a1, turn1)
@@ -121,8 +121,8 @@ def test_same_tokens_and_next_turn_logits_as_the_plain_model(models, name):
     assert torch.equal(b_turn2["input_ids"], a_turn2["input_ids"])
     assert new_tokens(b2, b_turn2) == new_tokens(a2, a_turn2)
     torch.testing.assert_close(torch.stack(b2.logits), torch.stack(a2.logits), **TOL)
-    cache = b2.past_key_values
-    assert cache.stats == a2.past_key_values.stats and len(cache.plans) == 2
+    cache = output_cache(b2)
+    assert cache.stats == output_cache(a2).stats and len(cache.plans) == 2
     if name == "retention1":  # and both equal plain generate on the mapped model
         plain_out = generate(mapped, turn1, 8)
         assert new_tokens(plain_out, turn1) == new_tokens(b1, turn1)
@@ -146,14 +146,14 @@ def test_qwen3_5_under_accelerate_hooks_equals_plain_load(tiny_qwen3_5_path, hoo
     for model in (plain, mapped):
         out1 = generate(model, turn1, 8, cfg)
         turn2 = next_turn_inputs(processor, out1.sequences, _messages(make_image(2), "And this one?"))
-        out2 = generate(model, turn2, 4, cfg, past=out1.past_key_values)
+        out2 = generate(model, turn2, 4, cfg, past=output_cache(out1))
         runs.append((out1, out2))
     (a1, a2), (b1, b2) = runs
     assert any(m is gdn for m in hooked_calls)
     assert new_tokens(b1, turn1) == new_tokens(a1, turn1)
     torch.testing.assert_close(torch.stack(b1.logits), torch.stack(a1.logits), **TOL)
     torch.testing.assert_close(torch.stack(b2.logits), torch.stack(a2.logits), **TOL)
-    assert b2.past_key_values.stats == a2.past_key_values.stats
+    assert output_cache(b2).stats == output_cache(a2).stats
 
 
 def test_a_decoder_on_several_devices_runs_static_steps_eagerly_and_says_so(models, monkeypatch):

@@ -17,6 +17,7 @@ from helpers import _extend  # noqa: E402
 
 from hf_raincheck import DeferredPrefillCache, RaincheckConfig, disable_raincheck, enable_raincheck
 from hf_raincheck import transformers_coupling
+from hf_raincheck.conversation import cache_argument, output_cache
 from hf_raincheck.testing import chat_inputs, load_tiny_qwen3_5, load_tiny_qwen3_vl, make_image
 
 CFG = RaincheckConfig(retention=0.5, chunk_size=2, guard_tokens=1, completion="blocking")
@@ -112,7 +113,7 @@ def test_disable_stops_a_background_worker(tiny_vl_path):
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=2, min_new_tokens=2, do_sample=False, raincheck_config=cfg,
                              return_dict_in_generate=True)
-    cache = out.past_key_values
+    cache = output_cache(out)
     assert isinstance(cache, DeferredPrefillCache)
     deferred = cache.plan.total_deferred
     assert deferred > 0
@@ -121,12 +122,12 @@ def test_disable_stops_a_background_worker(tiny_vl_path):
     # nothing lost, nothing twice: what the worker did not restore is still pending in the cache
     assert int(cache.filled.sum()) + cache.pending == cache.length
     with pytest.raises(ValueError, match="raincheck_config"):  # the cache's model is a plain model again
-        model.generate(**inputs, max_new_tokens=1, raincheck_config=cfg, past_key_values=cache)
+        model.generate(**inputs, max_new_tokens=1, raincheck_config=cfg, **cache_argument(cache))
     enable_raincheck(model)  # enabled again, a later call folds the pending tokens into its prefill
     follow_up = _extend(inputs, out.sequences[0, inputs["input_ids"].shape[1]:].tolist() + [5, 6])
-    complete = model.generate(**follow_up, max_new_tokens=1, raincheck_config=cfg, past_key_values=cache,
+    complete = model.generate(**follow_up, max_new_tokens=1, raincheck_config=cfg, **cache_argument(cache),
                               return_dict_in_generate=True)
-    cache = complete.past_key_values
+    cache = output_cache(complete)
     assert cache.pending == 0 or cache.completion_running
     cache.wait()
     assert cache.pending == 0 and int(cache.filled.sum()) == cache.length

@@ -14,6 +14,7 @@ from handmade import _conv, _extend, _tiny_model  # noqa: E402
 
 from hf_raincheck import transformers_coupling as hf  # noqa: E402
 from hf_raincheck import DeferredPrefillCache, RaincheckConfig, complete_deferred, enable_raincheck  # noqa: E402
+from hf_raincheck.conversation import cache_argument, output_cache  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -125,18 +126,18 @@ def test_cache_that_does_not_extend_the_conversation(model, inputs):
     other = _conv([(1, 8, 8)], [3, 4], seed=9)
     other = _extend(other, [1, 2, 3, 4])
     with pytest.raises(ValueError, match=f"{hf.CACHE_ARGUMENT} does not extend this conversation.*differs from them at index 0"):
-        _gen(model, other, past_key_values=out.past_key_values)
+        _gen(model, other, **cache_argument(output_cache(out)))
     # the same conversation without anything new
     same = dict(input_ids=out.sequences[:, :-1])
     with pytest.raises(ValueError, match="holds nothing beyond"):
-        _gen(model, same, past_key_values=out.past_key_values)
+        _gen(model, same, **cache_argument(output_cache(out)))
 
 
 def test_foreign_cache_types(model, inputs):
     from transformers import DynamicCache
 
     with pytest.raises(ValueError, match=f"{hf.CACHE_ARGUMENT} must be a DeferredPrefillCache"):
-        _gen(model, inputs, past_key_values=DynamicCache())
+        _gen(model, inputs, **cache_argument(DynamicCache()))
     with pytest.raises(ValueError, match="complete_deferred: cache must be a DeferredPrefillCache"):
         complete_deferred(model, DynamicCache())
     with pytest.raises(ValueError, match="max_tokens must be None or an int >= 0"):
@@ -148,15 +149,15 @@ def test_cache_reused_with_another_model(model, inputs):
     other = enable_raincheck(_tiny_model("sdpa", seed=1))
     conv = dict(input_ids=torch.cat([out.sequences, torch.tensor([[5, 6]])], 1))
     with pytest.raises(ValueError, match="built by a different model"):
-        _gen(other, conv, past_key_values=out.past_key_values)
+        _gen(other, conv, **cache_argument(output_cache(out)))
     with pytest.raises(ValueError, match="built by a different model"):
-        complete_deferred(other, out.past_key_values)
+        complete_deferred(other, output_cache(out))
 
 
 def test_direct_forward_on_a_raincheck_cache(model, inputs):
     out = _gen(model, inputs, return_dict_in_generate=True)
     with pytest.raises(ValueError, match="filled by generate\\(raincheck_config=...\\) only"):
-        model(input_ids=torch.tensor([[1]]), past_key_values=out.past_key_values)
+        model(input_ids=torch.tensor([[1]]), **cache_argument(output_cache(out)))
 
 
 def test_bad_selector_output(model, inputs):
@@ -216,7 +217,7 @@ def test_user_schedule_and_callable_selector_are_used(model, inputs):
     out = _gen(model, inputs, max_new_tokens=6, min_new_tokens=6, return_dict_in_generate=True,
                raincheck_config=RaincheckConfig(retention=0.5, pruning=first_tokens, schedule=every_other,
                                                 completion="next_turn"))
-    cache = out.past_key_values
+    cache = output_cache(out)
     start, stop = cache.plan.spans[0]
     assert cache.plan.kept.tolist() == list(range(start, start + 8))
     assert [s for s, _ in seen] == [1, 2, 3, 4, 5]

@@ -20,6 +20,7 @@ from helpers import generate, new_tokens  # noqa: E402
 from hf_raincheck import RaincheckConfig, enable_raincheck  # noqa: E402
 from hf_raincheck.attention import flash, naive_attention  # noqa: E402
 from hf_raincheck.attention.naive import naive_flash_kernel  # noqa: E402
+from hf_raincheck.conversation import output_cache  # noqa: E402
 from hf_raincheck.generation.visibility import visible  # noqa: E402
 
 TOL = dict(atol=2e-5, rtol=1e-4)
@@ -136,7 +137,7 @@ def test_flash_backend_equals_eager_end_to_end(naive_kernel, vl, hybrid, name, f
     fast = generate(model, inputs, 10, dataclasses.replace(cfg, attn_backend="flash"), **kw)
     assert new_tokens(fast, inputs) == new_tokens(eager, inputs)
     torch.testing.assert_close(torch.stack(fast.logits), torch.stack(eager.logits), **TOL)
-    a, b = fast.past_key_values, eager.past_key_values
+    a, b = output_cache(fast), output_cache(eager)
     assert a.stats == b.stats and a.pending == b.pending
     # a later turn (what is still pending folds into its prefill) on either cache
     nxt = _extend(_extend(inputs, new_tokens(eager, inputs)), [7, 8, 9])

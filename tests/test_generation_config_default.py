@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForImageTextToText, GenerationConfig
 
 from hf_raincheck import DeferredPrefillCache, RaincheckConfig, enable_raincheck
+from hf_raincheck.conversation import output_cache
 from hf_raincheck.testing import chat_inputs, load_tiny_qwen3_vl, make_image
 
 CFG = RaincheckConfig(retention=0.5, chunk_size=2, guard_tokens=1, completion="blocking")
@@ -29,7 +30,7 @@ def _run(model, inputs, **kw):
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False,
                              return_dict_in_generate=True, **kw)
-    return out.sequences[0, inputs["input_ids"].shape[1]:].tolist(), out.past_key_values
+    return out.sequences[0, inputs["input_ids"].shape[1]:].tolist(), output_cache(out)
 
 
 @pytest.mark.parametrize("form", ["config", "dict"])

@@ -9,7 +9,7 @@ import torch
 from transformers import TextIteratorStreamer, pipeline
 
 from hf_raincheck import RaincheckConfig, complete_deferred, enable_raincheck
-from hf_raincheck.conversation import next_turn_inputs
+from hf_raincheck.conversation import cache_argument, next_turn_inputs, output_cache
 from hf_raincheck.testing import make_image, tiny_qwen3_vl
 
 
@@ -67,12 +67,12 @@ def _three_turns(model, processor, cfg):
     inputs = _inputs(processor, _messages(make_image(3, (256, 256))))
     out = model.generate(**inputs, raincheck_config=cfg, max_new_tokens=6, min_new_tokens=6,
                          return_dict_in_generate=True)
-    cache = out.past_key_values
+    cache = output_cache(out)
     turn2 = next_turn_inputs(processor, out.sequences, _messages(make_image(4, (128, 128)), "And this one?"))
-    out = model.generate(**turn2, past_key_values=cache, raincheck_config=cfg, max_new_tokens=6, min_new_tokens=6,
+    out = model.generate(**turn2, **cache_argument(cache), raincheck_config=cfg, max_new_tokens=6, min_new_tokens=6,
                          return_dict_in_generate=True)
     turn3 = next_turn_inputs(processor, out.sequences, [{"role": "user", "content": "Thanks!"}])
-    out = model.generate(**turn3, past_key_values=cache, raincheck_config=cfg, max_new_tokens=4,
+    out = model.generate(**turn3, **cache_argument(cache), raincheck_config=cfg, max_new_tokens=4,
                          return_dict_in_generate=True)
     return inputs, turn2, out, cache
 
@@ -83,15 +83,15 @@ def test_three_turn_chat_with_a_new_image_in_turn_two(vl):
     inputs = _inputs(processor, _messages(make_image(3, (256, 256))))
     out = model.generate(**inputs, raincheck_config=cfg, max_new_tokens=6, min_new_tokens=6,
                          return_dict_in_generate=True)
-    cache = out.past_key_values
+    cache = output_cache(out)
     first_plan = cache.plan
     assert first_plan.total_deferred == 64 - 20 and cache.pending == 44 - 3 * 3
     turn2 = next_turn_inputs(processor, out.sequences, _messages(make_image(4, (128, 128)), "And this one?"))
-    out = model.generate(**turn2, past_key_values=cache, raincheck_config=cfg, max_new_tokens=6, min_new_tokens=6,
+    out = model.generate(**turn2, **cache_argument(cache), raincheck_config=cfg, max_new_tokens=6, min_new_tokens=6,
                          return_dict_in_generate=True)
     assert first_plan.pending == 0 and cache.plan is not first_plan and cache.plan.total_deferred == 16 - 5
     turn3 = next_turn_inputs(processor, out.sequences, [{"role": "user", "content": "Thanks!"}])
-    out = model.generate(**turn3, past_key_values=cache, raincheck_config=cfg, max_new_tokens=4,
+    out = model.generate(**turn3, **cache_argument(cache), raincheck_config=cfg, max_new_tokens=4,
                          return_dict_in_generate=True)
     assert cache.pending == 0 and bool(cache.filled.all())
     assert complete_deferred(model, cache) == 0
@@ -100,7 +100,7 @@ def test_three_turn_chat_with_a_new_image_in_turn_two(vl):
     turn4 = next_turn_inputs(processor, out.sequences, [{"role": "user", "content": "Bye"}])
     before = cache.length
     assert 0 < before < turn4["input_ids"].shape[1] and cache.token_ids == turn4["input_ids"][0, :before].tolist()
-    resumed = model.generate(**turn4, past_key_values=cache, raincheck_config=cfg, max_new_tokens=4,
+    resumed = model.generate(**turn4, **cache_argument(cache), raincheck_config=cfg, max_new_tokens=4,
                              min_new_tokens=4, do_sample=False, return_dict_in_generate=True)
     assert cache.turn_stats[-1].deferred == 0 and cache.pending == 0 and bool(cache.filled.all())
     assert cache.token_ids == resumed.sequences[0, : cache.length].tolist()
@@ -117,7 +117,7 @@ def test_next_turn_through_the_cache_matches_a_fresh_full_prefill_at_retention_o
     inputs, turn2, out, cache = _three_turns(model, processor, cfg)
     turn4 = next_turn_inputs(processor, out.sequences, [{"role": "user", "content": "Bye"}])
     assert "pixel_values" not in turn4
-    resumed = model.generate(**turn4, past_key_values=cache, raincheck_config=cfg, max_new_tokens=4,
+    resumed = model.generate(**turn4, **cache_argument(cache), raincheck_config=cfg, max_new_tokens=4,
                              min_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
     whole = dict(turn4, pixel_values=torch.cat([inputs["pixel_values"], turn2["pixel_values"]]),
                  image_grid_thw=torch.cat([inputs["image_grid_thw"], turn2["image_grid_thw"]]))
@@ -144,6 +144,6 @@ def test_video_through_the_processor(vl):
     same = model.generate(**inputs, max_new_tokens=6, raincheck_config=RaincheckConfig(retention=1.0))
     assert same.tolist() == plain.tolist()
     out = model.generate(**inputs, max_new_tokens=6, raincheck_config=CFG, return_dict_in_generate=True)
-    plan = out.past_key_values.plan
+    plan = output_cache(out).plan
     assert set(plan.modalities) == {"video"} and len(plan.spans) == int(inputs["video_grid_thw"][0, 0])
-    assert out.past_key_values.pending == 0
+    assert output_cache(out).pending == 0

@@ -50,7 +50,7 @@ from hf_raincheck import (  # noqa: E402
     complete_deferred,
     enable_raincheck,
 )
-from hf_raincheck.conversation import next_turn_inputs  # noqa: E402
+from hf_raincheck.conversation import cache_argument, next_turn_inputs  # noqa: E402
 from hf_raincheck.generation import background  # noqa: E402
 from hf_raincheck.testing import chat_inputs, make_image  # noqa: E402
 
@@ -147,7 +147,7 @@ def _generate(model, inputs, cache, max_new_tokens: int, completion: str):
     cfg = RaincheckConfig(completion=completion, **BASE)
     with torch.no_grad():
         return model.generate(
-            **inputs, past_key_values=cache, raincheck_config=cfg, max_new_tokens=max_new_tokens,
+            **inputs, **cache_argument(cache), raincheck_config=cfg, max_new_tokens=max_new_tokens,
             min_new_tokens=max_new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
         )
 

@@ -21,6 +21,7 @@ from latency import QUICK_WORKLOADS  # noqa: E402
 from shapes import build_model, dispatch  # noqa: E402
 
 from hf_raincheck import RaincheckConfig, enable_raincheck  # noqa: E402
+from hf_raincheck.conversation import output_cache  # noqa: E402
 from hf_raincheck.pruning import greedy  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
@@ -46,5 +47,5 @@ def test_split_and_second_gpu_equal_one_gpu(shape, pruning):
         out = generate(model, _on(inputs, device), 12, cfg)
         assert new_tokens(out, inputs) == new_tokens(ref, inputs)
         torch.testing.assert_close(torch.stack(out.logits).cpu(), torch.stack(ref.logits).cpu(), atol=1e-4, rtol=1e-4)
-        assert out.past_key_values.stats == ref.past_key_values.stats
+        assert output_cache(out).stats == output_cache(ref).stats
     assert {key[1] for key in greedy._CACHE} == {torch.device("cuda", 0), torch.device("cuda", 1)}

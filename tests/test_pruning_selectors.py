@@ -13,6 +13,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 from hf_raincheck import RaincheckConfig, enable_raincheck  # noqa: E402
+from hf_raincheck.conversation import output_cache  # noqa: E402
 from hf_raincheck.pruning import (  # noqa: E402
     SelectionContext,
     available_selectors,
@@ -511,13 +512,13 @@ def test_every_selector_end_to_end(raincheck_vl, policy, make_inputs):
         config = RaincheckConfig(policy=policy, retention=0.3, pruning=name, chunk_size=4, guard_tokens=1,
                                  completion="blocking")
         out = _generate(model, inputs, config)
-        plan = out.past_key_values.plan
+        plan = output_cache(out).plan
         assert len(plan.spans) >= 2
         for (start, stop), budget in zip(plan.spans, plan.budgets):
             assert budget == config.kept_budget(stop - start)
             assert int(((plan.kept >= start) & (plan.kept < stop)).sum()) == budget
         if policy == "raincheck":
-            assert out.past_key_values.pending == 0  # completion "blocking": everything restored
+            assert output_cache(out).pending == 0  # completion "blocking": everything restored
 
 
 def test_mmtok_end_to_end_follows_the_question(raincheck_vl):
@@ -526,7 +527,7 @@ def test_mmtok_end_to_end_follows_the_question(raincheck_vl):
     for name in ["mmtok", "hiprune"]:
         for question in ["What color is the big box?", "How many dogs are on the left side?"]:
             out = _generate(model, _two_images_and_text(processor, question), RaincheckConfig(policy="hard", pruning=name), n=1)
-            plan = out.past_key_values.plan
+            plan = output_cache(out).plan
             kept[name, question] = (plan.kept - plan.spans[0][0]).tolist()
     questions = ["What color is the big box?", "How many dogs are on the left side?"]
     assert kept["mmtok", questions[0]] != kept["mmtok", questions[1]]
@@ -621,7 +622,7 @@ def test_every_selector_end_to_end_qwen2_5_vl(qwen25, policy):
     for name in available_selectors():
         config = RaincheckConfig(policy=policy, retention=0.3, pruning=name, chunk_size=4, guard_tokens=1)
         out = _generate(qwen25, inputs, config)
-        plan = out.past_key_values.plan
+        plan = output_cache(out).plan
         assert len(plan.spans) == 4
         for (start, stop), budget in zip(plan.spans, plan.budgets):
             assert int(((plan.kept >= start) & (plan.kept < stop)).sum()) == budget

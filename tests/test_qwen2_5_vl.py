@@ -20,6 +20,7 @@ from helpers import _extend, _text, encode_qwen2_5_vl, generate, new_tokens, pla
 from reference_qwen3_vl import build_schedule, run_reference  # noqa: E402
 
 from hf_raincheck import DeferredPrefillCache, RaincheckConfig, complete_deferred, enable_raincheck  # noqa: E402
+from hf_raincheck.conversation import output_cache  # noqa: E402
 from hf_raincheck.models import get_adapter  # noqa: E402
 from hf_raincheck.models.qwen2_5_vl import Qwen2_5_VLAdapter, raster_to_window, window_to_raster  # noqa: E402
 
@@ -139,7 +140,7 @@ def test_adapter_spans_and_frames(model):
     with pytest.raises(ValueError, match="second_per_grid_ts has 2 entries but the conversation holds 1 videos"):
         generate(model, dict(inputs, second_per_grid_ts=torch.tensor([1.0, 2.0])), 2, RaincheckConfig())
     out = generate(model, inputs, 2, RaincheckConfig(policy="hard", retention=0.5))
-    plan = out.past_key_values.plan
+    plan = output_cache(out).plan
     # the image is one span; the video's single run of placeholders is one span per frame (4 tokens each)
     assert plan.spans == [(4, 12), (18, 22), (22, 26), (26, 30)]
     assert plan.modalities == ["image", "video", "video", "video"]
@@ -172,7 +173,7 @@ def test_retention_one_and_full_reproduce_plain_generate(model, make_inputs, cfg
     rc = generate(model, inputs, 8, cfg)
     assert new_tokens(rc, inputs) == new_tokens(plain, inputs)
     torch.testing.assert_close(torch.stack(rc.logits), torch.stack(plain.logits), **EXACT)
-    cache = rc.past_key_values
+    cache = output_cache(rc)
     assert isinstance(cache, DeferredPrefillCache)
     assert cache.total_deferred == 0 and cache.pending == 0 and bool(cache.filled.all())
 
@@ -181,7 +182,7 @@ def test_retention_one_and_full_reproduce_plain_generate(model, make_inputs, cfg
 def test_hard_equals_prefill_of_kept_tokens_with_logical_positions(model):
     inputs = two_images()
     out = generate(model, inputs, 5, RaincheckConfig(policy="hard", retention=0.3))
-    cache = out.past_key_values
+    cache = output_cache(out)
     deferred, boundary = plan_of(cache)
     assert cache.pending == 0 and cache.total_deferred == len(deferred) == 11 + 8
     L = inputs["input_ids"].shape[1]
@@ -223,7 +224,7 @@ def test_step_and_next_turn_logits_match_reference(model, make_inputs, case):
     inputs = make_inputs()
     L = inputs["input_ids"].shape[1]
     out = generate(model, inputs, spec["n"], cfg)
-    cache = out.past_key_values
+    cache = output_cache(out)
     deferred, boundary = plan_of(cache)
     gen1 = new_tokens(out, inputs)
     t1 = build_schedule(L, deferred, spec["n"], completion=cfg.completion,
@@ -250,7 +251,7 @@ def test_new_image_in_later_turn_with_next_turn_completion(model):
     inputs = two_images(seed=1)
     L = inputs["input_ids"].shape[1]
     out = generate(model, inputs, 5, cfg)
-    cache = out.past_key_values
+    cache = output_cache(out)
     d1, b1 = plan_of(cache)
     assert cache.pending == len(d1) - 2
     gen1 = new_tokens(out, inputs)
@@ -289,7 +290,7 @@ def test_restored_cache_does_not_depend_on_chunk_size(model, make_inputs):
     for chunk, guard, cchunk in [(4, 2, 256), (1, 0, 3), (7, 5, 2)]:
         cfg = RaincheckConfig(retention=0.3, chunk_size=chunk, guard_tokens=guard, completion_chunk_size=cchunk,
                               completion="blocking")
-        cache = generate(model, inputs, 4, cfg).past_key_values
+        cache = output_cache(generate(model, inputs, 4, cfg))
         assert cache.pending == 0 and bool(cache.filled.all())
         caches.append(cache)
     # prompt slots (prefix, restored D, tail): generated tokens' entries legitimately depend on what was restored
@@ -329,11 +330,11 @@ def test_later_turn_video_with_only_its_new_media(model):
                 conv2[key] = inputs[key]
             for key in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
                 conv2[key] = torch.cat([inputs[key], video2[key]])
-        out2 = generate(model, conv2, 4, cfg, past=out.past_key_values)
+        out2 = generate(model, conv2, 4, cfg, past=output_cache(out))
         runs.append((out, conv2, out2))
     torch.testing.assert_close(torch.stack(runs[1][2].logits), torch.stack(runs[0][2].logits), **TOL)
     out, conv2, out2 = runs[0]
-    cache = out.past_key_values
+    cache = output_cache(out)
     d1, b1 = plan_of(cache)
     d2, b2 = plan_of(cache, 1)
     assert cache.plans[1].spans == [(b2 - 8, b2 - 4), (b2 - 4, b2)]  # two frames of the new video

@@ -35,7 +35,7 @@ from reference_qwen3_vl import build_schedule, run_reference  # noqa: E402
 
 from hf_raincheck import transformers_coupling as hf  # noqa: E402
 from hf_raincheck import DeferredPrefillCache, RaincheckConfig, complete_deferred, enable_raincheck  # noqa: E402
-from hf_raincheck.conversation import next_turn_inputs  # noqa: E402
+from hf_raincheck.conversation import next_turn_inputs, output_cache  # noqa: E402
 from hf_raincheck.pruning import SelectionContext  # noqa: E402
 from hf_raincheck.pruning.base import VISION_ATTENTION, VISION_DEPTH, VISION_HIDDEN  # noqa: E402
 from hf_raincheck.pruning.naive import NAIVE  # noqa: E402
@@ -123,7 +123,7 @@ def test_retention_one_and_full_reproduce_plain_generate(vl, make_inputs, cfg):
     rc = generate(model, inputs, 8, cfg)
     assert new_tokens(rc, inputs) == new_tokens(plain, inputs)
     torch.testing.assert_close(torch.stack(rc.logits), torch.stack(plain.logits), **TOL)
-    cache = rc.past_key_values
+    cache = output_cache(rc)
     assert isinstance(cache, DeferredPrefillCache)
     assert cache.total_deferred == 0 and cache.pending == 0 and bool(cache.filled.all())
 
@@ -142,7 +142,7 @@ def test_policies_with_every_selector(vl, policy, make_inputs):
         cfg = RaincheckConfig(policy=policy, retention=0.3, pruning=name, pruning_options=options, chunk_size=4,
                               guard_tokens=2, completion="blocking")
         out = generate(model, inputs, 6, cfg)
-        cache = out.past_key_values
+        cache = output_cache(out)
         plan = cache.plan
         assert len(plan.spans) == 2, name  # two images, or the video's two temporal steps
         for (start, stop), budget in zip(plan.spans, plan.budgets):
@@ -222,7 +222,7 @@ def test_selectors_see_vit_features_in_placeholder_order(tiny_qwen2_5_vl_path):
             continue  # merger outputs only: no window order involved
         out = generate(model, inputs, 1, RaincheckConfig(policy="hard", retention=0.3, pruning=name,
                                                          pruning_options=options))
-        plan = out.past_key_values.plan
+        plan = output_cache(out).plan
 
         def expected(attention):
             ctx = SelectionContext(
@@ -248,7 +248,7 @@ def test_new_image_in_turn_two_matches_the_eager_reference(vl):
     turn1 = chat_inputs(processor, _image_messages(make_image(3, (256, 256))))
     L1 = turn1["input_ids"].shape[1]
     out1 = generate(model, turn1, 6, cfg)
-    cache = out1.past_key_values
+    cache = output_cache(out1)
     d1, b1 = plan_of(cache)
     assert len(d1) == 81 - 25 and cache.pending == len(d1) - 3 * 3
     turn2 = next_turn_inputs(processor, out1.sequences, _image_messages(make_image(4), text="And this one?"))
@@ -283,7 +283,7 @@ def test_blocking_and_next_turn_give_the_same_next_turn(vl):
         cfg = RaincheckConfig(retention=0.3, chunk_size=2, guard_tokens=3, completion=completion,
                               completion_chunk_size=7)
         out = generate(model, inputs, 6, cfg)
-        cache = out.past_key_values
+        cache = output_cache(out)
         deferred = cache.plan.total_deferred
         assert cache.stats.during_decode == 2 * 2
         if completion == "blocking":
@@ -307,7 +307,7 @@ def test_video_steps_match_the_eager_reference(vl):
     L = inputs["input_ids"].shape[1]
     cfg = RaincheckConfig(retention=0.3, chunk_size=4, guard_tokens=1, completion="next_turn")
     out = generate(model, inputs, 6, cfg)
-    cache = out.past_key_values
+    cache = output_cache(out)
     plan = cache.plan
     start = int((inputs["input_ids"][0] == processor.video_token_id).nonzero()[0])
     assert plan.spans == [(start, start + 16), (start + 16, start + 32)] and plan.modalities == ["video", "video"]
@@ -357,7 +357,7 @@ def test_text_iterator_streamer_yields_the_answer(vl):
     text = "".join(piece for piece in streamer)
     thread.join()
     answer = result["out"].sequences[0, inputs["input_ids"].shape[1]:]
-    assert result["out"].past_key_values.stats.during_decode > 0
+    assert output_cache(result["out"]).stats.during_decode > 0
     assert text.strip() and text == processor.decode(answer, skip_special_tokens=True)
 
 
@@ -373,11 +373,11 @@ def test_errors_through_the_processor(vl, tiny_qwen2_5_vl_path):
     turn2 = next_turn_inputs(processor, out.sequences, [{"role": "user", "content": "Why?"}])
     other = enable_raincheck(load_tiny_qwen2_5_vl(tiny_qwen2_5_vl_path)[0])
     with pytest.raises(ValueError, match="built by a different model"):
-        generate(other, turn2, 2, cfg, past=out.past_key_values)
+        generate(other, turn2, 2, cfg, past=output_cache(out))
     # a turn 2 built on another answer does not extend the cached conversation
     forked = out.sequences.clone()
     forked[0, -2] = (forked[0, -2] + 1) % processor.tokenizer.vocab_size  # y_2: cached (y_3 is not)
     turn2_forked = next_turn_inputs(processor, forked, [{"role": "user", "content": "Why?"}])
     with pytest.raises(ValueError, match=f"{hf.CACHE_ARGUMENT} does not extend this conversation"):
-        generate(model, turn2_forked, 2, cfg, past=out.past_key_values)
-    generate(model, turn2, 2, cfg, past=out.past_key_values)  # the right conversation still works
+        generate(model, turn2_forked, 2, cfg, past=output_cache(out))
+    generate(model, turn2, 2, cfg, past=output_cache(out))  # the right conversation still works

@@ -16,6 +16,7 @@ from handmade_qwen3_5 import tiny_qwen3_5  # noqa: E402
 from reference_qwen3_5 import build_schedule, reference_logits  # noqa: E402
 
 from hf_raincheck import RaincheckConfig, complete_deferred, enable_raincheck  # noqa: E402
+from hf_raincheck.conversation import output_cache  # noqa: E402
 
 TOL = dict(atol=2e-5, rtol=1e-4)
 
@@ -48,7 +49,7 @@ def test_retention_one_and_full_reproduce_plain_generate(model, make_inputs, con
     rc = generate(model, inputs, 10, config)
     assert new_tokens(rc, inputs) == new_tokens(plain, inputs)
     torch.testing.assert_close(logits(rc), logits(plain), **TOL)
-    cache = rc.past_key_values
+    cache = output_cache(rc)
     assert cache.total_deferred == 0 and bool(cache.filled.all())
     assert sorted(cache.gdn_states) == [0, 1, 3]
     assert all(s.prefix is None for s in cache.gdn_states.values())
@@ -70,7 +71,7 @@ def _check_two_turns(model, inputs, config, n1=8, n2=3, turn2_media=None):
     """Turn 1 with a plan, turn 2 (text, or a new image) on the same cache; both compared with the reference."""
     length = inputs["input_ids"].shape[1]
     out1 = generate(model, inputs, n1, config)
-    cache = out1.past_key_values
+    cache = output_cache(out1)
     plan1 = cache.plans[0]
     d1, b1 = plan1.deferred.tolist(), plan1.boundary
     sched1 = build_schedule(
@@ -160,7 +161,7 @@ def test_restored_state_does_not_depend_on_completion_chunks(model):
     for completion_chunk, split in [(1, None), (5, None), (256, None), (4, 7)]:
         config = cfg(completion="next_turn", completion_chunk_size=completion_chunk)
         out = generate(model, inputs, 1, config)
-        cache = out.past_key_values
+        cache = output_cache(out)
         if split is not None:
             complete_deferred(model, cache, max_tokens=split)
         complete_deferred(model, cache)
@@ -182,7 +183,7 @@ def test_deferred_entries_do_not_depend_on_decode_schedule(model):
     caches = []
     for chunk, guard in [(1, 0), (3, 2), (7, 1), (31, 16)]:
         out = generate(model, inputs, 6, cfg(chunk_size=chunk, guard_tokens=guard))
-        caches.append(out.past_key_values)
+        caches.append(output_cache(out))
     deferred = caches[0].plans[0].deferred
     for cache in caches[1:]:
         torch.testing.assert_close(cache.layers[2].keys[:, :, deferred], caches[0].layers[2].keys[:, :, deferred], **TOL)
@@ -227,7 +228,7 @@ def test_every_deferred_token_prefilled_once(model, monkeypatch):
 def test_every_selector_runs_on_qwen3_5(model, selector, policy):
     config = RaincheckConfig(policy=policy, pruning=selector, guard_tokens=1, chunk_size=4, completion="blocking")
     for inputs in (two_images(), _video_conv()):
-        cache = generate(model, inputs, 4, config).past_key_values
+        cache = output_cache(generate(model, inputs, 4, config))
         kept = cache.plans[0].kept
         assert cache.total_deferred > 0 and cache.pending == 0
         assert torch.equal(kept, kept.sort().values)
@@ -257,7 +258,7 @@ def test_unfused_control_matches_reference_with_split_forwards(model, family):
     length = inputs["input_ids"].shape[1]
     config = cfg(fused=False, completion="next_turn")
     out = generate(net, inputs, 8, config)
-    plan = out.past_key_values.plans[0]
+    plan = output_cache(out).plans[0]
     sched = build_schedule(length, plan.deferred, 8, chunk_size=3, guard_tokens=2, completion="next_turn")
     forwards = []
     for fwd in sched.forwards:
@@ -268,7 +269,7 @@ def test_unfused_control_matches_reference_with_split_forwards(model, family):
     ref = reference(net, _extend(inputs, new_tokens(out, inputs)), forwards, [(plan.deferred, plan.boundary)])
     torch.testing.assert_close(logits(out), ref.at_many(sched.logit_rows), **TOL)
     fused = generate(net, inputs, 8, cfg(completion="next_turn"))
-    assert out.past_key_values.stats == fused.past_key_values.stats
+    assert output_cache(out).stats == output_cache(fused).stats
 
 
 def _profiled_decode_steps(model, monkeypatch, inputs, config, steps):
@@ -340,7 +341,7 @@ def test_default_chunk_size_follows_the_model(model, family):
     inputs = _conv([(1, 24, 24)], [3, 4])  # 144 visual tokens, 100 deferred at retention 0.3
     config = RaincheckConfig(pruning="uniform", completion="next_turn")
     out = generate(model, inputs, 18, config)  # decode steps 1..17: step 17 is the only one past the guard (16)
-    cache = out.past_key_values
+    cache = output_cache(out)
     chunk = RaincheckConfig.CHUNK_GDN if family == "qwen3_5" else RaincheckConfig.CHUNK_ATTENTION
     assert cache.config is config and config.for_model(family == "qwen3_5").chunk_size == chunk
     assert cache.turn_stats[-1].restored_during_decode == chunk

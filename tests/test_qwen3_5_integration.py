@@ -21,7 +21,7 @@ from helpers import generate, new_tokens, whole_conversation  # noqa: E402
 from reference_qwen3_5 import build_schedule, reference_logits  # noqa: E402
 
 from hf_raincheck import RaincheckChat, RaincheckConfig, enable_raincheck  # noqa: E402
-from hf_raincheck.conversation import next_turn_inputs  # noqa: E402
+from hf_raincheck.conversation import next_turn_inputs, output_cache  # noqa: E402
 from hf_raincheck.testing import chat_inputs, load_tiny_qwen3_5, make_image, make_video  # noqa: E402
 
 TOL = dict(atol=2e-5, rtol=1e-4)
@@ -69,7 +69,7 @@ def test_new_image_in_turn_two_matches_reference(vl, completion):
     cfg = RaincheckConfig(retention=0.3, chunk_size=4, guard_tokens=2, pruning="uniform", completion=completion)
     turn1 = chat_inputs(processor, _messages(make_image(1, (256, 256))))
     out1 = generate(model, turn1, 6, cfg)
-    cache = out1.past_key_values
+    cache = output_cache(out1)
     plan1 = cache.plans[0]
     pending_at_end = plan1.total_deferred - plan1.restored
     turn2 = next_turn_inputs(processor, out1.sequences, _messages(make_image(2, (192, 192)), text="And this?"))
@@ -121,7 +121,7 @@ def test_text_iterator_streamer_yields_the_answer(vl):
     text = "".join(piece for piece in streamer)
     thread.join()
     answer = result["out"].sequences[0, inputs["input_ids"].shape[1] :]
-    assert result["out"].past_key_values.stats.during_decode > 0
+    assert output_cache(result["out"]).stats.during_decode > 0
     assert text == processor.decode(answer, skip_special_tokens=True)
 
 

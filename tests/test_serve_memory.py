@@ -23,6 +23,7 @@ from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 from hf_raincheck import RaincheckConfig, enable_raincheck
 from hf_raincheck.attention import sdpa
+from hf_raincheck.conversation import output_cache
 
 IMAGE, VIDEO, VSTART, VEND = 1001, 1002, 1003, 1004
 IMAGE_TOKENS = 1024  # merged tokens per image (64 x 64 patches)
@@ -185,7 +186,7 @@ def test_split_prefill_gives_the_unsplit_answers_and_caches(monkeypatch):
     split, split_calls = run()
     assert split_calls > whole_calls > 0  # the masked forwards did run in blocks
     assert torch.equal(split.sequences, whole.sequences)
-    for a, b in zip(split.past_key_values.split(), whole.past_key_values.split()):
+    for a, b in zip(output_cache(split).split(), output_cache(whole).split()):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.layers, b.layers):
             torch.testing.assert_close(la.keys[:, :, :b.length], lb.keys[:, :, :b.length], atol=2e-5, rtol=1e-4)

@@ -23,6 +23,7 @@ from test_compiled_steps import _with_new_image  # noqa: E402
 
 import hf_raincheck.generation.decode as decode  # noqa: E402
 from hf_raincheck import RaincheckConfig, enable_raincheck  # noqa: E402
+from hf_raincheck.conversation import output_cache  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -66,7 +67,7 @@ def test_decode_steps_do_not_synchronize(monkeypatch, family, static):
 
     monkeypatch.setattr(enable, "decode_step", checked)
     out = generate(model, inputs, 12, cfg, **kw)
-    assert len(steps) == 11 and out.past_key_values.stats.during_decode > 0
+    assert len(steps) == 11 and output_cache(out).stats.during_decode > 0
 
 
 class _CudagraphSkips(logging.Handler):
@@ -209,7 +210,7 @@ def test_new_conversations_and_turns_replay_the_recorded_cuda_graphs(family, mon
         inputs = _conv([(1, 8, 8), (1, 8, 8)], [3, 2, 4])
         out = generate(model, _cuda(inputs), 12, cfg, **kw)
         turn2 = _with_new_image(_extend(inputs, new_tokens(out, inputs)))
-        generate(model, _cuda(turn2), 12, cfg, past=out.past_key_values, **kw)
+        generate(model, _cuda(turn2), 12, cfg, past=output_cache(out), **kw)
 
     conversation()  # compiles, warms up and records
     conversation()
@@ -314,9 +315,9 @@ def test_compiled_static_batch_equals_eager_on_cuda(family, tiny_vl_path, tiny_q
             assert torch.equal(reference.sequences, eager.sequences)
             torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(reference.logits),
                                        atol=bound, rtol=2e-3)
-            assert compiled.past_key_values.static
-            assert compiled.past_key_values.row_turn_stats == eager.past_key_values.row_turn_stats
-            assert compiled.past_key_values.row_pending == [0] * len(conversations)
+            assert output_cache(compiled).static
+            assert output_cache(compiled).row_turn_stats == output_cache(eager).row_turn_stats
+            assert output_cache(compiled).row_pending == [0] * len(conversations)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0, skips.messages
     if family == "qwen3_5":  # the batching logic, without fla's rounding: torch GDN code on both sides

@@ -20,6 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, os.path.dirname(__file__))
 
 from helpers import TRITON_MARKS  # noqa: E402
+from hf_raincheck.conversation import output_cache  # noqa: E402
 from hf_raincheck.models.qwen3_vl import qwen_vision_attn_qk, qwen_vision_attn_sdpa_input  # noqa: E402
 from hf_raincheck.pruning.base import VISION_ATTENTION, VISION_HIDDEN  # noqa: E402
 from hf_raincheck.pruning.hiprune import ranking  # noqa: E402
@@ -289,7 +290,7 @@ def test_selection_matches_the_torch_path(fresh_tiny_vl, device, monkeypatch, se
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=1, do_sample=False, return_dict_in_generate=True,
                                  raincheck_config=RaincheckConfig(policy="hard", pruning=selector))
-        kept[path] = out.past_key_values.plan.kept.cpu()
+        kept[path] = output_cache(out).plan.kept.cpu()
         used = [h for h in hooks_made if h.layers]
         assert used and all(p == path for h in used for calls in h.paths.values() for p in calls)
         tables = [e[VISION_ATTENTION] for e in extras if e and VISION_ATTENTION in e]
