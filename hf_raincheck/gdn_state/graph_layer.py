@@ -44,10 +44,8 @@ def gdn_rows_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, layer: G
     ``hf_raincheck::gated_delta`` custom op (`ops.py`): one opaque node per call in the traced graph.
     """
     qkv, z, b, a = glue.project(module, hidden)
-    if step.valid is not None and step.live:
-        return glue.output(module, _fused_rows(glue, module, qkv, a, b, layer, step), z)
     outs = []
-    if step.valid is not None:  # the chunk alone (the unfused control)
+    if step.valid is not None:
         n = step.valid.shape[0]
         prefix = layer.prefix
         window = prefix.conv
@@ -60,7 +58,9 @@ def gdn_rows_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, layer: G
         # the kernels want contiguous rows (fla copies views, three eager copies per layer inside the opaque call);
         # made here, Inductor writes them in the kernel that computes them
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        g, beta = _inert_padding(step.valid, g, beta)
+        valid = step.valid[None, :, None]
+        g = torch.where(valid, g, torch.zeros_like(g))
+        beta = torch.where(valid, beta, torch.zeros_like(beta))
         out, new_prefix = advance(step.backend, q, k, v, g, beta, prefix.recurrent, opaque=True)
         join_prefix_(layer.state, prefix.recurrent, new_prefix)  # S_live += P_tail (new - old); prefix <- new
         prefix.conv.copy_(new_window)
@@ -73,46 +73,6 @@ def gdn_rows_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, layer: G
         outs.append(advance_(step.backend, q, k, v, g, beta, layer.state, layer.carry))  # the state in place
     core = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return glue.output(module, core, z)
-
-
-def _inert_padding(valid: torch.Tensor, g: torch.Tensor, beta: torch.Tensor):
-    """g and beta of a padded deferred window with its padding rows (``valid`` False) set to 0: the identity on the
-    state."""
-    valid = valid[None, :, None]
-    return torch.where(valid, g, torch.zeros_like(g)), torch.where(valid, beta, torch.zeros_like(beta))
-
-
-def _fused_rows(glue: GDNGlue, module, qkv, a, b, layer: GDNLayerState, step: GDNGraphStep) -> torch.Tensor:
-    """A fused step's core rows ``[1, n + 1, H_v, V]``: the deferred window (``n`` rows, padding after the real
-    ones) from the prefix checkpoint, joined into the live state, then the decode row from the live state.
-
-    One short conv serves both segments, as in the eager `layer.gdn_rows_forward`: over ``[prefix window |
-    window rows | live window | decode row]`` each output reads the ``kernel`` inputs up to its own, so the window
-    rows continue the prefix window and the decode row the live one (the outputs over the live window are not
-    used), and one `factors` call and one contiguous copy serve every row (the elementwise kernels of one row set
-    instead of two)."""
-    n = step.valid.shape[0]
-    prefix = layer.prefix
-    kernel = prefix.conv.shape[-1]
-    rows = qkv.transpose(1, 2)  # channels last: [1, n + 1, C]
-    full = torch.cat([prefix.conv.transpose(1, 2), rows[:, :n], layer.conv.transpose(1, 2), rows[:, n:]], dim=1)
-    conv_out = glue.conv_tail(module, full, n + kernel + 1)  # the window rows, the live window's, the decode row
-    # the new prefix window ends at the window's last real row; the live one at the decode row
-    where = step.count + torch.arange(kernel, device=full.device)
-    prefix_window = full.index_select(1, where).transpose(1, 2)
-    live_window = full[:, -kernel:].transpose(1, 2)
-    q, k, v, g, beta = glue.factors(module, conv_out, a, b)
-    # one contiguous copy of every row (Inductor writes it in the kernel that computes it); the kernels take the
-    # leading window rows and the last row, contiguous slices of it at batch 1
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    window_g, window_beta = _inert_padding(step.valid, g[:, :n], beta[:, :n])
-    out, new_prefix = advance(step.backend, q[:, :n], k[:, :n], v[:, :n], window_g, window_beta, prefix.recurrent,
-                              opaque=True)
-    join_prefix_(layer.state, prefix.recurrent, new_prefix)  # S_live += P_tail (new - old); prefix <- new
-    prefix.conv.copy_(prefix_window)
-    layer.conv.copy_(live_window)
-    live = advance_(step.backend, q[:, -1:], k[:, -1:], v[:, -1:], g[:, -1:], beta[:, -1:], layer.state, layer.carry)
-    return torch.cat([out, live], dim=1)
 
 
 @dataclass
