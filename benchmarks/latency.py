@@ -38,7 +38,7 @@ Measurements (each after a warm-up call of the same shapes, which also absorbs c
   ``restored_at_token``: the output token produced by the step that carried the last deferred chunk (None: the
   answer ended first); ``peak_mem_gib``: ``torch.cuda.max_memory_allocated`` over the answer run;
 * ``one_off_steps``: ``[decode step, ms]`` of the answer's steps over 3x its median step (e.g. a CUDA graph
-  recorded again);
+  recorded again; the console line counts the answers that had any, over every round);
 * ``--interleave``: per workload and cache, every policy warms up first, then their ``--repeats`` answer runs
   alternate round by round (the order rotating), so a drift over the call moves them alike; records add
   ``rounds``, ``tpot_ms_rounds``, ``tpot_vs_full_paired`` and ``tpot_vs_plain_paired`` (the median over rounds
@@ -993,10 +993,14 @@ def run_policies(bench: Bench, inputs: dict, workload: str, cache: str, policies
         budget.record(entry["kind"], entry["seconds"], entry["warmup_s"])
         results.records.append(record)
         paired = record["tpot_vs_full_paired"]
+        offs = [one_off_steps(answer["step_ms"]) for answer in entry["answers"]]
+        off_note = next((f", one-off steps in {sum(map(bool, offs))} of {len(offs)} answers (first: {o})"
+                         for o in offs if o), "")
         print(f"  {workload:9s} {cache:7s} {entry['policy'].label:22s} TTFT {record['ttft_ms']:8.1f} ms  "
               f"TPOT {record['tpot_ms']:7.2f} ms  ({entry['seconds']:.0f} s, warm-up {entry['warmup_s']:.0f} s, "
               f"compiled graphs {compiled_graphs()}" + (f", {record['rounds']} rounds" if record["rounds"] > 1 else "")
-              + ("" if paired is None or len(done) == 1 else f", paired TPOT / full {paired:.3f}") + ")", flush=True)
+              + ("" if paired is None or len(done) == 1 else f", paired TPOT / full {paired:.3f}") + off_note + ")",
+              flush=True)
     results.save()
 
 

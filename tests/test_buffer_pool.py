@@ -4,6 +4,7 @@ own, and a reused buffer starts from zeros."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import sys
@@ -74,7 +75,7 @@ def test_pool_keeps_the_latest_buffer_per_role_and_zeroes_it():
 def test_next_conversation_reuses_a_freed_caches_buffers_and_equals_a_fresh_run(model):
     first = static_run(model, images(0))
     used = addresses(output_cache(first))
-    assert {"filled", "scratch_slots", "store.embeds", "store.valid", "layer0.keys", "layer0.values"} <= set(used)
+    assert {"filled", "scratch_slots.5", "store.embeds", "store.valid", "layer0.keys", "layer0.values"} <= set(used)
     del first
     assert POOL.nbytes() > 0  # freed by reference counting: given back at once
     second = static_run(model, images(1))
@@ -92,6 +93,23 @@ def test_next_conversation_reuses_a_freed_caches_buffers_and_equals_a_fresh_run(
     assert addresses(output_cache(reused)) == fresh_used
     assert new_tokens(reused, reference_inputs) == fresh_tokens
     torch.testing.assert_close(torch.stack(reused.logits), fresh_logits, atol=0, rtol=0)
+
+
+def test_a_conversation_with_another_chunk_size_leaves_this_ones_buffers(model):
+    """The scratch slots have a chunk's length: a conversation with another chunk size in between keeps its own,
+    so the next one with this chunk size takes the same buffers (the fused step's CUDA graph reads them at
+    static addresses: a new buffer there recorded that graph again, 40-90 ms in the first fused step)."""
+    first = static_run(model, images(0))
+    used, scratch = addresses(output_cache(first)), output_cache(first).scratch_slots
+    del first
+    other = dataclasses.replace(CFG, chunk_size=3)
+    between = generate(model, images(1), 10, other, cache_implementation="static", compile_config=compile_config())
+    assert output_cache(between).scratch_slots.shape == (3,)
+    del between
+    gc.collect()  # (its steps were traced for chunk 3: the trace keeps the cache in reference cycles, see `fresh`)
+    again = static_run(model, images(2))
+    cache = output_cache(again)
+    assert cache.scratch_slots is scratch and addresses(cache) == used
 
 
 def test_a_live_cache_keeps_its_buffers(model):

@@ -11,7 +11,8 @@ embeddings...) when shape, dtype and device match, zeroed (a GDN layer's persist
 the copy overwrites all of it).
 
 The pool keeps at most one tensor per name, the latest one given back, so it holds at most one conversation's
-buffers (its KV cache, store and GDN states: the size of one static cache). `release_static_buffers()` empties it.
+buffers (its KV cache, store and GDN states: the size of one static cache), and the scratch slots of each chunk size
+used (their name carries it: a few longs each). `release_static_buffers()` empties it.
 A tensor taken out of a static cache and kept after the cache is freed (``cache.layers[0].keys``) is one of those
 buffers: the next conversation overwrites it, so clone what you keep.
 """

@@ -572,13 +572,16 @@ class DeferredPrefillCache(RunningCall, DynamicCache):
         return self._scratch_slots
 
     def place_scratch_slots(self, chunk_size: int) -> None:
-        """Puts `scratch_slots` at the end of the current capacity (a no-op when they are already there)."""
+        """Puts `scratch_slots` at the end of the current capacity (a no-op when they are already there). The
+        pool's role name carries the chunk size (``scratch_slots.63``), so a conversation with another chunk size
+        leaves this one's buffer in the pool (one role, one layout: taking it would drop it, and the fused step's
+        CUDA graph, which reads it at its static address, would be recorded again)."""
         width = self.layers[0].capacity
         scratch = self._scratch_slots
         if scratch is not None and scratch.numel() == chunk_size and self._scratch_end == width:
             return
         device = self.device
-        scratch = self.pooled_zeros("scratch_slots", (chunk_size,), torch.long, device)
+        scratch = self.pooled_zeros(f"scratch_slots.{chunk_size}", (chunk_size,), torch.long, device)
         scratch.copy_(torch.arange(width - chunk_size, width, device=device))
         self._scratch_slots, self._scratch_end = scratch, width
 
