@@ -195,6 +195,38 @@ def test_budget_counts_compiled_warm_ups(monkeypatch):
     assert not budget.fits(compiled) and budget.fits(eager)
 
 
+def test_policies_warmed_before_a_later_compile_warm_up_again():
+    """`--interleave`: a policy warmed up before another policy's warm-up compiled a graph (a chunk sweep's second
+    chunk recompiles the fused step, dynamic in the chunk) gets one more warm-up answer before the rounds; a failing
+    one is marked failed and reported, the others still run."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import latency
+    from hf_raincheck import RaincheckConfig
+
+    class FakeBench:
+        def __init__(self):
+            self.calls = []
+
+        def generate(self, inputs, policy, cache):
+            self.calls.append((policy.name, cache))
+            if policy.name == "hard":
+                raise RuntimeError("out of memory")
+
+    def entry(name, graphs):
+        config = RaincheckConfig(chunk_size=31) if name == "raincheck" else None
+        return dict(policy=latency.Policy(name, config), graphs=graphs, warmup_s=1.0, seconds=2.0, failed=False)
+
+    bench, failures = FakeBench(), []
+    ready = [entry("full", 1), entry("raincheck", 2), entry("hard", 2), entry("plain", 3)]
+    latency.rewarm_after_later_graphs(bench, {}, "static", ready, lambda policy, error: failures.append(policy.name))
+    assert bench.calls == [("full", "static"), ("raincheck", "static"), ("hard", "static")]
+    assert [e["failed"] for e in ready] == [False, False, True, False] and failures == ["hard"]
+    assert ready[0]["warmup_s"] > 1.0 and ready[0]["seconds"] > 2.0 and ready[3]["warmup_s"] == 1.0
+    bench.calls.clear()
+    latency.rewarm_after_later_graphs(bench, {}, "static", [entry("full", 2), entry("raincheck", 2)], None)
+    assert bench.calls == []  # no graph compiled after any warm-up
+
+
 def test_multi_gpu_quick_equals_the_one_device_model(tmp_path):
     """``multi_gpu.py --quick``: the hooked copy gives the same tokens, logits and restore stats per policy, and
     the placement check saw the deferred rows pending after turn 1 (the next_turn policy)."""
