@@ -22,7 +22,10 @@ loop's jump back and at a function's entry) never can: between two exception-han
 no-op of a ``try:`` line and the second event of a ``with`` line (its ``__exit__`` call on the way out: raised
 there, the ``with``'s ``__exit__`` is skipped and a lock stays held), and the first line of a ``finally:`` or a
 try's ``else:`` block (a Ctrl-C during the try body's last call is raised inside the try, so the handlers and the
-``finally`` see it). Injected there, they would be false findings.
+``finally`` see it). Injected there, they would be false findings. Nor are the lines of a ``weakref.finalize``
+callback and what it calls (a freed static batch's `_retire`): the garbage collector may run it at any allocation,
+so whether and where a run reaches it is not deterministic, and Python reports and drops an exception raised in it
+("Exception ignored in"), so an interrupt there never reaches the caller.
 
     recorder = LineRecorder(files)
     with recorder:
@@ -39,6 +42,7 @@ import dis
 import os
 import sys
 import threading
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from glob import glob
@@ -132,6 +136,19 @@ def injectable(frame) -> bool:
     return True
 
 
+_FINALIZE_CALL = weakref.finalize.__call__.__code__
+
+
+def _in_finalizer(frame) -> bool:
+    """Whether `frame` runs inside a ``weakref.finalize`` callback (see the module docstring)."""
+    frame = frame.f_back
+    while frame is not None:
+        if frame.f_code is _FINALIZE_CALL:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class _LineTracer:
     """Calls `on_line(point)` for every injectable line event of `files` in the thread that enters it."""
 
@@ -151,7 +168,7 @@ class _LineTracer:
         return tuple(reversed(names))
 
     def _global(self, frame, event, arg):
-        if event == "call" and frame.f_code.co_filename in self.files:
+        if event == "call" and frame.f_code.co_filename in self.files and not _in_finalizer(frame):
             return self._local
         return None
 

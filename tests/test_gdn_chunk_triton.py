@@ -247,6 +247,43 @@ def test_split_graph_runs_the_kernel_on_a_padded_tail(device):
         graphed.release()
 
 
+@pytest.mark.parametrize("shape", [(1, 63, 2, 4, 32, 32), (2, 5, 1, 2, 16, 48)])
+def test_lazy_window_leaves_the_join_pending_and_corrects_the_decode_row(device, shape):
+    """`lazy_window_` over three fused steps (the decode row first, on the unjoined live ``[S | P_tail]``, then the
+    window) against the joined steps in float64: every decode row's output equals the one from the joined live
+    state, the checkpoint moves as the rows say, and folding ``S += P_tail pending`` gives the joined live state."""
+    from hf_raincheck.gdn_state.chunk_triton import lazy_window_
+
+    batch, rows, key_heads, value_heads, key_dim, value_dim = shape
+    gen = torch.Generator().manual_seed(7)
+    prefix = 0.1 * torch.randn(batch, value_heads, key_dim, value_dim, generator=gen)
+    live_s = 0.1 * torch.randn(batch, value_heads, key_dim, value_dim, generator=gen)
+    transition = torch.eye(key_dim).expand(batch, value_heads, key_dim, key_dim) * 0.9 \
+        + 0.02 * torch.randn(batch, value_heads, key_dim, key_dim, generator=gen)
+    want_prefix, want_live, want_p = prefix.double(), live_s.double(), transition.double()
+    on = {"prefix": prefix.to(device), "pending": torch.zeros_like(prefix).to(device),
+          "state": torch.cat([live_s, transition], -1).double()}  # [S | P_tail], unjoined, advanced in float64 here
+    for step in range(3):
+        q, k, v, g, beta, _ = _rows(batch, rows, key_heads, value_heads, key_dim, value_dim, seed=10 + step)
+        q1, k1, v1, g1, beta1, _ = _rows(batch, 1, key_heads, value_heads, key_dim, value_dim, seed=20 + step)
+        # joined (the reference): the window moves the checkpoint, the join, then the decode row
+        _, new_prefix = naive_gated_delta(q, k, v, g, beta, want_prefix)
+        want_live = want_live + want_p @ (new_prefix - want_prefix)
+        want_prefix = new_prefix
+        want_out1, want_live = naive_gated_delta(q1, k1, v1, g1, beta1, want_live)
+        want_p = naive_transition(k1, g1, beta1, value_heads, want_p)
+        # lazy: the decode row on the unjoined [S | P_tail] (values [v | 0]), then the window
+        zeros = torch.zeros(batch, 1, value_heads, key_dim)
+        live_out, on["state"] = naive_gated_delta(q1, k1, torch.cat([v1, zeros], -1), g1, beta1, on["state"])
+        out, o_live = lazy_window_(*(x.to(device) for x in (q, k, v, g, beta)), on["prefix"], on["pending"],
+                                   live_out.float().to(device))
+        torch.testing.assert_close(o_live.cpu().double(), want_out1, **FP32_TOL)
+        torch.testing.assert_close(on["prefix"].cpu().double(), want_prefix, **FP32_TOL)
+    s, p = on["state"][..., :value_dim], on["state"][..., value_dim:]
+    torch.testing.assert_close(p, want_p, **FP32_TOL)
+    torch.testing.assert_close(s + p @ on["pending"].cpu().double(), want_live, **FP32_TOL)
+
+
 def test_bad_inputs_name_what_is_allowed(device):
     from hf_raincheck.gdn_state.chunk_triton import chunk_gated_delta
 
@@ -261,6 +298,13 @@ def test_bad_inputs_name_what_is_allowed(device):
         chunk_gated_delta(q, k, v, g, beta, state, block_v=24)
     with pytest.raises(ValueError, match="warps"):
         chunk_gated_delta(q, k, v, g, beta, state, warps=3)
+    from hf_raincheck.gdn_state.chunk_triton import lazy_window_
+
+    live = torch.zeros(1, 1, 2, 32, device=device)
+    with pytest.raises(ValueError, match="prefix and pending must be contiguous float32"):
+        lazy_window_(q, k, v, g, beta, state, state.double(), live)
+    with pytest.raises(ValueError, match=r"live must be \[B, 1, H_v, V \+ K\]"):
+        lazy_window_(q, k, v, g, beta, state, torch.zeros_like(state), live[..., :16])
 
 
 def test_equals_fla_chunked_function_at_the_9b_heads():

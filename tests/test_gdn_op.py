@@ -19,6 +19,7 @@ from helpers import generate, new_tokens  # noqa: E402
 
 import hf_raincheck.gdn_state.kernels as kernels  # noqa: E402
 from hf_raincheck import RaincheckConfig, enable_raincheck  # noqa: E402
+from hf_raincheck.conversation import output_cache  # noqa: E402
 from hf_raincheck.gdn_state import advance, gated_delta  # noqa: E402
 
 HK, HV, K, V = 2, 4, 16, 12
@@ -175,8 +176,9 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 def test_compiled_steps_hold_the_op_not_the_traced_kernels(hybrid):
     """Compiled Qwen3.5 steps (dynamo, fullgraph) give eager's tokens, and each graph holds one op node per GDN
-    kernel call (3 GDN layers: a decode step 1 call each, a fused step 2), the fused step one in-place join per GDN
-    layer (``hf_raincheck::join_``), and none of the torch kernels' ops."""
+    kernel call (3 GDN layers: a decode step the decode row's ``hf_raincheck::gated_delta_`` each; a fused step that
+    and the window with its join left pending, ``hf_raincheck::lazy_window_``), no join (``hf_raincheck::join_``:
+    the fused steps' joins are folded in outside the graphs), and none of the torch kernels' ops."""
     graphs = []
 
     def recorder(gm, example_inputs, **options):  # options: CompileConfig's mode
@@ -193,14 +195,16 @@ def test_compiled_steps_hold_the_op_not_the_traced_kernels(hybrid):
     torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(eager.logits), atol=2e-5, rtol=1e-4)
 
     layers = sum(t == "linear_attention" for t in hybrid.config.text_config.layer_types)
-    ops, joins, kernel_ops = [], [], []
+    ops, windows, joins, kernel_ops = [], [], [], []
     for gm in graphs:
         targets = [str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
         ops.append(sum("hf_raincheck.gated_delta" in t for t in targets))
+        windows.append(sum("hf_raincheck.lazy_window_" in t for t in targets))
         joins.append(sum("hf_raincheck.join_" in t for t in targets))
         kernel_ops.append([t for t in targets if "solve_triangular" in t or "l2norm" in t or "cumsum" in t])
-    assert sorted(ops) == [layers, 2 * layers]
-    assert sorted(joins) == [0, layers]
+    assert len(graphs) == 2
+    assert sorted(zip(windows, ops)) == [(0, layers), (layers, layers)]
+    assert joins == [0, 0]
     assert kernel_ops == [[] for _ in graphs]
 
 
@@ -229,3 +233,81 @@ def test_tail_kernel_columns_fill_one_wave():
     assert columns(1, 16, 128, 128, 132) == 32  # 128 programs of 32: one wave
     assert columns(1, 32, 128, 96, 132) == 32 and columns(1, 32, 96, 128, 132) == 32  # 64 divides neither
     assert columns(1, 4, 16, 16, 132) == 16  # the tests' tiny Qwen3.5
+
+
+# ------------------------------------------------------------------------------------------ lazy window (torch)
+def _lazy_operands(t, seed=6):
+    """A fused step's GDN operands: `t` window rows and a checkpoint, the decode row and the live ``[S | P_tail]``."""
+    window = factors(t, True, seed=seed)
+    row = factors(1, True, seed=seed + 1)
+    gen = torch.Generator().manual_seed(seed + 2)
+    transition = torch.eye(K).expand(1, HV, K, K) * 0.9 + 0.05 * torch.randn(1, HV, K, K, generator=gen)
+    live = torch.cat([row[5], transition], dim=-1).contiguous()
+    return window[:5], window[5].contiguous(), row[:5], live
+
+
+@pytest.mark.parametrize("t", [1, 4])
+def test_lazy_window_equals_the_joined_step_and_folds_to_its_state(t):
+    """``ops.lazy_window_`` (the torch path: CPU, no one-chunk kernel) over two fused steps against the joined steps
+    (window, join, then the decode row): the same window and decode-row outputs, the same checkpoint, and folding
+    the pending difference (`join_pending_`) gives the joined live state and zeroes it."""
+    from hf_raincheck.gdn_state.ops import advance_, join_pending_, join_prefix_, lazy_window_
+
+    window, prefix, row, live = _lazy_operands(t)
+    joined = dict(prefix=prefix.clone(), live=live.clone())
+    lazy = dict(prefix=prefix.clone(), live=live.clone(), pending=torch.zeros_like(prefix))
+    for step in range(2):
+        if step:
+            window, _, row, _ = _lazy_operands(t, seed=20)
+        out, new_prefix = advance("torch", *window, joined["prefix"])
+        join_prefix_(joined["live"], joined["prefix"], new_prefix)
+        want_live = advance_("torch", *row, joined["live"], K)
+        got, got_live = lazy_window_("torch", *window, lazy["prefix"], lazy["pending"], lazy["live"], *row)
+        torch.testing.assert_close(got, out, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got_live, want_live, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lazy["prefix"], joined["prefix"], rtol=0, atol=0)
+    assert lazy["pending"].abs().max() > 0
+    join_pending_(lazy["live"], lazy["pending"])
+    torch.testing.assert_close(lazy["live"], joined["live"], rtol=1e-5, atol=1e-6)
+    assert not lazy["pending"].any()
+
+
+def test_lazy_window_opcheck():
+    """Schema (checkpoint and pending declared mutated), fake outputs and AOT dispatch of
+    ``hf_raincheck::lazy_window_``."""
+    window, prefix, row, live = _lazy_operands(4)
+    decode = torch.cat([torch.randn(1, 1, HV, V), torch.randn(1, 1, HV, K)], dim=-1)
+    torch.library.opcheck(torch.ops.hf_raincheck.lazy_window_.default,
+                          (*window, prefix, torch.zeros_like(prefix), decode, "torch"))
+
+
+@pytest.mark.parametrize("completion", ["next_turn", "blocking"])
+def test_compiled_fused_steps_leave_nothing_pending_between_calls(hybrid, completion):
+    """Compiled steps leave their windows' joins pending while they run (`ops.lazy_window_`); every ``generate`` call
+    ends with them folded in: after an answer that stopped with deferred rows left (``next_turn``) or restored them
+    (``blocking``), every GDN layer's pending difference is zero and its live state equals the eager steps', and the
+    second turn on the cache gives the eager second turn's tokens and logits."""
+    config = CompileConfig(backend="eager", fullgraph=True, dynamic=False)
+    config._compile_all_devices = True
+    cfg = RaincheckConfig(retention=0.3, chunk_size=3, guard_tokens=2, pruning="uniform", completion=completion)
+    inputs = _conv([(1, 8, 8), (1, 8, 8)], [3, 2, 4], seed=1)
+    runs = {}
+    for kind, kw in (("eager", {}), ("compiled", dict(cache_implementation="static", compile_config=config))):
+        out1 = generate(hybrid, inputs, 6, cfg, **kw)
+        cache = output_cache(out1)
+        states = {idx: layer.recurrent.clone() for idx, layer in cache.gdn_states.items()}
+        if kind == "compiled":
+            pendings = [layer.pending for layer in cache.gdn_states.values()]
+            assert all(p is not None for p in pendings) and not any(p.any() for p in pendings)
+            assert completion == "blocking" or cache.pending > 0
+        ids = torch.cat([out1.sequences, torch.tensor([[5, 6, 7]])], dim=1)
+        turn2 = dict(inputs, input_ids=ids, attention_mask=torch.ones_like(ids),
+                     mm_token_type_ids=torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(ids[:, inputs[
+                         "input_ids"].shape[1]:])], dim=1))
+        out2 = generate(hybrid, turn2, 4, cfg, past=cache, **kw)
+        runs[kind] = (states, out2, turn2)
+    for idx, state in runs["eager"][0].items():
+        torch.testing.assert_close(runs["compiled"][0][idx], state, rtol=1e-4, atol=2e-5)
+    assert new_tokens(runs["compiled"][1], runs["compiled"][2]) == new_tokens(runs["eager"][1], runs["eager"][2])
+    torch.testing.assert_close(torch.stack(runs["compiled"][1].logits), torch.stack(runs["eager"][1].logits),
+                               atol=2e-5, rtol=1e-4)

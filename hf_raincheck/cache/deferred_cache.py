@@ -12,6 +12,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from .. import transformers_coupling as hf
+from ..gdn_state.ops import join_pending_
 from ..gdn_state.state import GDNLayerState
 from .buffer_pool import POOL, CacheBuffers, copy_pairs
 from .forward_context import ForwardContext, RunningCall
@@ -664,6 +665,29 @@ class DeferredPrefillCache(RunningCall, DynamicCache):
         for idx, state in self.gdn_states.items():
             state.persist(lambda field, tensor, idx=idx: self._buffers.persistent(f"gdn{idx}.{field}", tensor, copies))
         copy_pairs(copies)  # (in a few launches: this runs right after a prefill, host-bound on a GPU)
+
+    def pending_gdn_buffers(self) -> None:
+        """Gives every GDN layer its ``pending`` buffer (`GDNLayerState`; zeros, pooled, a static address), which
+        compiled fused steps add their windows' checkpoint changes to instead of joining them (`ops.lazy_window_`);
+        marks the live states unjoined until `join_pending_gdn`."""
+        for idx, layer in self.gdn_states.items():
+            shape = (*layer.state.shape[:-1], layer.value_dim)
+            pending = layer.pending
+            if pending is None or tuple(pending.shape) != shape or pending.device != layer.state.device:
+                layer.pending = self._buffers.zeros(f"gdn{idx}.pending", shape, torch.float32, layer.state.device)
+        self._gdn_unjoined = True
+
+    def join_pending_gdn(self) -> None:
+        """Folds what compiled fused steps left pending into the live GDN states (``S += P_tail pending``, then
+        ``pending = 0``; `ops.join_pending_`), so every other reader sees the whole live state: run before any forward
+        that is not a fused compiled step (`begin_forward`) and when a ``generate`` call ends (`end_turn`). A no-op
+        when nothing is pending."""
+        if not self._gdn_unjoined:
+            return
+        for layer in self.gdn_states.values():
+            if layer.pending is not None:
+                join_pending_(layer.state, layer.pending)
+        self._gdn_unjoined = False
 
     def gdn_snapshot(self) -> dict:
         """References to every GDN layer state, for `gdn_rollback` if a forward fails half-way."""

@@ -58,6 +58,7 @@ class RunningCall:
 
     _context: ForwardContext | None = None
     _turn = None
+    _gdn_unjoined = False  # compiled fused steps left GDN joins pending (`DeferredPrefillCache.join_pending_gdn`)
 
     @property
     def forward_context(self) -> ForwardContext | None:
@@ -65,7 +66,11 @@ class RunningCall:
         return self._context
 
     def begin_forward(self, context: ForwardContext) -> None:
-        """Installs `context` for one forward; pair with `end_forward` in a ``finally``."""
+        """Installs `context` for one forward; pair with `end_forward` in a ``finally``. Joins what earlier
+        compiled fused steps left pending first, unless this forward is one of them (its `GDNGraphStep` is
+        ``lazy``)."""
+        if self._gdn_unjoined and not getattr(context.gdn_step, "lazy", False):
+            self.join_pending_gdn()
         self._context = context
 
     def end_forward(self) -> None:
@@ -83,4 +88,8 @@ class RunningCall:
         self._turn = turn
 
     def end_turn(self) -> None:
+        """Ends the running call's turn; the GDN joins its fused steps left pending are folded in here, so between
+        calls every GDN state is whole."""
         self._turn = None
+        if self._gdn_unjoined:
+            self.join_pending_gdn()

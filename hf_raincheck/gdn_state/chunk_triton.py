@@ -40,8 +40,13 @@ programs, each computing the rows' inverse once for twice the columns): B = 2 / 
 inverse's first doubling level is closed-form, and U applies R to the program's ``[T, BLOCK_V]`` columns once, where
 fla's WY form applies it to ``[T, K]`` first (``W = R (beta exp(c) k)``, then ``U = R (beta v) - W S_0``).
 
-The fused step's join (``S_live += P_tail (new - old)``, `join_triton`) stays a kernel of its own: this window with
-the join in its epilogue took 31.1 us per call on the H200 at B = 1 against 30.8 for the two kernels (CHANGELOG).
+A batch-1 compiled fused step runs no join (`lazy_window_`, ``LAZY``): the decode row runs first on the unjoined live
+state, and this kernel's epilogue adds the window's change to a pending difference and the decode row's output
+correction (a K-vector by ``[K, BLOCK_V]`` reduction per program); the live state is folded once, when the fused
+steps end (`ops.join_pending_`); the steps' effect: benchmarks page, Latency, Qwen3.5 run 7. A join inside the
+epilogue (``S_live += P_tail (new - old)``, a K x K by K x BLOCK_V product per program) took 31.1 us per call on the
+H200 at B = 1 against 30.8 for the window and join kernels (CHANGELOG); static batches keep the join kernel
+(`join_triton`).
 """
 
 from __future__ import annotations
@@ -66,11 +71,11 @@ _EPS = 1e-6  # the l2 norm's, as fla's and transformers' (``x / sqrt(sum(x^2) + 
 
 
 @triton.jit
-def _chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_ptr, ht_ptr,
+def _chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_ptr, ht_ptr, pending_ptr, live_ptr, lo_ptr,
                   rows, key_heads, value_heads, value_dim, scale,
                   h0_b, h0_h, h0_k, h0_v, ht_b, ht_h, ht_k, ht_v,
                   KEY_DIM: tl.constexpr, BT: tl.constexpr, BLOCK_V: tl.constexpr, LEVELS: tl.constexpr,
-                  EPS: tl.constexpr, CARRY: tl.constexpr):
+                  EPS: tl.constexpr, CARRY: tl.constexpr, LAZY: tl.constexpr):
     bh = tl.program_id(1).to(tl.int64)
     b = bh // value_heads
     h = bh % value_heads
@@ -126,6 +131,14 @@ def _chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_ptr, ht_ptr,
     k_end = k * tl.exp(last - c)[:, None]
     s = tl.exp(last) * s0 + tl.dot(tl.trans(k_end), u, input_precision="tf32")
     tl.store(ht_ptr + b * ht_b + h * ht_h + kd[:, None] * ht_k + cols[None, :] * ht_v, s, mask=in_c[None, :])
+    if LAZY:  # the pending difference grows by this window's; the decode row's output takes it (see `lazy_window_`)
+        d_at = pending_ptr + ((b * value_heads + h) * KEY_DIM + kd[:, None]) * value_dim + cols[None, :]
+        d = tl.load(d_at, mask=in_v[None, :], other=0.0) + (s - s0)
+        tl.store(d_at, d, mask=in_v[None, :])
+        live = live_ptr + (b * value_heads + h) * (value_dim + KEY_DIM)  # [o_S | u] of the decode row
+        u = tl.load(live + value_dim + kd)
+        o_live = tl.load(live + cols, mask=in_v, other=0.0) + tl.sum(u[:, None] * d, 0)
+        tl.store(lo_ptr + (b * value_heads + h) * value_dim + cols, o_live.to(lo_ptr.dtype.element_ty), mask=in_v)
 
 
 def _check(q, k, v, g, beta, state, block_v: int, warps: int) -> None:
@@ -157,16 +170,19 @@ def block_columns(value_dim: int, block_v: int = 0) -> int:
     return min(block_v or BLOCK_V, max(16, 1 << (value_dim - 1).bit_length()))
 
 
-def _launch(q, k, v, g, beta, h0, out, ht, block_v: int, warps: int, carry: int = 0) -> None:
+def _launch(q, k, v, g, beta, h0, out, ht, block_v: int, warps: int, carry: int = 0, lazy: tuple | None = None
+            ) -> None:
     """`_chunk_kernel` over (column blocks, B x H_v) from state `h0` into `ht` (`carry` > 0: ``[h0 | I]`` into
-    `ht` ``[B, H_v, K, V + carry]``)."""
+    `ht` ``[B, H_v, K, V + carry]``; `lazy`: ``(pending, live, live_out)`` of `lazy_window_`)."""
     batch, rows, key_heads, key_dim = k.shape
     value_heads, value_dim = v.shape[2], v.shape[3]
     block_v = block_columns(value_dim, block_v)
     grid = (triton.cdiv(value_dim + carry, block_v), batch * value_heads)
-    _chunk_kernel[grid](q, k, v, g, beta, h0, out, ht, rows, key_heads, value_heads, value_dim, key_dim ** -0.5,
-                        *h0.stride(), *ht.stride(), KEY_DIM=key_dim, BT=CHUNK, BLOCK_V=block_v,
-                        LEVELS=CHUNK.bit_length() - 1, EPS=_EPS, CARRY=carry, num_warps=warps)
+    pending, live, live_out = lazy if lazy is not None else (out, out, out)  # (unread without `lazy`)
+    _chunk_kernel[grid](q, k, v, g, beta, h0, out, ht, pending, live, live_out, rows, key_heads, value_heads,
+                        value_dim, key_dim ** -0.5, *h0.stride(), *ht.stride(), KEY_DIM=key_dim, BT=CHUNK,
+                        BLOCK_V=block_v, LEVELS=CHUNK.bit_length() - 1, EPS=_EPS, CARRY=carry,
+                        LAZY=lazy is not None, num_warps=warps)
 
 
 def chunk_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -202,3 +218,30 @@ def chunk_gated_delta_with_transition(q: torch.Tensor, k: torch.Tensor, v: torch
     final = torch.empty(batch, value_heads, key_dim, value_dim + key_dim, dtype=torch.float32, device=v.device)
     _launch(q, k, v, g, beta, state, out, final, block_v, WARPS, carry=key_dim)
     return out, final
+
+
+def lazy_window_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 prefix: torch.Tensor, pending: torch.Tensor, live: torch.Tensor, block_v: int = 0,
+                 warps: int = WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused step's window with the join left pending, in one launch: the rows (as `chunk_gated_delta`) continue
+    the checkpoint `prefix` ``[B, H_v, K, V]`` fp32 in place, `pending` ``[B, H_v, K, V]`` fp32 (the checkpoint's
+    change since the live state's last join) grows by this window's change, and the decode row's output takes
+    it: ``o_live = o_S + pending^T u``, from `live` ``[B, 1, H_v, V + K]`` fp32, the decode row run first on the
+    unjoined live ``[S | P_tail]`` (``o_S``, then ``u = P_tail^T q``: P_tail's columns). Returns ``(o [B, T, H_v,
+    V]`` in v's dtype, ``o_live [B, 1, H_v, V]`` in v's dtype)``. The true live state is ``S + P_tail pending``
+    (both sides advance by the same affine map), folded in by one join when the steps end
+    (`ops.join_pending_`)."""
+    _check(q, k, v, g, beta, prefix, block_v, warps)
+    batch, value_heads, key_dim, value_dim = prefix.shape
+    if pending.shape != prefix.shape or pending.dtype != torch.float32 or not pending.is_contiguous() \
+            or not prefix.is_contiguous():
+        raise ValueError(f"lazy_window_: prefix and pending must be contiguous float32 {tuple(prefix.shape)}")
+    if live.shape != (batch, 1, value_heads, value_dim + key_dim) or live.dtype != torch.float32:
+        want = (batch, 1, value_heads, value_dim + key_dim)
+        raise ValueError(f"lazy_window_: live must be [B, 1, H_v, V + K] = {want} float32, got {tuple(live.shape)} "
+                         f"{live.dtype}")
+    q, k, v, g, beta, live = (x.contiguous() for x in (q, k, v, g, beta, live))
+    out = torch.empty_like(v)
+    live_out = torch.empty(batch, 1, value_heads, value_dim, dtype=v.dtype, device=v.device)
+    _launch(q, k, v, g, beta, prefix, out, prefix, block_v, warps, lazy=(pending, live, live_out))
+    return out, live_out

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .layer import GDNGlue
-from .ops import advance, advance_, join_prefix_
+from .ops import advance, advance_, join_prefix_, lazy_window_
 from .state import GDNLayerState
 
 
@@ -27,12 +27,16 @@ class GDNGraphStep:
         count: 0-d long tensor: how many are (the conv window after the chunk ends at the last real row).
         live: whether a decode row follows (False: the chunk alone, the unfused control).
         backend: ``"torch"`` or ``"fla"``.
+        lazy: a fused step (chunk and decode row) leaves its window's join pending (`ops.lazy_window_`): the
+            layers' ``pending`` buffers take it, and the cache folds them in before any other forward
+            (`DeferredPrefillCache.join_pending_gdn`).
     """
 
     valid: torch.Tensor | None
     count: torch.Tensor | None
     live: bool
     backend: str
+    lazy: bool = False
 
 
 def gdn_rows_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, layer: GDNLayerState, step: GDNGraphStep):
@@ -45,14 +49,14 @@ def gdn_rows_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, layer: G
     """
     qkv, z, b, a = glue.project(module, hidden)
     outs = []
+    window = None
     if step.valid is not None:
         n = step.valid.shape[0]
         prefix = layer.prefix
-        window = prefix.conv
         # channels last (`conv_tail`): [window | the chunk's rows] as [1, kernel + n, C]
-        full = torch.cat([window.transpose(1, 2), qkv.transpose(1, 2)[:, :n]], dim=1)
+        full = torch.cat([prefix.conv.transpose(1, 2), qkv.transpose(1, 2)[:, :n]], dim=1)
         conv_out = glue.conv_tail(module, full, n)
-        where = step.count + torch.arange(window.shape[-1], device=full.device)
+        where = step.count + torch.arange(prefix.conv.shape[-1], device=full.device)
         new_window = full.index_select(1, where).transpose(1, 2)
         q, k, v, g, beta = glue.factors(module, conv_out, a[:, :n], b[:, :n])
         # the kernels want contiguous rows (fla copies views, three eager copies per layer inside the opaque call);
@@ -61,16 +65,21 @@ def gdn_rows_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, layer: G
         valid = step.valid[None, :, None]
         g = torch.where(valid, g, torch.zeros_like(g))
         beta = torch.where(valid, beta, torch.zeros_like(beta))
-        out, new_prefix = advance(step.backend, q, k, v, g, beta, prefix.recurrent, opaque=True)
-        join_prefix_(layer.state, prefix.recurrent, new_prefix)  # S_live += P_tail (new - old); prefix <- new
+        window = (q, k, v, g, beta)
         prefix.conv.copy_(new_window)
+    if window is not None and not (step.live and step.lazy):
+        out, new_prefix = advance(step.backend, *window, prefix.recurrent, opaque=True)
+        join_prefix_(layer.state, prefix.recurrent, new_prefix)  # S_live += P_tail (new - old); prefix <- new
         outs.append(out)
     if step.live:
         full = torch.cat([layer.conv.transpose(1, 2), qkv.transpose(1, 2)[:, -1:]], dim=1)
         conv_out = glue.conv_tail(module, full, 1)
         layer.conv.copy_(full[:, 1:].transpose(1, 2))
-        q, k, v, g, beta = glue.factors(module, conv_out, a[:, -1:], b[:, -1:])
-        outs.append(advance_(step.backend, q, k, v, g, beta, layer.state, layer.carry))  # the state in place
+        live = glue.factors(module, conv_out, a[:, -1:], b[:, -1:])
+        if window is not None and step.lazy:  # the decode row first, the window's join left pending
+            outs.extend(lazy_window_(step.backend, *window, prefix.recurrent, layer.pending, layer.state, *live))
+        else:
+            outs.append(advance_(step.backend, *live, layer.state, layer.carry))  # the state in place
     core = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return glue.output(module, core, z)
 

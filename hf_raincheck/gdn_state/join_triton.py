@@ -1,4 +1,5 @@
-"""A compiled fused step's GDN join as one Triton kernel (`join_prefix_`).
+"""A compiled static batch's fused-step GDN join as one Triton kernel (`join_prefix_`; batch-1 fused steps leave
+theirs pending: `ops.lazy_window_`).
 
 After a fused step's deferred rows moved a prefix checkpoint from ``old`` to ``new``, the live state takes the
 join and the checkpoint takes the new state (docs/design.md rule 3):

@@ -191,7 +191,14 @@ def _one_wave_columns(batch: int, value_heads: int, value_dim: int, state_column
     return block
 
 
-def _one_chunk_columns(q, v, state) -> int:
+def lazy_window_(q, k, v, g, beta, prefix, pending, live, columns: int):
+    """`chunk_triton.lazy_window_` with `columns` V columns per program (`one_chunk_columns`)."""
+    return _chunk_kernel.lazy_window_(q, k, v, g, beta, prefix, pending, live, block_v=columns)
+
+
+def one_chunk_columns(q, v, state) -> int:
+    """V columns per program of the one-chunk kernel for these rows from `state`, or 0 where it does not run (no
+    CUDA or Triton, a state that is not fp32, rows it does not take: `one_chunk_block_columns`)."""
     if _chunk_kernel is None or state is None or state.dtype != torch.float32 or q.device.type != "cuda":
         return 0
     return one_chunk_block_columns(q.shape[1], v.shape[0], v.shape[2], v.shape[3], _sm_count(q.device))
@@ -262,7 +269,7 @@ def gated_delta(backend: str, q, k, v, g, beta, state, recurrent_rows: int | Non
     chunk, recurrent = functions(backend)
     most = (FLA_RECURRENT_MAX_ROWS if recurrent_rows is None else recurrent_rows) if backend == "fla" else 1
     fn = recurrent if (state is not None and q.shape[1] <= most) else chunk
-    columns = _one_chunk_columns(q, v, state) if fn is chunk and backend == "fla" else 0
+    columns = one_chunk_columns(q, v, state) if fn is chunk and backend == "fla" else 0
     if columns:
         return _chunk_kernel.chunk_gated_delta(q, k, v, g, beta, state, block_v=columns)
     if fn is chunk and backend == "fla" and graphed and _graphed.takes(q.shape[1], q.shape[0], q.device):

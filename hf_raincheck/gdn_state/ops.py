@@ -20,10 +20,12 @@ first V columns (`torch.baddbmm_` on the view: cuBLAS reads and writes the strid
 another new tensor and copies that into the buffer in a third (each a pass over the fp32 states). Eager joins (`state.GDNLayerState.join`, the eager batch forwards) use the same
 ``baddbmm``, out of place.
 
-``join_prefix_(state, old, new)`` is the compiled fused steps' whole join: ``S_live += P_tail (new - old)``, then
-the checkpoint ``old <- new``. Where Triton runs (CUDA; decided at import, as the attention's softmax kernel:
-``HF_RAINCHECK_TRITON=0`` keeps torch) it is one kernel (`join_triton`); elsewhere `join_` on the difference and a
-copy.
+``join_prefix_(state, old, new)`` is the compiled static batches' (and the unfused control's) whole join:
+``S_live += P_tail (new - old)``, then the checkpoint ``old <- new``. A batch-1 compiled fused step joins nothing:
+``lazy_window_`` (the ``hf_raincheck::lazy_window_`` op) leaves the window's change pending and corrects the decode
+row's output, and ``join_pending_`` folds the pending change in once, when the fused steps end. Where Triton runs
+(CUDA; decided at import, as the attention's softmax kernel: ``HF_RAINCHECK_TRITON=0`` keeps torch) the join is one
+kernel (`join_triton`); elsewhere `join_` on the difference and a copy.
 
 ``advance(...)`` runs rows from a state and can carry a transition map ``P`` along in the same call: a gated
 delta rule run with ``v = 0`` from state ``P`` returns ``A_T ... A_1 P``, and the rule acts on ``(v, S)`` column
@@ -127,6 +129,63 @@ def join_prefix_(state: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> N
     else:
         join_(state, new - old)
         old.copy_(new)
+
+
+@torch.library.custom_op("hf_raincheck::lazy_window_", mutates_args=("prefix", "pending"))
+def lazy_window_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    prefix: torch.Tensor,
+    pending: torch.Tensor,
+    live: torch.Tensor,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A compiled fused step's window with its join left pending (see `lazy_window_`): returns ``(o [B, T, H_v, V],
+    o_live [B, 1, H_v, V])`` in q's dtype; `prefix` and `pending` change in place."""
+    columns = kernels.one_chunk_columns(q, v, prefix) if backend == "fla" else 0
+    if columns and pending.is_contiguous() and prefix.is_contiguous():
+        out, live_out = kernels.lazy_window_(q, k, v, g, beta, prefix, pending, live, columns)
+        return out.to(q.dtype), live_out.to(q.dtype)
+    out, new = kernels.gated_delta(backend, q, k, v, g, beta, prefix)
+    pending.add_(new - prefix)
+    prefix.copy_(new)
+    value_dim = prefix.shape[-1]
+    u = live[:, 0, :, value_dim:]  # [B, H_v, K]: P_tail^T q of the decode row
+    live_out = live[:, 0, :, :value_dim] + torch.matmul(u.unsqueeze(-2), pending).squeeze(-2)
+    return out.to(q.dtype), live_out[:, None].to(q.dtype)
+
+
+@lazy_window_op.register_fake
+def _(q, k, v, g, beta, prefix, pending, live, backend):
+    return v.new_empty(v.shape, dtype=q.dtype), v.new_empty(v.shape[0], 1, *v.shape[2:], dtype=q.dtype)
+
+
+def lazy_window_(backend: str, q, k, v, g, beta, prefix, pending, state, q1, k1, v1, g1, beta1):
+    """A compiled fused step's GDN rows with the join left pending: the decode row first, on the live ``[S |
+    P_tail]`` buffer `state` as it is (no join of this step's window), then the window from the checkpoint `prefix`
+    (in place), whose change adds to `pending` (``[B, H_v, K, V]`` fp32: the checkpoint's change not yet joined),
+    and the decode row's output takes ``pending^T P_tail^T q``. Returns ``(o [B, T, H_v, V], o_live [B, 1, H_v,
+    V])``.
+
+    The live state is ``S + P_tail pending`` throughout: the decode row advances S and P_tail by the same affine
+    map, so the product stays right, and its output is ``(S + P_tail pending)^T q = o_S + pending^T (P_tail^T
+    q)``, where ``P_tail^T q`` is the kernel's output over P_tail's columns (the decode row runs in fp32, so both
+    are taken before any rounding). This saves each fused step the join's ``P_tail (new - old)``, a K x K by K x V
+    product per value head (`join_triton`); `join_pending_` folds the sum in once, when the fused steps end. On a
+    GPU the window and the decode row's correction are one launch (`chunk_triton.lazy_window_`)."""
+    key_dim = k.shape[-1]
+    v1 = torch.cat([v1, v1.new_zeros(*v1.shape[:-1], key_dim)], dim=-1)
+    live = torch.ops.hf_raincheck.gated_delta_(q1.float(), k1.float(), v1.float(), g1, beta1, state, backend)
+    return torch.ops.hf_raincheck.lazy_window_(q, k, v, g, beta, prefix, pending, live, backend)
+
+
+def join_pending_(state: torch.Tensor, pending: torch.Tensor) -> None:
+    """Folds a pending difference into the live state (``S += P_tail pending``) and clears it, in place (eager)."""
+    join_(state, pending)
+    pending.zero_()
 
 
 _ZERO: dict = {}  # (device, dtype) -> a 0-d zero, expanded (no copy) into P's value columns by eager calls

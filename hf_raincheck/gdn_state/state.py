@@ -59,12 +59,17 @@ class GDNLayerState(_Tracked):
     ``fixed=True`` (compiled static steps): P_tail's columns stay in ``state`` even when no plan is pending, so the
     shapes never change (from the end of the conversation's first forward on: `add_transition_columns`), and every
     tensor is marked as a static address (compiled steps update them in place).
+
+    ``pending`` (compiled fused steps, `ops.lazy_window_`): ``[1, H_v, K, V]`` fp32, the checkpoint's change that
+    the live state has not joined yet; the live state is ``S + P_tail pending`` while it is not zero. The cache
+    folds it in before any other forward (`DeferredPrefillCache.join_pending_gdn`); None until a fused step needs it.
     """
 
     def __init__(self, fixed: bool = False):
         self.state: torch.Tensor | None = None
         self.conv: torch.Tensor | None = None
         self.prefix: PrefixCheckpoint | None = None
+        self.pending: torch.Tensor | None = None
         self.value_dim = 0
         self.fixed = fixed
 
@@ -181,7 +186,7 @@ class GDNLayerState(_Tracked):
             self.prefix.recurrent, self.prefix.conv = fields
 
     def nbytes(self) -> int:
-        tensors = [self.state, self.conv]
+        tensors = [self.state, self.conv, self.pending]
         if self.prefix is not None:
             tensors += [self.prefix.recurrent, self.prefix.conv]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)

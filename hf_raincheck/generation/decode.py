@@ -237,9 +237,15 @@ class StaticStep:
             backend = compiled_gdn_backend(turn.config.gdn_backend, cache.device)
             gdn_functions(backend)  # imported here, outside the trace (torch 2.11's dynamo breaks the graph on it)
             # `valid` is set inside the graph, from the gathered window
+            # a fused step leaves its windows' joins pending (`gdn_state.ops.lazy_window_`): `begin_forward` folds
+            # them in before any other forward, `end_turn` when the call ends
+            lazy = chunk is not None and token is not None
             context.gdn_step = GDNGraphStep(
                 valid=None, count=chunk[-1] if chunk is not None else None, live=token is not None, backend=backend,
+                lazy=lazy,
             )
+            if lazy:
+                cache.pending_gdn_buffers()
         cache.in_place_update("a compiled static step")  # (GDN states: updated in place, no rollback)
         try:
             cache.begin_forward(context)
