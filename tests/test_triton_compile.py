@@ -40,9 +40,11 @@ JOIN_ARGS = {"state_ptr": "*fp32", "old_ptr": "*fp32", "new_ptr": "*fp32"}
 #: a Qwen3.5-9B GDN layer's join (K = V = 128; `join_triton.launch_join_prefix`'s tiling)
 JOIN_128 = dict(ROWS=128, BLOCK_V=32, BLOCK_K=32, PRECISION="tf32x3")
 CHUNK_ARGS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*bf16",
-              "h0_ptr": "*fp32", "o_ptr": "*bf16", "ht_ptr": "*fp32", "scale": "fp32"}
-#: a Qwen3.5-9B fused step's GDN window (K = 128; `chunk_triton.chunk_gated_delta`'s defaults)
-CHUNK_128 = dict(KEY_DIM=128, BT=64, BLOCK_V=32, LEVELS=6, EPS=1e-6)
+              "h0_ptr": "*fp32", "o_ptr": "*bf16", "ht_ptr": "*fp32", "pending_ptr": "*fp32", "live_ptr": "*fp32",
+              "lo_ptr": "*bf16", "scale": "fp32"}
+#: a Qwen3.5-9B GDN window (K = 128; `chunk_triton.chunk_gated_delta`'s defaults); ``LAZY``: a batch-1 compiled
+#: fused step's (`chunk_triton.lazy_window_`)
+CHUNK_128 = dict(KEY_DIM=128, BT=64, BLOCK_V=32, LEVELS=6, EPS=1e-6, CARRY=0, LAZY=False)
 DIVPRUNE_ARGS = {"sim_ptr": "*fp32", "nearest_ptr": "*fp32", "order_ptr": "*i64"}
 #: MMTok at 4096 tokens (`coverage_plan`: 64 programs of 64 columns, 8 warps; 24 question rows -> 32)
 MMTOK_4096 = dict(SPLITS=64, SPLITS_P2=64, BLOCK_C=64, BLOCK_M=32, BLOCK_N=4096, TILE_R=64, SPIN=1 << 22,
@@ -115,6 +117,7 @@ def kernels():
         "split-keys-combine": (split_keys_triton._combine_kernel, SPLIT_KEYS_ARGS, dict(HEAD_DIM=128, SPLITS=16), 4),
         "gdn-join-128": (join_triton._join_prefix_kernel, JOIN_ARGS, JOIN_128, 8),
         "gdn-chunk-128": (chunk_triton._chunk_kernel, CHUNK_ARGS, CHUNK_128, chunk_triton.WARPS),
+        "gdn-chunk-128-lazy": (chunk_triton._chunk_kernel, CHUNK_ARGS, dict(CHUNK_128, LAZY=True), chunk_triton.WARPS),
         # the batches' launch: 64 V columns per program (`chunk_triton.WIDE_BLOCK_V`)
         "gdn-chunk-128-wide": (chunk_triton._chunk_kernel, CHUNK_ARGS,
                                dict(CHUNK_128, BLOCK_V=chunk_triton.WIDE_BLOCK_V), chunk_triton.WARPS),
@@ -139,7 +142,7 @@ def compile_case(case: str, tmp_path) -> str:
                                   "mmtok-lists", "mmtok-prepare",
                                   "divprune-4096", "grouped-softmax-4352",
                                   "grouped-softmax-long", "split-keys-128", "split-keys-combine", "gdn-join-128", "gdn-chunk-128",
-                                  "gdn-chunk-128-wide",
+                                  "gdn-chunk-128-lazy", "gdn-chunk-128-wide",
                                   "attention-lse",
                                   "attention-received"])
 def test_kernel_compiles_for_hopper(case, tmp_path):
