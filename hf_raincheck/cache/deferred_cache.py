@@ -669,12 +669,14 @@ class DeferredPrefillCache(RunningCall, DynamicCache):
     def pending_gdn_buffers(self) -> None:
         """Gives every GDN layer its ``pending`` buffer (`GDNLayerState`; zeros, pooled, a static address), which
         compiled fused steps add their windows' checkpoint changes to instead of joining them (`ops.lazy_window_`);
-        marks the live states unjoined until `join_pending_gdn`."""
-        for idx, layer in self.gdn_states.items():
-            shape = (*layer.state.shape[:-1], layer.value_dim)
-            pending = layer.pending
-            if pending is None or tuple(pending.shape) != shape or pending.device != layer.state.device:
-                layer.pending = self._buffers.zeros(f"gdn{idx}.pending", shape, torch.float32, layer.state.device)
+        marks the live states unjoined until `join_pending_gdn`. Called by every fused step: the layers are walked
+        only while some lack a buffer (the fixed layout's shapes never change within a cache)."""
+        if self._gdn_pending_layers != len(self.gdn_states):
+            for idx, layer in self.gdn_states.items():
+                if layer.pending is None:
+                    layer.pending = self._buffers.zeros(f"gdn{idx}.pending", (*layer.state.shape[:-1], layer.value_dim),
+                                                        torch.float32, layer.state.device)
+            self._gdn_pending_layers = len(self.gdn_states)
         self._gdn_unjoined = True
 
     def join_pending_gdn(self) -> None:
