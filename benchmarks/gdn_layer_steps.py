@@ -13,8 +13,9 @@ minutes: a layer of the shape (`shapes.py`, random weights, bf16 on CUDA), its s
 (``[S | P_tail]`` fp32, conv windows, prefix checkpoints), and per batch size B
 
 * ``fused``: ``[B, window + 1]`` rows, window = `fused_window(chunk_size, step_deferred_budget, B)` (the package
-  defaults for a model with GDN layers: 63, 512), every row carrying its whole window and decoding (the common
-  fused step);
+  defaults for a model with GDN layers: 63, 1024), every row carrying its whole window and decoding (the common
+  fused step), its joins left pending as compiled fused steps leave them (``lazy``; the fold when the steps end is
+  not in it);
 * ``decode``: ``[B, 1]``, every row decoding (a decode-only step, Full's and Raincheck's alike).
 
 ``--path batch1``: one conversation's compiled step instead (`gdn_rows_forward_graph`, `generation/decode.py`: a
@@ -90,8 +91,11 @@ def step_function(glue, module, buffers: dict, backend: str, window: int | None)
     """The layer's call in a step of `window` deferred rows per row (None: decode-only): ``fn(hidden, live, count)``,
     the step's tensors set inside, as `shared_static` sets them from its index tensor."""
 
+    if window is not None:  # a fused step leaves its joins pending, as compiled batch steps do
+        buffers["pending"] = torch.zeros_like(buffers["prefix"])
+
     def fn(hidden, live, count):
-        step = GDNBatchGraphStep(layers={}, backend=backend, live=live)
+        step = GDNBatchGraphStep(layers={}, backend=backend, live=live, lazy=window is not None)
         if window is not None:
             step.count = count
             step.valid = torch.arange(window, device=hidden.device)[None, :] < count[:, None]
@@ -108,10 +112,12 @@ def batch1_function(glue, module, buffers: dict, backend: str, window: int | Non
     layer.set_state(buffers["state"][:1], buffers["prefix"].shape[-1])
     layer.conv = buffers["conv"][:1]
     layer.prefix = PrefixCheckpoint(plan_id=0, recurrent=buffers["prefix"][:1], conv=buffers["prefix_conv"][:1])
+    layer.pending = torch.zeros_like(buffers["prefix"][:1])  # a fused step leaves its join pending, as there
 
     def fn(hidden, live, count):
         valid = None if window is None else torch.arange(window, device=hidden.device) < count[0]
-        step = GDNGraphStep(valid=valid, count=None if window is None else count[0], live=True, backend=backend)
+        step = GDNGraphStep(valid=valid, count=None if window is None else count[0], live=True, backend=backend,
+                            lazy=window is not None)
         return gdn_rows_forward_graph(glue, module, hidden, layer, step)
 
     return fn

@@ -199,9 +199,11 @@ def test_conv_tail_equals_transformers_conv(dtype, n, extra):
 def test_batch_graph_step_matches_the_per_row_reference(chunk):
     """`gdn_batch_forward_graph` (a compiled static batch step's GDN layer, run eagerly here) against the per-row,
     per-token reference: rows with different carry counts (none, some, a whole chunk), live and stopped rows; a row
-    that carries nothing and stopped keeps its states bit for bit."""
+    that carries nothing and stopped keeps its states bit for bit. A fused step leaves its joins pending: the
+    states compared are the folded ones (`ops.join_pending_`)."""
     from hf_raincheck.gdn_state import GDNBatchGraphStep, gdn_batch_forward_graph
     from hf_raincheck.gdn_state.naive import naive_batch_graph_step
+    from hf_raincheck.gdn_state.ops import join_pending_
 
     module, glue = _gdn_module()
     heads, key_dim, value_dim, channels, kernel = glue.dims(module)
@@ -217,13 +219,17 @@ def test_batch_graph_step_matches_the_per_row_reference(chunk):
     total = 1 if chunk is None else chunk + 1
     hidden = torch.randn(batch, total, module.hidden_size, generator=gen)
     buffers = {name: torch.cat([r[name] for r in rows]) for name in rows[0]}
-    step = GDNBatchGraphStep(layers={}, backend="torch", live=torch.tensor(live))
+    step = GDNBatchGraphStep(layers={}, backend="torch", live=torch.tensor(live), lazy=chunk is not None)
     if chunk is not None:
         step.count = torch.tensor(counts)
         step.valid = torch.arange(chunk)[None, :] < step.count[:, None]
+        buffers["pending"] = torch.zeros_like(buffers["prefix"])
     with torch.no_grad():
         out = gdn_batch_forward_graph(glue, module, hidden, buffers, step)
         ref_out, ref_rows = naive_batch_graph_step(glue, module, hidden, rows, counts, live, chunk)
+    if chunk is not None:
+        assert not buffers["pending"][0].any() and not buffers["pending"][3].any()  # rows that carried nothing
+        join_pending_(buffers["state"], buffers["pending"])
     for b in range(batch):
         real = list(range(counts[b] if chunk is not None else 0)) + ([total - 1] if live[b] else [])
         torch.testing.assert_close(out[b, real], ref_out[b, real], atol=1e-5, rtol=1e-4)
@@ -232,6 +238,53 @@ def test_batch_graph_step_matches_the_per_row_reference(chunk):
                                        msg=f"row {b} {name}")
     for name in rows[0]:  # the idle row: nothing carried, nothing fed
         assert torch.equal(buffers[name][3:], rows[3][name])
+
+
+def test_batch_graph_steps_leave_their_joins_pending_until_the_fold():
+    """Three fused steps of `gdn_batch_forward_graph` in a row, nothing folded between them, against the per-row
+    reference (which joins at every step): rows carrying different counts from step to step (a row that stops
+    carrying keeps its pending sum), live and stopped rows. Every real position's output equals the reference's at
+    every step (the decode rows read ``S + P_tail pending``), the checkpoints, P_tail and both conv windows equal
+    it throughout, and folding ``S += P_tail pending`` (`ops.join_pending_`) gives its live states."""
+    from hf_raincheck.gdn_state import GDNBatchGraphStep, gdn_batch_forward_graph
+    from hf_raincheck.gdn_state.naive import naive_batch_graph_step
+    from hf_raincheck.gdn_state.ops import join_pending_
+
+    module, glue = _gdn_module()
+    heads, key_dim, value_dim, channels, kernel = glue.dims(module)
+    gen = torch.Generator().manual_seed(5)
+    batch, chunk = 3, 4
+    eye = torch.eye(key_dim).expand(1, heads, key_dim, key_dim)
+    rows = [dict(state=torch.cat([0.3 * torch.randn(1, heads, key_dim, value_dim, generator=gen),
+                                  eye + 0.05 * torch.randn(1, heads, key_dim, key_dim, generator=gen)], dim=-1),
+                 conv=torch.randn(1, channels, kernel, generator=gen),
+                 prefix=0.3 * torch.randn(1, heads, key_dim, value_dim, generator=gen),
+                 prefix_conv=torch.randn(1, channels, kernel, generator=gen)) for _ in range(batch)]
+    buffers = {name: torch.cat([r[name] for r in rows]) for name in rows[0]}
+    buffers["pending"] = torch.zeros_like(buffers["prefix"])
+    plan = [([2, 4, 0], [True, True, False]), ([0, 3, 1], [True, False, False]), ([4, 0, 2], [True, True, True])]
+    with torch.no_grad():
+        for counts, live in plan:
+            hidden = torch.randn(batch, chunk + 1, module.hidden_size, generator=gen)
+            step = GDNBatchGraphStep(layers={}, backend="torch", live=torch.tensor(live), lazy=True)
+            step.count = torch.tensor(counts)
+            step.valid = torch.arange(chunk)[None, :] < step.count[:, None]
+            out = gdn_batch_forward_graph(glue, module, hidden, buffers, step)
+            ref_out, rows = naive_batch_graph_step(glue, module, hidden, rows, counts, live, chunk)
+            for b in range(batch):
+                real = list(range(counts[b])) + ([chunk] if live[b] else [])
+                torch.testing.assert_close(out[b, real], ref_out[b, real], atol=1e-5, rtol=1e-4)
+                for name in ("conv", "prefix", "prefix_conv"):
+                    torch.testing.assert_close(buffers[name][b : b + 1].double(), rows[b][name].double(), atol=1e-5,
+                                               rtol=1e-4, msg=f"row {b} {name}")
+                torch.testing.assert_close(buffers["state"][b : b + 1, ..., value_dim:].double(),
+                                           rows[b]["state"][..., value_dim:].double(), atol=1e-5, rtol=1e-4)
+    assert buffers["pending"].abs().amax() > 0.01  # (the live states differ from the reference's until the fold)
+    join_pending_(buffers["state"], buffers["pending"])
+    for b in range(batch):
+        torch.testing.assert_close(buffers["state"][b : b + 1].double(), rows[b]["state"].double(), atol=1e-5,
+                                   rtol=1e-4, msg=f"row {b} state")
+    assert not buffers["pending"].any()
 
 
 def test_decode_rows_together_equal_each_row_alone():

@@ -8,6 +8,7 @@ import weakref
 import torch
 from transformers.cache_utils import DynamicCache
 
+from ..gdn_state.ops import join_pending_
 from ..gdn_state.state import last_change
 from .buffer_pool import POOL
 from .deferred_cache import DeferredPrefillCache
@@ -242,6 +243,7 @@ class BatchedDeferredPrefillCache(RunningCall, DynamicCache):
         rows = self.rows
         if self._gdn_synced is not None and self._gdn_synced == _gdn_sync_key(rows):
             return self.gdn_buffers
+        self.join_pending_gdn()  # (the buffers may be rebuilt below: what is pending goes into the rows first)
         layers = sorted(rows[0].gdn_states)
         if any(sorted(r.gdn_states) != layers for r in rows):
             raise RuntimeError("compiled static batch steps: the rows hold different Gated DeltaNet layers")
@@ -281,6 +283,29 @@ class BatchedDeferredPrefillCache(RunningCall, DynamicCache):
                     prefix.conv = views["prefix_conv"].copy_(prefix.conv)
         self._gdn_synced = _gdn_sync_key(rows)
         return self.gdn_buffers
+
+    def pending_gdn_buffers(self) -> None:
+        """Gives every GDN layer's batch buffers (`sync_gdn_states`, which must have run) a ``pending`` buffer ``[B,
+        H_v, K, V]`` fp32 (zeros, pooled, a static address): compiled fused steps add every row's window change
+        to it instead of joining it (`gdn_state.graph_layer.gdn_batch_forward_graph` with ``lazy``), and the live
+        states are unjoined until `join_pending_gdn`. Called by every compiled fused batch step."""
+        for idx, buffers in self.gdn_buffers.items():
+            if "pending" not in buffers:
+                prefix = buffers["prefix"]
+                buffers["pending"] = self.zeros(f"gdn{idx}.pending", tuple(prefix.shape), torch.float32, prefix.device)
+        self._gdn_unjoined = True
+
+    def join_pending_gdn(self) -> None:
+        """Folds what compiled fused steps left pending into every row's live GDN states (``S += P_tail pending``,
+        ``pending = 0``, over the batch buffers at once; `ops.join_pending_`): run before any forward that is not a
+        compiled fused step (`begin_forward`), when the call ends (`end_turn`) and before the buffers are synced
+        again, so that no row's state is read unjoined. A no-op when nothing is pending."""
+        if not self._gdn_unjoined:
+            return
+        for buffers in self.gdn_buffers.values():
+            if "pending" in buffers:
+                join_pending_(buffers["state"], buffers["pending"])
+        self._gdn_unjoined = False
 
     def _mark_static(self) -> None:
         for tensor in self.keys + self.values + [self.filled]:

@@ -98,6 +98,9 @@ class GDNBatchGraphStep:
         valid: bool ``[B, chunk]``: which chunk rows are real deferred rows (None: a decode-only step).
         count: long ``[B]``: how many are, per row (the first ``count[b]``).
         backend: ``"torch"`` or ``"fla"``.
+        lazy: a fused step (every fused batch step leaves its rows' joins pending, `gdn_batch_forward_graph`): the
+            layers' ``pending`` buffers (``[B, H_v, K, V]`` fp32, `BatchedDeferredPrefillCache.pending_gdn_buffers`)
+            take them, and the batch cache folds them in before any forward that is not one and when the call ends.
 
     `live`, `valid` and `count` are set inside the traced graph (from the step's ``[4, B]`` index tensor)."""
 
@@ -106,6 +109,7 @@ class GDNBatchGraphStep:
     live: torch.Tensor | None = None
     valid: torch.Tensor | None = None
     count: torch.Tensor | None = None
+    lazy: bool = False
 
 
 def gdn_batch_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, buffers: dict, step: GDNBatchGraphStep):
@@ -115,18 +119,25 @@ def gdn_batch_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, buffers
     `hidden` ``[B, chunk + 1, hidden]`` (row b: its deferred window, padding after its ``count[b]`` real rows, then
     its decode row) or ``[B, 1, hidden]`` (decode rows only). Per row, as `gdn_rows_forward` (docs/design.md rule
     3): the real deferred rows continue the row's prefix checkpoint (state and conv window; padding rows have
-    ``g = beta = 0``, the identity, and the conv window is taken at the last real row), the live state is joined
-    (``S_live += P_tail (S_prefix_new - S_prefix_old)``, only for rows that carried something), then the decode
-    row continues the live ``[S | P_tail]`` (its transition multiplies into P_tail) and the live conv window. A row
-    whose decode row is not live (it stopped) keeps its live state and conv window. `naive.naive_batch_graph_step`
-    is the plain per-row reference."""
+    ``g = beta = 0``, the identity, and the conv window is taken at the last real row), and the decode row
+    continues the live ``[S | P_tail]`` (its transition multiplies into P_tail) and the live conv window. A row
+    whose decode row is not live (it stopped) keeps its live state and conv window.
+
+    A fused step does not join the checkpoint's change into the live state (``S_live += P_tail (S_prefix_new -
+    S_prefix_old)``): as a batch-1 fused step (`ops.lazy_window_`), the decode rows run first on the unjoined
+    states and every row's change adds to ``buffers["pending"]`` (a row that carried nothing adds zero), so the
+    live state is ``S + P_tail pending``; the batch cache folds it in before any other forward and when the call
+    ends (`BatchedDeferredPrefillCache.join_pending_gdn`; `step.lazy` tells it). At B = 16 this takes 85 us of
+    GPU time off each fused step's GDN layer (Qwen3.5-9B's heads, an H100: 557 -> 472 us; benchmarks page).
+    `naive.naive_batch_graph_step` is the plain per-row reference (joined)."""
     qkv, z, b, a = glue.project(module, hidden)
     state, conv = buffers["state"], buffers["conv"]
     value_dim = buffers["prefix"].shape[-1]
     outs = []
+    window = None
     if step.valid is not None:
         n = step.valid.shape[1]
-        prefix, prefix_conv = buffers["prefix"], buffers["prefix_conv"]
+        prefix_conv = buffers["prefix_conv"]
         kernel = prefix_conv.shape[-1]
         # channels last (`conv_tail`): [B, kernel + n, C]
         full = torch.cat([prefix_conv.transpose(1, 2), qkv.transpose(1, 2)[:, :n]], dim=1)
@@ -139,21 +150,24 @@ def gdn_batch_forward_graph(glue: GDNGlue, module, hidden: torch.Tensor, buffers
         valid = step.valid[:, :, None]
         g = torch.where(valid, g, torch.zeros_like(g))
         beta = torch.where(valid, beta, torch.zeros_like(beta))
-        out, new_prefix = advance(step.backend, q, k, v, g, beta, prefix, opaque=True)
-        # a row that carried nothing ran identity rows only: its new prefix is its old one exactly and its join adds
-        # P_tail 0 = 0 (the buffers hold finite values: zeros or states), so no row needs a select here
-        join_prefix_(state, prefix, new_prefix)  # S_live += P_tail (new - old); prefix <- new, in the buffers
+        window = (q, k, v, g, beta)
         prefix_conv.copy_(new_window)
-        outs.append(out)
     live = step.live[:, None, None]
     full = torch.cat([conv.transpose(1, 2), qkv.transpose(1, 2)[:, -1:]], dim=1)  # [B, kernel + 1, C]
     conv_out = glue.conv_tail(module, full, 1)
     conv.copy_(torch.where(live, full[:, 1:].transpose(1, 2), conv))
-    q, k, v, g, beta = glue.factors(module, conv_out, a[:, -1:], b[:, -1:])
+    q1, k1, v1, g1, beta1 = glue.factors(module, conv_out, a[:, -1:], b[:, -1:])
     # a stopped row's decode position is the identity on its state (g = beta = 0), so the kernel's final state is
     # every row's new state: no select over the [B, H_v, K, V + K] states, which the kernel updates in place
-    g = torch.where(live, g, torch.zeros_like(g))
-    beta = torch.where(live, beta, torch.zeros_like(beta))
-    outs.append(advance_(step.backend, q, k, v, g, beta, state, state.shape[-1] - value_dim))
+    g1 = torch.where(live, g1, torch.zeros_like(g1))
+    beta1 = torch.where(live, beta1, torch.zeros_like(beta1))
+    if window is None:
+        outs.append(advance_(step.backend, q1, k1, v1, g1, beta1, state, state.shape[-1] - value_dim))
+    else:  # the decode rows first, every row's join left pending
+        pending = buffers.get("pending")
+        if pending is None or not step.lazy:
+            raise RuntimeError("a fused batch step leaves its joins pending: it needs buffers['pending'] and "
+                               "step.lazy (BatchedDeferredPrefillCache.pending_gdn_buffers)")
+        outs.extend(lazy_window_(step.backend, *window, buffers["prefix"], pending, state, q1, k1, v1, g1, beta1))
     core = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return glue.output(module, core, z)

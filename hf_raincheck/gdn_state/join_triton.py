@@ -1,5 +1,5 @@
-"""A compiled static batch's fused-step GDN join as one Triton kernel (`join_prefix_`; batch-1 fused steps leave
-theirs pending: `ops.lazy_window_`).
+"""The GDN join of a compiled step of deferred rows alone (the unfused control, ``fused=False``) as one Triton kernel
+(`join_prefix_`; compiled fused steps, batch 1 and static batches, leave theirs pending: `ops.lazy_window_`).
 
 After a fused step's deferred rows moved a prefix checkpoint from ``old`` to ``new``, the live state takes the
 join and the checkpoint takes the new state (docs/design.md rule 3):

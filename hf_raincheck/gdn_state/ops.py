@@ -20,10 +20,10 @@ first V columns (`torch.baddbmm_` on the view: cuBLAS reads and writes the strid
 another new tensor and copies that into the buffer in a third (each a pass over the fp32 states). Eager joins (`state.GDNLayerState.join`, the eager batch forwards) use the same
 ``baddbmm``, out of place.
 
-``join_prefix_(state, old, new)`` is the compiled static batches' (and the unfused control's) whole join:
-``S_live += P_tail (new - old)``, then the checkpoint ``old <- new``. A batch-1 compiled fused step joins nothing:
-``lazy_window_`` (the ``hf_raincheck::lazy_window_`` op) leaves the window's change pending and corrects the decode
-row's output, and ``join_pending_`` folds the pending change in once, when the fused steps end. Where Triton runs
+``join_prefix_(state, old, new)`` is the unfused control's whole join (a compiled step of deferred rows alone):
+``S_live += P_tail (new - old)``, then the checkpoint ``old <- new``. A compiled fused step (batch 1 or a static
+batch) joins nothing: ``lazy_window_`` (the ``hf_raincheck::lazy_window_`` op) leaves the window's change pending and
+corrects the decode row's output, and ``join_pending_`` folds the pending change in once, when the fused steps end. Where Triton runs
 (CUDA; decided at import, as the attention's softmax kernel: ``HF_RAINCHECK_TRITON=0`` keeps torch) the join is one
 kernel (`join_triton`); elsewhere `join_` on the difference and a copy.
 

@@ -24,7 +24,9 @@ counts are the shared engine's (`carry_counts` over ``step_deferred_budget``, `s
 Gated DeltaNet layers (Qwen3.5): every row's GDN states are rows of the batch's buffers
 (`BatchedDeferredPrefillCache.sync_gdn_states`, copied in after an eager forward replaced a row's), which the graph
 updates in place (`gdn_state.graph_layer.gdn_batch_forward_graph`: the same ``[4, B]`` tensor tells each row's window
-length and whether its decode row is live). No rollback restores them: an interrupt after a step started leaves the
+length and whether its decode row is live; a fused step leaves every row's join pending,
+`BatchedDeferredPrefillCache.pending_gdn_buffers`, folded in before any other forward and when the call ends). No
+rollback restores them: an interrupt after a step started leaves the
 rows unusable, with an error that says why (rule 8's exception, as for a compiled batch-1 step).
 """
 
@@ -206,7 +208,10 @@ class StaticBatchStep:
         if adapter.gdn_glue is not None:  # every row's GDN states as rows of the batch's buffers, updated in place
             backend = compiled_gdn_backend(config.gdn_backend, device)
             gdn_functions(backend)  # imported here, outside the trace (as `StaticStep`)
-            context.gdn_step = GDNBatchGraphStep(layers=group.sync_gdn_states(), backend=backend)
+            fused = chunk is not None  # (a fused step leaves its joins pending: `begin_forward` / `end_turn` fold them)
+            context.gdn_step = GDNBatchGraphStep(layers=group.sync_gdn_states(), backend=backend, lazy=fused)
+            if fused:
+                group.pending_gdn_buffers()
             for cache in caches:  # (no rollback restores them: an interrupt from here leaves the rows unusable)
                 cache.in_place_update("a compiled static batch step")
         try:
