@@ -222,6 +222,9 @@ def test_rows_stopping_early_keep_restoring_in_compiled_steps(family, steps, com
     assert {s[3] for s in steps if any(s[1])} == {2} and max(max(s[1]) for s in steps) == 2
     group, ref = output_cache(out), output_cache(eager)
     assert group.row_turn_stats == ref.row_turn_stats and group.row_pending == ref.row_pending
+    # Qwen3.5: the fused steps left their GDN joins pending, and the call's end folded every one in
+    assert bool(group.gdn_buffers) == bool(group.rows[0].gdn_states)
+    assert all("pending" in b and not b["pending"].any() for b in group.gdn_buffers.values())
     for i, row in enumerate(group.rows):
         record = row.turn_stats[0]
         assert record.deferred == record.restored_during_decode + record.pending_at_answer_end > 0
