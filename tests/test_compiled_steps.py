@@ -118,6 +118,33 @@ def test_later_turns_reuse_the_graphs_while_capacity_lasts(model):
     assert cache.layers[0].capacity == capacity and graphs() == 2
 
 
+def test_a_grown_capacity_compiles_once_more_under_transformers_default_dynamic(model):
+    """Every other test here compiles with ``dynamic=False``; transformers' default `CompileConfig` leaves
+    ``dynamic=None``. Under it a conversation whose static capacity grows (256 -> 512) compiles its decode step once
+    more, with dynamic shapes, and that graph serves the next capacity (768) without compiling again; every turn's
+    tokens equal the eager steps'."""
+    config = CompileConfig(backend="eager", fullgraph=True)  # dynamic=None, transformers' default
+    config._compile_all_devices = True
+    cfg = RaincheckConfig(retention=0.3, chunk_size=5, guard_tokens=2, pruning="uniform", completion="next_turn")
+    runs = {}
+    for kind, kw in (("compiled", dict(cache_implementation="static", compile_config=config)), ("eager", {})):
+        conv = two_images()
+        cache, turns = None, []
+        for turn, filler in enumerate((None, [5, 6], [7, 8])):
+            if filler is not None:
+                conv = _extend(conv, filler * 150)  # 300 text tokens: the static capacity grows by 256
+            out = generate(model, conv, 6, cfg, past=cache, **kw)
+            cache = output_cache(out)
+            new = new_tokens(out, conv)
+            conv = _extend(conv, new)
+            turns.append((new, cache.layers[0].capacity if kind == "compiled" else None, graphs()))
+        runs[kind] = turns
+    assert [t[0] for t in runs["compiled"]] == [t[0] for t in runs["eager"]]
+    capacities, counts = [t[1] for t in runs["compiled"]], [t[2] for t in runs["compiled"]]
+    assert capacities == [256, 512, 768]
+    assert counts[1] == counts[0] + 1 and counts[2] == counts[1]  # one recompile (the decode step), then none
+
+
 @pytest.fixture(scope="module")
 def hybrid():
     from handmade_qwen3_5 import tiny_qwen3_5
