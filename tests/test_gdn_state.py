@@ -195,6 +195,18 @@ def test_conv_tail_equals_transformers_conv(dtype, n, extra):
         torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1.6e-2)
 
 
+def _batch_rows(glue, module, batch: int, gen) -> list[dict]:
+    """Each row's states of one GDN layer as a compiled static batch holds them (``state`` ``[S | P_tail]`` with
+    P_tail near the identity, ``conv``, ``prefix``, ``prefix_conv``), random from `gen`."""
+    heads, key_dim, value_dim, channels, kernel = glue.dims(module)
+    eye = torch.eye(key_dim).expand(1, heads, key_dim, key_dim)
+    return [dict(state=torch.cat([0.3 * torch.randn(1, heads, key_dim, value_dim, generator=gen),
+                                  eye + 0.05 * torch.randn(1, heads, key_dim, key_dim, generator=gen)], dim=-1),
+                 conv=torch.randn(1, channels, kernel, generator=gen),
+                 prefix=0.3 * torch.randn(1, heads, key_dim, value_dim, generator=gen),
+                 prefix_conv=torch.randn(1, channels, kernel, generator=gen)) for _ in range(batch)]
+
+
 @pytest.mark.parametrize("chunk", [None, 5])
 def test_batch_graph_step_matches_the_per_row_reference(chunk):
     """`gdn_batch_forward_graph` (a compiled static batch step's GDN layer, run eagerly here) against the per-row,
@@ -206,16 +218,10 @@ def test_batch_graph_step_matches_the_per_row_reference(chunk):
     from hf_raincheck.gdn_state.ops import join_pending_
 
     module, glue = _gdn_module()
-    heads, key_dim, value_dim, channels, kernel = glue.dims(module)
     counts, live = [0, 2, 5, 0], [True, False, True, False]
     batch = len(counts)
     gen = torch.Generator().manual_seed(7)
-    eye = torch.eye(key_dim).expand(1, heads, key_dim, key_dim)
-    rows = [dict(state=torch.cat([0.3 * torch.randn(1, heads, key_dim, value_dim, generator=gen),
-                                  eye + 0.05 * torch.randn(1, heads, key_dim, key_dim, generator=gen)], dim=-1),
-                 conv=torch.randn(1, channels, kernel, generator=gen),
-                 prefix=0.3 * torch.randn(1, heads, key_dim, value_dim, generator=gen),
-                 prefix_conv=torch.randn(1, channels, kernel, generator=gen)) for _ in range(batch)]
+    rows = _batch_rows(glue, module, batch, gen)
     total = 1 if chunk is None else chunk + 1
     hidden = torch.randn(batch, total, module.hidden_size, generator=gen)
     buffers = {name: torch.cat([r[name] for r in rows]) for name in rows[0]}
@@ -251,15 +257,10 @@ def test_batch_graph_steps_leave_their_joins_pending_until_the_fold():
     from hf_raincheck.gdn_state.ops import join_pending_
 
     module, glue = _gdn_module()
-    heads, key_dim, value_dim, channels, kernel = glue.dims(module)
+    value_dim = glue.dims(module)[2]
     gen = torch.Generator().manual_seed(5)
     batch, chunk = 3, 4
-    eye = torch.eye(key_dim).expand(1, heads, key_dim, key_dim)
-    rows = [dict(state=torch.cat([0.3 * torch.randn(1, heads, key_dim, value_dim, generator=gen),
-                                  eye + 0.05 * torch.randn(1, heads, key_dim, key_dim, generator=gen)], dim=-1),
-                 conv=torch.randn(1, channels, kernel, generator=gen),
-                 prefix=0.3 * torch.randn(1, heads, key_dim, value_dim, generator=gen),
-                 prefix_conv=torch.randn(1, channels, kernel, generator=gen)) for _ in range(batch)]
+    rows = _batch_rows(glue, module, batch, gen)
     buffers = {name: torch.cat([r[name] for r in rows]) for name in rows[0]}
     buffers["pending"] = torch.zeros_like(buffers["prefix"])
     plan = [([2, 4, 0], [True, True, False]), ([0, 3, 1], [True, False, False]), ([4, 0, 2], [True, True, True])]

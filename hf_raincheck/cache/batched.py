@@ -244,6 +244,7 @@ class BatchedDeferredPrefillCache(RunningCall, DynamicCache):
         if self._gdn_synced is not None and self._gdn_synced == _gdn_sync_key(rows):
             return self.gdn_buffers
         self.join_pending_gdn()  # (the buffers may be rebuilt below: what is pending goes into the rows first)
+        self._gdn_pending_layers = 0  # (a rebuilt layer's buffers have no pending one yet: `pending_gdn_buffers`)
         layers = sorted(rows[0].gdn_states)
         if any(sorted(r.gdn_states) != layers for r in rows):
             raise RuntimeError("compiled static batch steps: the rows hold different Gated DeltaNet layers")
@@ -288,11 +289,15 @@ class BatchedDeferredPrefillCache(RunningCall, DynamicCache):
         """Gives every GDN layer's batch buffers (`sync_gdn_states`, which must have run) a ``pending`` buffer ``[B,
         H_v, K, V]`` fp32 (zeros, pooled, a static address): compiled fused steps add every row's window change
         to it instead of joining it (`gdn_state.graph_layer.gdn_batch_forward_graph` with ``lazy``), and the live
-        states are unjoined until `join_pending_gdn`. Called by every compiled fused batch step."""
-        for idx, buffers in self.gdn_buffers.items():
-            if "pending" not in buffers:
-                prefix = buffers["prefix"]
-                buffers["pending"] = self.zeros(f"gdn{idx}.pending", tuple(prefix.shape), torch.float32, prefix.device)
+        states are unjoined until `join_pending_gdn`. Called by every compiled fused batch step: the layers are walked
+        only after `sync_gdn_states` rebuilt buffers."""
+        if self._gdn_pending_layers != len(self.gdn_buffers):
+            for idx, buffers in self.gdn_buffers.items():
+                if "pending" not in buffers:
+                    prefix = buffers["prefix"]
+                    buffers["pending"] = self.zeros(f"gdn{idx}.pending", tuple(prefix.shape), torch.float32,
+                                                    prefix.device)
+            self._gdn_pending_layers = len(self.gdn_buffers)
         self._gdn_unjoined = True
 
     def join_pending_gdn(self) -> None:

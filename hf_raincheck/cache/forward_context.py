@@ -59,7 +59,7 @@ class RunningCall:
     _context: ForwardContext | None = None
     _turn = None
     _gdn_unjoined = False  # compiled fused steps left GDN joins pending (`DeferredPrefillCache.join_pending_gdn`)
-    _gdn_pending_layers = 0  # GDN layers given a pending buffer (`DeferredPrefillCache.pending_gdn_buffers`)
+    _gdn_pending_layers = 0  # GDN layers given a pending buffer (`pending_gdn_buffers`, batch 1 and batches)
 
     @property
     def forward_context(self) -> ForwardContext | None:

@@ -43,10 +43,11 @@ fla's WY form applies it to ``[T, K]`` first (``W = R (beta exp(c) k)``, then ``
 A compiled fused step runs no join (`lazy_window_`, ``LAZY``; batch 1 and static batches): the decode row runs
 first on the unjoined live state, and this kernel's epilogue adds the window's change to a pending difference and
 the decode row's output correction (a K-vector by ``[K, BLOCK_V]`` reduction per program); the live state is folded
-once, when the fused steps end (`ops.join_pending_`); the steps' effect: benchmarks page, Latency, Qwen3.5 run 7. A join inside the
-epilogue (``S_live += P_tail (new - old)``, a K x K by K x BLOCK_V product per program) took 31.1 us per call on the
-H200 at B = 1 against 30.8 for the window and join kernels (CHANGELOG). At B = 8 / 16 (Qwen3.5-9B's heads, an H100)
-leaving the joins pending takes a fused step's GDN layer from 303 / 557 to 262 / 472 us (benchmarks page, Batches).
+once, when the fused steps end (`ops.join_pending_`); the steps' effect: benchmarks page, Latency, Qwen3.5 run 7. A
+join inside the epilogue (``S_live += P_tail (new - old)``, a K x K by K x BLOCK_V product per program) took 31.1
+us per call on the H200 at B = 1 against 30.8 for the window and join kernels (CHANGELOG). At B = 8 / 16
+(Qwen3.5-9B's heads, an H100) leaving the joins pending takes a fused step's GDN layer from 303 / 557 to 262 / 472
+us (benchmarks page, Batches).
 """
 
 from __future__ import annotations

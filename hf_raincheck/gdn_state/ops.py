@@ -17,15 +17,15 @@ Triton does not run (see `join_prefix_` below),
 ``S_live += P_tail delta`` on the ``[S | P_tail]`` buffer: one batched GEMM that accumulates into the buffer's
 first V columns (`torch.baddbmm_` on the view: cuBLAS reads and writes the strided columns where they are). Traced as
 ``matmul`` and ``+=`` instead, Inductor writes the product to a new tensor, adds it to S in a second pass into
-another new tensor and copies that into the buffer in a third (each a pass over the fp32 states). Eager joins (`state.GDNLayerState.join`, the eager batch forwards) use the same
-``baddbmm``, out of place.
+another new tensor and copies that into the buffer in a third (each a pass over the fp32 states). Eager joins
+(`state.GDNLayerState.join`, the eager batch forwards) use the same ``baddbmm``, out of place.
 
 ``join_prefix_(state, old, new)`` is the unfused control's whole join (a compiled step of deferred rows alone):
 ``S_live += P_tail (new - old)``, then the checkpoint ``old <- new``. A compiled fused step (batch 1 or a static
-batch) joins nothing: ``lazy_window_`` (the ``hf_raincheck::lazy_window_`` op) leaves the window's change pending and
-corrects the decode row's output, and ``join_pending_`` folds the pending change in once, when the fused steps end. Where Triton runs
-(CUDA; decided at import, as the attention's softmax kernel: ``HF_RAINCHECK_TRITON=0`` keeps torch) the join is one
-kernel (`join_triton`); elsewhere `join_` on the difference and a copy.
+batch) joins nothing: ``lazy_window_`` (the ``hf_raincheck::lazy_window_`` op) leaves the window's change pending
+and corrects the decode row's output, and ``join_pending_`` folds the pending change in once, when the fused steps
+end. Where Triton runs (CUDA; decided at import, as the attention's softmax kernel: ``HF_RAINCHECK_TRITON=0``
+keeps torch) the join is one kernel (`join_triton`); elsewhere `join_` on the difference and a copy.
 
 ``advance(...)`` runs rows from a state and can carry a transition map ``P`` along in the same call: a gated
 delta rule run with ``v = 0`` from state ``P`` returns ``A_T ... A_1 P``, and the rule acts on ``(v, S)`` column
