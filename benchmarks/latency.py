@@ -39,6 +39,9 @@ Measurements (each after a warm-up call of the same shapes, which also absorbs c
   answer ended first); ``peak_mem_gib``: ``torch.cuda.max_memory_allocated`` over the answer run;
 * ``one_off_steps``: ``[decode step, ms]`` of the answer's steps over 3x its median step (e.g. a CUDA graph
   recorded again; the console line counts the answers that had any, over every round);
+* ``warmup_s``: seconds of the policy's warm-up answer, its first call in the process (on a static cache the
+  compilation and CUDA-graph recording of the steps it is the first policy to need): what a user's first call pays
+  once per process;
 * ``--interleave``: per workload and cache, every policy warms up first (and once more if a later one compiled a
   graph: a chunk sweep's second chunk makes the fused step's graph dynamic in the chunk), then their ``--repeats``
   answer runs alternate round by round (the order rotating), so a drift over the call moves them alike; records add
@@ -109,7 +112,7 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 RECORD_KEYS = ("model", "workload", "policy", "chunk_size", "fused", "ttft_ms", "tpot_ms", "restore_step_ms",
                "decode_step_ms", "e2e_ms", "restored_at_token", "peak_mem_gib", "cache", "gpus", "step_ms",
                "rounds", "tpot_ms_rounds", "tpot_vs_full_paired", "tpot_vs_plain_paired", "one_off_steps",
-               "ttft_ms_calls")
+               "ttft_ms_calls", "warmup_s")
 TEXT_BEFORE, QUESTION = 10, 30  # ~40 text tokens around the media
 TARGET_WORKLOAD = "image4096"  # where the TTFT targets are checked
 #: Raincheck's TPOT / Full's and restoration step / decode-only step limits per (model family, cache): the speed
@@ -406,8 +409,8 @@ def warm_up(bench: Bench, inputs, policy: Policy, cache: str) -> tuple[list[floa
 
 
 def make_record(bench: Bench, workload: str, policy: Policy, cache: str, ttfts: list[float],
-                answers: list[dict]) -> dict:
-    """One record from a run's TTFT calls and answer runs: medians (peak memory: the maximum)."""
+                answers: list[dict], warmup_s: float) -> dict:
+    """One record from a run's warm-up, TTFT calls and answer runs: medians (peak memory: the maximum)."""
     record = dict(model=bench.name, workload=workload, policy=policy.name, chunk_size=policy.chunk_size,
                   fused=policy.fused, cache=cache, gpus=bench.gpus)
     record["ttft_ms"] = statistics.median(ttfts + [a["ttft_ms"] for a in answers])
@@ -421,6 +424,7 @@ def make_record(bench: Bench, workload: str, policy: Policy, cache: str, ttfts: 
     record["tpot_ms_rounds"] = [round(a["tpot_ms"], 4) for a in answers]
     record["tpot_vs_full_paired"] = None
     record["tpot_vs_plain_paired"] = None
+    record["warmup_s"] = round(warmup_s, 2)
     return {key: record[key] for key in RECORD_KEYS}
 
 
@@ -1009,7 +1013,8 @@ def run_policies(bench: Bench, inputs: dict, workload: str, cache: str, policies
                 failed(entry["policy"], error)
             entry["seconds"] += time.perf_counter() - t0
     done = [entry for entry in ready if not entry["failed"] and entry["answers"]]
-    records = [make_record(bench, workload, e["policy"], cache, e["ttfts"], e["answers"]) for e in done]
+    records = [make_record(bench, workload, e["policy"], cache, e["ttfts"], e["answers"], e["warmup_s"])
+               for e in done]
     paired_ratios(records)
     for record, entry in zip(records, done):
         budget.record(entry["kind"], entry["seconds"], entry["warmup_s"])

@@ -317,7 +317,7 @@ def test_a_binding_step_budget_equals_batch1_fed_the_same_counts(family, monkeyp
 
 def test_the_default_step_budget_is_the_models(family, monkeypatch):
     """``step_deferred_budget="auto"`` (the default) is resolved per call from the model: 128 for models whose
-    layers are all attention layers, 512 for models with Gated DeltaNet layers (the benchmarks page, "Batches");
+    layers are all attention layers, 1024 for models with Gated DeltaNet layers (the benchmarks page, "Batches");
     the config keeps saying ``"auto"``; an int the user sets is used as given."""
     import hf_raincheck.generation.shared_batch as shared_batch
 

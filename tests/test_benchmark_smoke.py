@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD_KEYS = {"model", "workload", "policy", "chunk_size", "fused", "ttft_ms", "tpot_ms", "restore_step_ms",
                "decode_step_ms", "e2e_ms", "restored_at_token", "peak_mem_gib", "cache", "gpus", "step_ms",
                "rounds", "tpot_ms_rounds", "tpot_vs_full_paired", "tpot_vs_plain_paired", "one_off_steps",
-               "ttft_ms_calls"}
+               "ttft_ms_calls", "warmup_s"}
 
 
 def test_latency_quick_writes_the_issue_records(tmp_path):
@@ -42,6 +42,7 @@ def test_latency_quick_writes_the_issue_records(tmp_path):
         assert len(r["ttft_ms_calls"]) == report["header"]["settings"]["ttft_repeats"] + r["rounds"]
         assert abs(statistics.median(r["ttft_ms_calls"]) - r["ttft_ms"]) < 0.01
         assert abs(sum(r["step_ms"]) / 23 - r["tpot_ms"]) < 0.01 * r["tpot_ms"] + 0.01
+        assert r["warmup_s"] > 0  # the warm-up answer's seconds
     # every model x workload x cache has the five policies side by side
     groups = {(r["model"], r["workload"], r["cache"]) for r in records}
     assert len(groups) == 2 * 3 * 2
@@ -562,6 +563,33 @@ def test_gdn_chunk_tail_times_the_first_prefills_tail(tmp_path):
     result = json.loads(out_file.read_text())
     assert result["meta"]["tail"] and [r["path"] for r in result["records"]] == ["tail", "tail 16:4"]
     assert all(r["us"] > 0 and r["max_error"] < 1e-5 for r in result["records"])
+
+
+def test_cold_start_quick_times_a_fresh_process_with_empty_then_kept_caches(tmp_path):
+    """`benchmarks/cold_start.py --quick`: Raincheck's first and second answers in a fresh process, with Inductor's
+    and Triton's caches empty, then as that process left them (Inductor's C++ backend on the CPU, ~1 min); both
+    processes compile the decode and the fused step (two graphs) and answer alike."""
+    out = run_script([os.path.join(ROOT, "benchmarks", "cold_start.py"), "--quick", "--methods", "raincheck",
+                      "--save", "--results-dir", str(tmp_path)], tmp_path, timeout=600)
+    assert "| tiny-qwen3.5 | raincheck | warm |" in out
+    report = json.loads((tmp_path / "cold_start.json").read_text())
+    assert report["header"]["device"] == "cpu"
+    records = report["records"]
+    assert [(r["method"], r["caches"]) for r in records] == [("raincheck", "cold"), ("raincheck", "warm")]
+    for r in records:
+        assert r["compiled_graphs"] == 2 and r["first_s"] > 0 and r["second_s"] > 0 and r["new_tokens"] == 24
+
+
+def test_cold_start_bad_arguments_name_the_option(capsys):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import cold_start
+
+    with pytest.raises(SystemExit):
+        cold_start.parse_args(["--quick", "--methods", "raincheck,hard"])
+    assert "--methods: unknown ['hard']; allowed: plain, full, raincheck" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cold_start.parse_args(["--quick", "--models", "qwen9"])
+    assert "--models: unknown ['qwen9']; allowed: " in capsys.readouterr().err
 
 
 def test_gdn_chunk_bad_arguments_name_the_option(capsys):

@@ -393,8 +393,8 @@ def write_rows_(buffer: torch.Tensor, slots: torch.Tensor, states: torch.Tensor)
 
     Compiled, as `index_put_`: Inductor lowers that to one kernel storing the written entries into the buffer,
     whereas ``scatter_`` on a graph input became a copy of the whole buffer, the scatter into the copy and a copy
-    back: two passes over every attention layer's keys and values in every step, whatever the step writes (the
-    benchmarks page has the profile). Eager, as ``scatter_``: one operator, no index tensors to build."""
+    back: two passes over every attention layer's keys and values in every step, whatever the step writes
+    (CHANGELOG, 2026-12-03). Eager, as ``scatter_``: one operator, no index tensors to build."""
     if not torch.compiler.is_compiling():
         return buffer.scatter_(2, slots[:, None, :, None].expand(-1, buffer.shape[1], -1, buffer.shape[3]), states)
     rows = torch.arange(buffer.shape[0], device=buffer.device)[:, None, None]

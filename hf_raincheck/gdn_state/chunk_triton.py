@@ -2,8 +2,8 @@
 
 A compiled fused step's deferred window (63 rows by default) continues the prefix checkpoint through fla-core's
 chunked kernels: seven launches per GDN layer (the gates' cumulative sum, two l2 norms, ``kkt_solve``,
-``recompute_w_u``, the state pass, the output), about 0.9 ms of a Qwen3.5-9B fused step's 2 ms of GPU time over a
-decode-only step at batch 1 (benchmarks page). For one chunk the whole WY form fits in one program per (row, value
+``recompute_w_u``, the state pass, the output), much of what a Qwen3.5-9B fused step adds over a decode-only step
+at batch 1 (CHANGELOG, 2026-12-04). For one chunk the whole WY form fits in one program per (row, value
 head, block of V columns); per value head, with ``k``, ``q`` l2-normalised, ``q`` scaled by ``K^-1/2``,
 ``c_t = g_1 + ... + g_t`` and ``D[i, j] = exp(c_i - c_j)`` (``i >= j``):
 
