@@ -93,6 +93,28 @@ def test_split_calls_equal_the_per_token_reference():
             torch.testing.assert_close(got[name].double(), want[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
+def test_calls_of_one_shape_each_take_their_own_rows():
+    """A forward's GDN layers call with one shape after another (the runner reuses its destination views): split
+    calls of 100 rows with a tail of 20 from a state (three), one with a tail of 30 from zeros, the first shape
+    again; then three chunk calls of 90 rows: each on its own rows, within 1e-5 of the float64 recurrence."""
+    chunk = functions("torch")[0]
+    state = 0.3 * torch.randn(1, HV, K, V, generator=torch.Generator().manual_seed(2))
+    for seed, s0, cut in ((11, state, 80), (12, state, 80), (13, state, 80), (14, None, 70), (15, state, 80)):
+        factors = rows(100, seed=seed)
+        out, boundary, live = graphed.graphed_split(chunk, _torch_tail, *factors, s0, cut, capture=False)
+        want_out, want_state = naive_gated_delta(*factors, s0)
+        torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(live[..., :V].double(), want_state, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(boundary.double(), naive_gated_delta(*(x[:, :cut] for x in factors), s0)[1],
+                                   atol=1e-5, rtol=1e-5)
+    for seed in (21, 22, 23):
+        factors = rows(90, seed=seed)
+        out, final = graphed.graphed_chunk(chunk, *factors, None, capture=False)
+        want_out, want_final = naive_gated_delta(*factors, None)
+        torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(final.double(), want_final, atol=1e-5, rtol=1e-5)
+
+
 def test_split_takes_a_short_tail_after_rows_the_graphs_take():
     cuda = torch.device("cuda")
     assert not graphed.takes_split(1000, 0, 1, cuda) and not graphed.takes_split(1000, graphed.TAIL_ROWS + 1, 1, cuda)

@@ -75,16 +75,11 @@ def _static_rows(rows: int, q, k, v, g, beta) -> tuple:
         return tuple(x.new_zeros(1, rows, *x.shape[2:]) for x in (q, k, v, g, beta))
 
 
-def _place(static: tuple, filled: int, sources: list, dst: list, src: list) -> int:
-    """Queue the copies of `sources` (rows ``[1, t, ...]``) into the first t rows of `static`, re-zeroing g and beta
-    of the rows the last call filled past t (inert again); returns t."""
-    t = sources[0].shape[1]
+def _stale(static: tuple, t: int, filled: int) -> None:
+    """Re-zero g and beta of the rows of `static` the last call filled past t (inert again)."""
     if t < filled:
         for x in static[3:]:
             x[:, t:filled].zero_()
-    dst.extend(x[:, :t] for x in static)
-    src.extend(sources)
-    return t
 
 
 class _Runner:
@@ -100,6 +95,7 @@ class _Runner:
             self.state = torch.zeros(1, num_v_heads, key_dim, value_dim, dtype=torch.float32, device=v.device)
         self.filled = self.tail_filled = 0  # rows the last call wrote (the rest hold zeros)
         self.zero_state = True
+        self._views, self._views_key = [], None  # `_destinations` of the last call's shape
 
         def call():
             sq, sk, sv, sg, sbeta = self.rows
@@ -118,20 +114,25 @@ class _Runner:
         self.run = lambda: (graph.replay(), outputs)[1]
 
     def __call__(self, q, k, v, g, beta, state, cut: int | None = None):
-        dst, src = [], []
-        rows = [q, k, v, g, beta]
-        t = _place(self.rows, self.filled, rows if cut is None else [x[:, :cut] for x in rows], dst, src)
+        rows = (q, k, v, g, beta)
+        t = q.shape[1] if cut is None else cut
+        tail = 0 if cut is None else q.shape[1] - cut
+        if cut is None:
+            src = list(rows)
+        else:  # one split per row tensor: the rows before the boundary and the tail
+            src = [part for x in rows for part in x.split((t, tail), dim=1)]
+        _stale(self.rows, t, self.filled)
         self.filled = t
         if cut is not None:
-            self.tail_filled = _place(self.tail_rows, self.tail_filled, [x[:, cut:] for x in rows], dst, src)
+            _stale(self.tail_rows, tail, self.tail_filled)
+            self.tail_filled = tail
         if state is not None:
-            dst.append(self.state)
             src.append(state)
             self.zero_state = False
         elif not self.zero_state:
             self.state.zero_()
             self.zero_state = True
-        torch._foreach_copy_(dst, src)
+        torch._foreach_copy_(self._destinations(t, tail, cut is not None, state is not None), src)
         outputs = self.run()
         # copies, not views: the next call's replay (another GDN layer, another thread on this stream) rewrites the
         # static outputs
@@ -139,8 +140,19 @@ class _Runner:
             out, final = outputs
             return out[:, :t].clone(), final.clone()
         out, boundary, tail_out, live = outputs
-        return (torch.cat([out[:, :t], tail_out[:, : self.tail_filled]], dim=1),
+        return (torch.cat([out[:, :t], tail_out[:, :tail]], dim=1),
                 boundary.to(torch.float32, copy=True), live.clone())
+
+    def _destinations(self, t: int, tail: int, split: bool, state: bool) -> list:
+        """The static views a call of `t` rows (and a `tail`) copies into, in the order of its sources; kept for the
+        next call of the same shape (the other GDN layers of a forward)."""
+        key = (t, tail, split, state)
+        if self._views_key != key:
+            views = [x[:, :t] for x in self.rows]
+            if split:  # interleaved as the sources: each tensor's head rows, then its tail rows
+                views = [view for pair in zip(views, (x[:, :tail] for x in self.tail_rows)) for view in pair]
+            self._views, self._views_key = views + ([self.state] if state else []), key
+        return self._views
 
 
 def _runner(key, make: Callable):
