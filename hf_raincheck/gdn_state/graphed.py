@@ -132,7 +132,7 @@ class _Runner:
         elif not self.zero_state:
             self.state.zero_()
             self.zero_state = True
-        torch._foreach_copy_(self._destinations(t, tail, cut is not None, state is not None), src)
+        torch._foreach_copy_(self._destinations(t, tail, state is not None), src)
         outputs = self.run()
         # copies, not views: the next call's replay (another GDN layer, another thread on this stream) rewrites the
         # static outputs
@@ -143,13 +143,13 @@ class _Runner:
         return (torch.cat([out[:, :t], tail_out[:, :tail]], dim=1),
                 boundary.to(torch.float32, copy=True), live.clone())
 
-    def _destinations(self, t: int, tail: int, split: bool, state: bool) -> list:
-        """The static views a call of `t` rows (and a `tail`) copies into, in the order of its sources; kept for the
-        next call of the same shape (the other GDN layers of a forward)."""
-        key = (t, tail, split, state)
+    def _destinations(self, t: int, tail: int, state: bool) -> list:
+        """The static views a call of `t` rows (and a `tail`, 0 for a call without a boundary) copies into, in the
+        order of its sources; kept for the next call of the same shape (the other GDN layers of a forward)."""
+        key = (t, tail, state)
         if self._views_key != key:
             views = [x[:, :t] for x in self.rows]
-            if split:  # interleaved as the sources: each tensor's head rows, then its tail rows
+            if tail:  # interleaved as the sources: each tensor's head rows, then its tail rows
                 views = [view for pair in zip(views, (x[:, :tail] for x in self.tail_rows)) for view in pair]
             self._views, self._views_key = views + ([self.state] if state else []), key
         return self._views
