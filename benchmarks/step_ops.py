@@ -8,7 +8,8 @@
 Eager (dynamic-cache) steps are host-bound on a GPU: each operator costs the host its dispatch (and, on a GPU,
 most of them a kernel launch), whatever the rows. This counts, per model forward of a whole answer, the aten
 operators that launch a kernel (torch.profiler on the CPU: the innermost aten operators that are not views,
-shape queries or allocations), the aten operators called from Python, and the host-device synchronisations
+shape queries or allocations; a matrix product or convolution counts as one, as on a GPU), the aten operators called
+from Python, and the host-device synchronisations
 (``_local_scalar_dense``: ``.item()``, ``int(tensor)``). Steps are classed as
 
 * ``plain``: transformers' own generate (no ``raincheck_config``);
@@ -79,6 +80,11 @@ NO_KERNEL = {
     "aten::new_empty_strided", "aten::scalar_tensor",
 }
 SYNCS = {"aten::_local_scalar_dense"}
+#: matrix products and convolutions: one kernel each on a GPU (cuBLAS, cuDNN), counted as one operator whatever ATen's
+#: CPU path runs below them (where oneDNN has no bf16 support, no AVX-512, the CPU's bf16 `baddbmm` runs one `addmm_`
+#: per matrix and a grouped convolution one small convolution per group), so the counts do not depend on the CPU
+ONE_KERNEL = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addbmm", "aten::convolution",
+              "aten::_convolution"}
 GDN_KERNEL = "gdn_state.kernels.gated_delta"
 HF_GDN_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")  # plain generate's
 
@@ -99,11 +105,12 @@ def _is_aten(event) -> bool:
 
 def _kernel_events(events) -> list:
     """The aten operators of a profiled step that launch a kernel: the innermost ones that are not views, shape
-    queries, allocations or no-op conversions (an ``aten::to`` that copies has an ``aten::copy_`` below it)."""
+    queries, allocations or no-op conversions (an ``aten::to`` that copies has an ``aten::copy_`` below it); a matrix
+    product or a convolution (``ONE_KERNEL``) and a GDN kernel call count as one, whatever they call."""
     kernels = []
 
     def visit(event) -> bool:  # True if `event` or an operator below it launches a kernel
-        if event.name == GDN_KERNEL:  # one call of the GDN kernel counts as one operator (see the module docstring)
+        if event.name == GDN_KERNEL or event.name in ONE_KERNEL:  # one operator (GDN: see the module docstring)
             kernels.append(event)
             return True
         below = False
